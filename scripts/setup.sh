@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv and install vllm-hybrid with the CPU and test extras.
+# Idempotent: does nothing when the environment already matches pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ "$(cat .setup-stamp 2>/dev/null || true)" != "$want" ] \
+   || ! python -c "import vllm, vllm_hybrid" >/dev/null 2>&1; then
+  python -m pip install --quiet --upgrade pip
+  # torch first: the pinned CPU build comes from pip's configured find-links.
+  python -m pip install --quiet "torch==2.13.0"
+  python -m pip install --quiet -e ".[cpu,test]"
+  # The registry's torchvision/torchaudio/torchcodec are CUDA builds that
+  # break CPU imports (operator torchvision::nms does not exist).
+  python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  echo "$want" > .setup-stamp
+fi
+python -c "import vllm, vllm_hybrid; print('[setup] vllm', vllm.__version__, '+ vllm-hybrid', vllm_hybrid.__version__)" 2>/dev/null

@@ -1,0 +1,125 @@
+"""OpenAI-compatible server on loopback, serving the tiny Qwen3.5-shaped hybrid."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+from vllm_hybrid.tools.server import serve
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(32 * 2**20)]
+    with serve(tiny_model_dir("qwen3_5"), args, log_path=log) as handle:
+        yield handle
+
+
+def test_models_lists_the_served_model(server):
+    status, raw = server.request("/v1/models")
+    assert status == 200
+    ids = [m["id"] for m in json.loads(raw)["data"]]
+    assert ids == [server.model]
+
+
+def test_chat_completion(server):
+    reply = server.chat(
+        "Tell me about state space models.", max_tokens=12, ignore_eos=True
+    )
+    assert reply["object"] == "chat.completion"
+    assert isinstance(reply["choices"][0]["message"]["content"], str)
+    assert reply["usage"]["completion_tokens"] == 12
+    assert reply["usage"]["prompt_tokens"] > 5
+
+
+def test_chat_completion_streaming(server):
+    body = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "Stream a few words."}],
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for raw_line in resp:
+            line = raw_line.decode().strip()
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
+    assert len(text) > 0
+    # one content chunk per generated token, plus role/final chunks
+    content_chunks = [
+        c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+    assert 1 <= len(content_chunks) <= 10
+
+
+def test_metrics(server):
+    status, raw = server.request("/metrics")
+    assert status == 200
+    text = raw.decode()
+    assert "vllm:kv_cache_usage_perc" in text
+    assert re.search(r"^vllm:num_requests_running\{", text, re.M)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "x", "messages": "not a list"},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3},
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+    ],
+    ids=["messages-not-a-list", "negative-max-tokens", "temperature-not-a-number"],
+)
+def test_malformed_request_gets_4xx_and_server_keeps_serving(server, body):
+    body = {"model": server.model, **body} if "model" not in body else body
+    status, raw = server.request("/v1/chat/completions", body)
+    assert 400 <= status < 500, (status, raw[:300])
+    error = json.loads(raw)
+    message = json.dumps(error)
+    assert len(message) > 20
+    # still serving
+    reply = server.chat("Are you still there?", max_tokens=4, ignore_eos=True)
+    assert reply["usage"]["completion_tokens"] == 4
+
+
+def test_invalid_json_gets_400(server):
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(req, timeout=60)
+        status = 200
+    except urllib.error.HTTPError as err:
+        status = err.code
+    assert 400 <= status < 500
+
+
+def test_overlay_active_in_server_processes(server):
+    lines = [ln for ln in server.log_text().splitlines() if "active on vLLM" in ln]
+    pids = {re.search(r"pid=(\d+)", ln).group(1) for ln in lines}
+    assert len(lines) == len(pids) >= 2, lines
+    assert any("EngineCore" in ln for ln in lines), lines

