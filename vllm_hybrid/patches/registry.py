@@ -175,4 +175,112 @@ def revert_all() -> None:
 # point serves, how the patch works, where upstream stands and when to drop it.
 # ---------------------------------------------------------------------------
 
-PATCHES: list[PatchEntry] = []
+_ISSUE_4 = "vllm_hybrid.v1.core.kv_cache_utils"
+
+PATCHES: list[PatchEntry] = [
+    # -- issue 4: page unification, token capacity ---------------------------
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:unify_kv_cache_spec_page_size",
+        replacement=f"{_ISSUE_4}:unify_kv_cache_spec_page_size",
+        bindings=(),
+        why=(
+            "Upstream raises NotImplementedError when a page does not divide "
+            "the largest page (MLA, custom specs) and otherwise pads attention "
+            "pages to it: TurboQuant k8v4 pages (12,416 B) next to a GDN state "
+            "page grow 88x, and padded pages cannot be split into kernel "
+            "blocks. The function is called by name from get_kv_cache_groups; "
+            "no hook or registry reaches it."
+        ),
+        how=(
+            "Module attribute replaced; its only caller (get_kv_cache_groups) "
+            "looks it up at call time and no module imports it by name. When "
+            "pages divide, upstream's function runs unchanged (via upstream()). "
+            "Otherwise the common page is lcm(attention pages) rounded up to "
+            "cover the largest page; attention blocks scale by integers, only "
+            "MambaSpec pages are padded, bounded by hybrid_kv.max_page_padding_"
+            "pct / max_page_growth (--additional-config or env), failing at "
+            "start-up with the layers, pages and option otherwise."
+        ),
+        upstream_status=(
+            "none merged. https://github.com/vllm-project/vllm/pull/40128 "
+            "(LCM padding of the largest page, closed unmerged); "
+            "https://github.com/vllm-project/vllm/pull/45207 (pads Mamba "
+            "pages, in 0.32)."
+        ),
+        removal=(
+            "When upstream unifies non-divisible pages without padding "
+            "attention pages and without raising for MLA."
+        ),
+        issue=4,
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_groups",
+        replacement=f"{_ISSUE_4}:get_kv_cache_groups",
+        bindings=(),
+        why=(
+            "unify_kv_cache_spec_page_size is called without the VllmConfig, "
+            "so its limits could not come from --additional-config; the engine "
+            "core plans outside any set_current_vllm_config() context."
+        ),
+        how=(
+            "Thin wrapper: publishes vllm_config in a ContextVar for the "
+            "duration of upstream's get_kv_cache_groups (called via "
+            "upstream()), nothing else. All callers import it inside "
+            "functions (gpu_model_runner, gpu/cudagraph_utils, hisparse/layout) "
+            "or call the module global, so no by-name binding exists."
+        ),
+        upstream_status="none",
+        removal=(
+            "With the unify_kv_cache_spec_page_size entry, or when upstream "
+            "passes vllm_config to the page unification."
+        ),
+        issue=4,
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_capacity",
+        replacement=f"{_ISSUE_4}:get_kv_cache_capacity",
+        bindings=(),
+        why=(
+            "Upstream's token capacity is max_concurrency * max_model_len with "
+            "constant-size Mamba/GDN groups weighing like attention, so for a "
+            "hybrid it is neither the tokens that fit nor a pool size."
+        ),
+        how=(
+            "Module attribute replaced (only caller: update_kv_cache_capacity, "
+            "module global). Hybrid configs: tokens = largest t with "
+            "sum(cdiv(t, block)) over token groups <= num_blocks - 1 - state "
+            "blocks of one request; concurrency stays upstream's over all "
+            "groups. Configs without state groups or with HiSparse host groups "
+            "get upstream's result."
+        ),
+        upstream_status=(
+            "open: https://github.com/vllm-project/vllm/pull/40384 (token "
+            "capacity groups); report: "
+            "https://github.com/vllm-project/vllm/issues/40691"
+        ),
+        removal="When upstream counts only token groups in the token capacity.",
+        issue=4,
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:update_kv_cache_capacity",
+        replacement=f"{_ISSUE_4}:update_kv_cache_capacity",
+        bindings=("vllm.v1.engine.core",),
+        why=(
+            "Stores cache_config.kv_cache_size_tokens and logs 'KV cache size: "
+            "N tokens'; both must use the token-group capacity and the log must "
+            "say so. EngineCore calls it through its own by-name import."
+        ),
+        how=(
+            "Replaced in kv_cache_utils and in vllm.v1.engine.core (from-import "
+            "at module top). Hybrid configs: same fields as upstream, values "
+            "from the overlay's get_kv_cache_capacity, and a log line naming "
+            "the token groups counted; other configs call upstream's function."
+        ),
+        upstream_status=(
+            "open: https://github.com/vllm-project/vllm/pull/40384; report: "
+            "https://github.com/vllm-project/vllm/issues/40691"
+        ),
+        removal="With the get_kv_cache_capacity entry.",
+        issue=4,
+    ),
+]

@@ -1,0 +1,1 @@
+"""Overlay counterparts of ``vllm.v1`` modules, at the same relative paths."""
