@@ -283,4 +283,99 @@ PATCHES: list[PatchEntry] = [
         removal="With the get_kv_cache_capacity entry.",
         issue=4,
     ),
+    # -- issue 3: pooled mode (per-pool KV at natural page sizes) ------------
+    PatchEntry(
+        target="vllm.platforms.interface:Platform._align_hybrid_block_size",
+        replacement=("vllm_hybrid.platforms.hybrid_block_size:align_hybrid_block_size"),
+        bindings=(),
+        why=(
+            "In every worker, upstream inflates the attention block until an "
+            "attention page covers a state page and pads the state page to it, "
+            "because all groups share one pool with one page size. Pooled mode "
+            "needs the natural block and the exact state page. The platform "
+            "hook that calls it (update_block_size_for_backend) is a class "
+            "method of the built-in platforms; a platform plugin would replace "
+            "the whole platform and is skipped when VLLM_TARGET_DEVICE=cpu."
+        ),
+        how=(
+            "Class attribute on Platform replaced by a classmethod; CpuPlatform "
+            "and CudaPlatform reach it through cls. When pooled mode does not "
+            "apply (pooled_mode_decision), upstream's method runs unchanged; "
+            "otherwise only mamba_block_size is set (align mode) and no "
+            "padding is configured."
+        ),
+        upstream_status="none",
+        removal=(
+            "When upstream keeps separate pools per page kind for hybrid "
+            "models, or exposes block-size alignment as a platform option."
+        ),
+        issue=3,
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
+        replacement="vllm_hybrid.v1.core.pooled_kv_cache_utils:get_kv_cache_configs",
+        bindings=("vllm.v1.engine.core",),
+        why=(
+            "The engine core plans every worker's KV cache here, with one "
+            "num_blocks for all groups. Pooled mode plans a token pool and a "
+            "state pool in one arena (PooledKVCacheConfig). 0.32 has no "
+            "planner hook (the platform KVCacheConfigBuilder is 0.33-only)."
+        ),
+        how=(
+            "Module attribute and the by-name binding in vllm.v1.engine.core "
+            "replaced. Non-hybrid models, unsupported features and layer mixes "
+            "pooled mode does not cover call upstream's function unchanged."
+        ),
+        upstream_status="none",
+        removal="When upstream plans per-pool KV caches for hybrid models.",
+        issue=3,
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
+        replacement="vllm_hybrid.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
+        bindings=(
+            "vllm.v1.core.kv_cache_manager",
+            "vllm.v1.simple_kv_offload.manager",
+        ),
+        why=(
+            "KVCacheManager builds its coordinator through this factory, and "
+            "every upstream coordinator creates one BlockPool for all groups. "
+            "Pooled configs need coordinators whose managers use the arena's "
+            "token and state pools and admit requests across both. "
+            "scheduler_cls could swap the scheduler but not the manager's "
+            "coordinator without copying the scheduler constructor."
+        ),
+        how=(
+            "Module attribute and by-name bindings replaced; the factory "
+            "returns pooled coordinators (subclasses of upstream's) only for "
+            "PooledKVCacheConfig and calls upstream's factory otherwise, so "
+            "the CPU-offload manager's own coordinator is unchanged."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_configs entry.",
+        issue=3,
+    ),
+    PatchEntry(
+        target=(
+            "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
+        ),
+        replacement="vllm_hybrid.config.vllm:get_v2_model_runner_unsupported_features",
+        bindings=(),
+        why=(
+            "Pooled mode's worker side is the V1 model runner, which the CPU "
+            "runner inherits, so one code path is tested here and runs on "
+            "CUDA. vLLM 0.32 picks Model Runner V2 on CUDA unless a feature "
+            "it does not support is configured; that list is a private method "
+            "with no registry."
+        ),
+        how=(
+            "Method on VllmConfig replaced by a function that appends "
+            "'vllm-hybrid pooled KV mode' to upstream's list when pooled mode "
+            "applies; vLLM then logs its usual fallback line and uses V1. "
+            "VLLM_USE_V2_MODEL_RUNNER still overrides, as upstream."
+        ),
+        upstream_status="none",
+        removal="When pooled mode's worker glue also covers Model Runner V2.",
+        issue=3,
+    ),
 ]

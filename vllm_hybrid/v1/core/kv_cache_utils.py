@@ -690,12 +690,43 @@ def get_kv_cache_capacity(
     (token groups only); the maximum concurrency is upstream's, over every
     group. Models without state groups get upstream's pair unchanged.
     """
+    pooled = _pooled_capacity(vllm_config, kv_cache_config)
+    if pooled is not None:
+        return pooled.token_capacity, pooled.max_concurrency
     if _split_groups(vllm_config, kv_cache_config) is None:
         return upstream(GET_KV_CACHE_CAPACITY)(vllm_config, kv_cache_config)
     max_concurrency = _upstream_utils.get_max_concurrency_for_kv_cache_config(
         vllm_config, kv_cache_config
     )
     return kv_cache_token_capacity(vllm_config, kv_cache_config), max_concurrency
+
+
+def _pooled_capacity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+    """Capacity figures of a pooled-mode config, or None for other configs."""
+    from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig
+    from vllm_hybrid.v1.core.pooled_planner import pooled_capacity
+
+    if not isinstance(kv_cache_config, PooledKVCacheConfig):
+        return None
+    return pooled_capacity(kv_cache_config, vllm_config.model_config.max_model_len)
+
+
+def _update_pooled_capacity(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> None:
+    capacity = _pooled_capacity(vllm_config, kv_cache_config)
+    cache_config = vllm_config.cache_config
+    cache_config.kv_cache_size_tokens = capacity.token_capacity
+    cache_config.kv_cache_max_concurrency = capacity.max_concurrency
+    logger.info_once(
+        "%s KV cache size: %s tokens (token pool only, after one request's "
+        "state), Maximum concurrency for %s tokens per request: %.2fx (token "
+        "and state pools)",
+        _upstream_utils._kv_cache_device_name(vllm_config),
+        f"{capacity.token_capacity:,}",
+        f"{vllm_config.model_config.max_model_len:,}",
+        capacity.max_concurrency,
+    )
 
 
 def update_kv_cache_capacity(
@@ -707,6 +738,9 @@ def update_kv_cache_capacity(
     ``kv_cache_max_concurrency`` like upstream; for hybrid models the log line
     says that the tokens are those of the groups that grow with the sequence.
     """
+    if _pooled_capacity(vllm_config, kv_cache_config) is not None:
+        _update_pooled_capacity(vllm_config, kv_cache_config)
+        return
     split = _split_groups(vllm_config, kv_cache_config)
     if split is None:
         upstream(UPDATE_KV_CACHE_CAPACITY)(vllm_config, kv_cache_config)

@@ -1,0 +1,171 @@
+"""Pooled mode end to end on the tiny Qwen3.5-shaped hybrid (CPU engine).
+
+Each configuration runs twice in this process: once with the overlay active
+(pooled mode) and once with every patch reverted (upstream), with the same
+KV byte budget and prompts. Greedy outputs must be token-identical.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+
+
+def _prompts(n: int = 6, seed: int = 7) -> list[dict]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 900) for _ in range(300)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(3, 900) for _ in range(rng.randint(20, 500))]
+        ids = (shared + tail) if i % 2 else tail
+        prompts.append({"prompt_token_ids": ids})
+    return prompts
+
+
+def _with_engine(model: str, pooled: bool, kwargs: dict, work):
+    """Build an engine (overlay on or off), run ``work(llm)``, tear it down.
+
+    No reference to the engine survives this call, so the next engine in the
+    process starts from a clean distributed state.
+    """
+    import os
+
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.plugins import load_general_plugins
+
+    from vllm_hybrid import plugin
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM loads plugins once per process; load them now so that the engine
+    # below does not re-activate the overlay after it was switched off.
+    load_general_plugins()
+    plugin.deactivate()
+    if pooled:
+        plugin.register()
+    llm = LLM(model=model, **kwargs)
+    try:
+        return work(llm)
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        plugin.deactivate()
+        plugin.register()
+
+
+def _scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _generate(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+CONFIGS = {
+    "prefix-caching-on": dict(
+        kv_cache_memory_bytes=48 * MiB, enable_prefix_caching=True, max_model_len=2048
+    ),
+    "prefix-caching-off": dict(
+        kv_cache_memory_bytes=48 * MiB, enable_prefix_caching=False, max_model_len=2048
+    ),
+    # 12 MiB and 6 prompts of up to 800 tokens at once: the scheduler must
+    # preempt (upstream cannot even plan max_model_len 2048 at this budget).
+    "forced-preemption": dict(
+        kv_cache_memory_bytes=12 * MiB,
+        enable_prefix_caching=True,
+        max_num_seqs=6,
+        max_model_len=1024,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def runs(request, tiny_model_dir):
+    model = str(tiny_model_dir("qwen3_5"))
+    kwargs = CONFIGS[request.param]
+    result = {"name": request.param}
+    for mode in ("upstream", "pooled"):
+        result.update(
+            _with_engine(
+                model, mode == "pooled", kwargs, lambda llm, m=mode: _measure(llm, m)
+            )
+        )
+    return result
+
+
+def _measure(llm, mode: str) -> dict:
+    sched = _scheduler(llm)
+    counter = _count_preemptions(sched)
+    out = {mode: _generate(llm, _prompts())}
+    out[f"{mode}_preemptions"] = counter[0]
+    out[f"{mode}_coordinator"] = type(sched.kv_cache_manager.coordinator).__name__
+    out[f"{mode}_block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
+    if mode == "pooled":
+        coord = sched.kv_cache_manager.coordinator
+        out["config"] = sched.kv_cache_config
+        llm.reset_prefix_cache()
+        out["free_after"] = {
+            kind: (pool.get_num_free_blocks(), pool.owned_capacity)
+            for kind, pool in coord.pools.items()
+        }
+        coord.arena.check_invariants()
+    return out
+
+
+def _count_preemptions(sched) -> list[int]:
+    """Wrap the scheduler's preemption method with a counter."""
+    counter = [0]
+    original = sched._preempt_request
+
+    def counting(*args, **kwargs):
+        counter[0] += 1
+        return original(*args, **kwargs)
+
+    sched._preempt_request = counting
+    return counter
+
+
+def test_greedy_outputs_equal_upstream(runs):
+    assert runs["pooled_coordinator"].startswith("Pooled"), runs["pooled_coordinator"]
+    assert not runs["upstream_coordinator"].startswith("Pooled")
+    assert runs["pooled"] == runs["upstream"]
+    assert all(len(ids) == 16 for ids in runs["pooled"])
+
+
+def test_forced_preemption_run_preempts(runs):
+    if runs["name"] != "forced-preemption":
+        pytest.skip("only the forced-preemption configuration must preempt")
+    assert runs["upstream_preemptions"] + runs["pooled_preemptions"] > 0
+
+
+def test_plan_natural_block_and_zero_state_padding(runs):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    config = runs["config"]
+    token = config.pool_by_kind("token")
+    state = config.pool_by_kind("state")
+    attn_spec = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
+    state_spec = config.kv_cache_groups[state.group_ids[0]].kv_cache_spec
+    # CPU default block, not upstream's inflated one
+    assert attn_spec.block_size == 128 == runs["pooled_block_size"]
+    assert runs["upstream_block_size"] > 128
+    assert isinstance(state_spec, MambaSpec)
+    assert state_spec.page_size_padded is None
+    assert state_spec.page_size_bytes == state_spec.real_page_size_bytes
+    assert len(config.kv_cache_groups) == 2
+    assert len(config.kv_cache_groups[state.group_ids[0]].layer_names) == 6
+
+
+def test_every_pool_fully_free_after_workload_and_reset(runs):
+    for kind, (free, owned) in runs["free_after"].items():
+        assert free == owned, (kind, free, owned)

@@ -1,0 +1,131 @@
+"""Pooled planning from specs at natural page sizes; no engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig
+from vllm_hybrid.v1.core.pooled_planner import (
+    PooledBudget,
+    PooledPlanError,
+    describe_plan,
+    plan_pooled_kv_cache,
+    pooled_capacity,
+    split_layers,
+)
+
+MiB = 2**20
+
+
+def attn(block_size: int = 128, heads: int = 2, head_size: int = 256):
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=torch.bfloat16,
+    )
+
+
+def gdn(mode: str = "align", block_size: int = 128, ckpt: int = 0):
+    # qwen3_5 tiny: conv (3, 1024) bf16 + ssm (4, 128, 128) fp32
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((3, 1024), (4, 128, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode=mode,
+        num_prefill_checkpoint_blocks=ckpt,
+    )
+
+
+def qwen3_5_specs(mode: str = "align"):
+    specs = {}
+    for i in range(8):
+        name = f"model.layers.{i}"
+        specs[name] = attn() if i % 4 == 3 else gdn(mode)
+    return specs
+
+
+def test_split_groups_all_state_layers_in_one_pool():
+    split = split_layers(qwen3_5_specs())
+    assert split.token is not None and split.state is not None
+    assert split.token.layer_names == ("model.layers.3", "model.layers.7")
+    assert len(split.state.layer_names) == 6
+    # natural pages: 128 tokens x 2 heads x 256 x 2 (K,V) x 2 B
+    assert split.token.spec.page_size_bytes == 262_144
+    assert split.state.spec.page_size_bytes == 3 * 1024 * 2 + 4 * 128 * 128 * 4
+    assert split.token.block_bytes == 2 * 262_144
+    assert split.state.block_bytes == 6 * 268_288
+
+
+def test_split_rejects_padded_or_mixed_specs():
+    specs = qwen3_5_specs()
+    specs["model.layers.3"] = attn(block_size=64)
+    assert "different specs" in split_layers(specs).reason
+    dense = {f"l{i}": attn() for i in range(4)}
+    assert split_layers(dense).token is None
+
+
+@pytest.mark.parametrize("mode,per_req", [("align", 2), ("none", 1)])
+def test_plan_has_zero_padding_and_natural_block(mode, per_req):
+    split = split_layers(qwen3_5_specs(mode))
+    budget = PooledBudget(arena_bytes=48 * MiB, max_model_len=4096, max_num_seqs=64)
+    config = plan_pooled_kv_cache(split, budget)
+    assert isinstance(config, PooledKVCacheConfig)
+    token, state = config.pool_by_kind("token"), config.pool_by_kind("state")
+    assert token.num_blocks == 48 * MiB // (2 * 262_144) == 96
+    assert state.num_blocks == 48 * MiB // (6 * 268_288) == 31
+    assert config.state_blocks_per_request == per_req
+    # no padding anywhere: every layer stride is the exact page
+    for tensor in config.kv_cache_tensors:
+        assert tensor.size == 48 * MiB
+        assert tensor.offset == 0
+    assert config.kv_cache_tensors[0].layer_stride == 262_144
+    assert config.kv_cache_tensors[1].layer_stride == 268_288
+    assert config.kv_cache_groups[0].kv_cache_spec.block_size == 128
+    assert config.num_blocks_of(config.kv_cache_tensors[0]) == 96
+    assert config.num_blocks_of(config.kv_cache_tensors[1]) == 31
+    assert "0 B padding" in describe_plan(config)
+
+
+def test_capacity_counts_token_pool_after_one_request_state():
+    split = split_layers(qwen3_5_specs("align"))
+    config = plan_pooled_kv_cache(
+        split, PooledBudget(arena_bytes=8 * MiB, max_model_len=512, max_num_seqs=8)
+    )
+    cap = pooled_capacity(config, 512)
+    tb, sb = 2 * 262_144, 6 * 268_288
+    usable = 8 * MiB - max(tb, sb) - 2 * sb
+    assert cap.token_capacity == (usable // tb) * 128
+    assert cap.token_capacity == 768
+
+
+def test_budget_too_small_names_the_fix():
+    split = split_layers(qwen3_5_specs("align"))
+    with pytest.raises(PooledPlanError) as err:
+        plan_pooled_kv_cache(
+            split, PooledBudget(arena_bytes=8 * MiB, max_model_len=4096, max_num_seqs=8)
+        )
+    message = str(err.value)
+    assert "max_model_len=4096" in message and "--kv-cache-memory-bytes" in message
+    assert "--max-model-len to 768" in message
+    with pytest.raises(PooledPlanError, match="no --max-model-len fits"):
+        plan_pooled_kv_cache(
+            split, PooledBudget(arena_bytes=4 * MiB, max_model_len=4096, max_num_seqs=8)
+        )
+
+
+def test_overlapping_null_blocks_free_a_whole_state_block():
+    split = split_layers(qwen3_5_specs("none"))
+    kwargs = dict(arena_bytes=5 * MiB, max_model_len=384, max_num_seqs=8)
+    apart = plan_pooled_kv_cache(split, PooledBudget(**kwargs))
+    overlap = plan_pooled_kv_cache(
+        split, PooledBudget(**kwargs, null_blocks_overlap=True)
+    )
+    tb, sb = 2 * 262_144, 6 * 268_288
+    assert apart.null_region_bytes == sb and not apart.null_blocks_overlap
+    assert overlap.null_region_bytes == tb and overlap.null_blocks_overlap
+    # (5 MiB - null - one state) // token block * 128 tokens
+    assert pooled_capacity(apart, 384).token_capacity == 3 * 128
+    assert pooled_capacity(overlap, 384).token_capacity == 5 * 128

@@ -1,0 +1,41 @@
+"""Block sizes for hybrid models without inflation when pooled mode is on.
+
+Upstream's ``Platform._align_hybrid_block_size`` raises the attention block
+until one attention page is at least one state page, then pads the state page
+to equal it, because every group shares one pool with one page size. Pooled
+mode gives each page kind its own pool, so attention keeps the backend's (or
+the user's) block size and state pages keep their exact size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hybrid.logger import init_logger
+from vllm_hybrid.patches.registry import upstream
+from vllm_hybrid.v1.core.pooled_config import pooled_mode_decision
+
+logger = init_logger(__name__)
+
+TARGET = "vllm.platforms.interface:Platform._align_hybrid_block_size"
+
+
+def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+    decision = pooled_mode_decision(vllm_config)
+    if not decision.enabled:
+        upstream(TARGET).__func__(cls, vllm_config, backend_cls)
+        return
+    cache_config = vllm_config.cache_config
+    if cache_config.mamba_cache_mode == "align":
+        # State checkpoints every attention block, as upstream does after
+        # alignment; the block is just not inflated.
+        cache_config.mamba_block_size = cache_config.block_size
+    cache_config.mamba_page_size_padded = None
+    logger.info_once(
+        "vllm-hybrid pooled KV mode: attention keeps its natural block of %d "
+        "tokens; state pages are not padded",
+        cache_config.block_size,
+    )
+
+
+align_hybrid_block_size = classmethod(_align_hybrid_block_size)

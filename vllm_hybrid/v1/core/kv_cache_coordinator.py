@@ -1,0 +1,201 @@
+"""Coordinators for pooled mode: one arena, a token pool and a state pool.
+
+Upstream's coordinators build one ``BlockPool`` and hand it to every group's
+manager. The pooled coordinators let upstream build everything, then bind each
+manager to the pool of its page kind from a :class:`KVArena`, and decide
+admission jointly: a request fits when the token pool and the state pool can
+both serve it, possibly after moving the boundary between them.
+
+``KVCacheManager`` keeps reading ``coordinator.block_pool``; it is the token
+pool, so usage, watermark and "free blocks" keep their upstream meaning for
+the memory that grows with sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+)
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+
+from vllm_hybrid.logger import init_logger
+from vllm_hybrid.patches.registry import upstream
+from vllm_hybrid.v1.core.arena import ArenaLayout, KVArena
+from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig
+
+logger = init_logger(__name__)
+
+TARGET = "vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator"
+
+
+def arena_layout(config: PooledKVCacheConfig) -> ArenaLayout:
+    token = config.pool_by_kind("token")
+    state = config.pool_by_kind("state")
+    return ArenaLayout(
+        arena_bytes=config.arena_bytes,
+        token_block_bytes=token.block_bytes,
+        state_block_bytes=state.block_bytes,
+        min_token_blocks=config.min_token_blocks,
+        min_state_blocks=config.min_state_blocks,
+        initial_boundary=config.initial_boundary,
+        null_blocks_overlap=config.null_blocks_overlap,
+    )
+
+
+class PooledCoordinatorMixin:
+    """Binds managers to arena pools and admits requests across both pools."""
+
+    kv_cache_config: PooledKVCacheConfig
+    single_type_managers: tuple[Any, ...]
+
+    def _bind_arena(self) -> None:
+        upstream_pool = self.block_pool  # built by upstream; only settings kept
+        self.arena = KVArena(
+            arena_layout(self.kv_cache_config),
+            enable_caching=upstream_pool.enable_caching,
+            hash_block_size=upstream_pool.hash_block_size,
+            enable_kv_cache_events=upstream_pool.enable_kv_cache_events,
+            token_metrics_collector=upstream_pool.metrics_collector,
+        )
+        self.pools = {"token": self.arena.token_pool, "state": self.arena.state_pool}
+        self._group_kind = [
+            self.kv_cache_config.pool_of_group(i).kind
+            for i in range(len(self.single_type_managers))
+        ]
+        for manager, kind in zip(
+            self.single_type_managers, self._group_kind, strict=True
+        ):
+            pool = self.pools[kind]
+            manager.block_pool = pool
+            manager._null_block = pool.null_block
+        self.block_pool = self.arena.token_pool
+        if hasattr(self, "verify_and_split_kv_cache_groups"):
+            self.verify_and_split_kv_cache_groups()
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """Token-pool blocks to allocate, after securing both pools.
+
+        Upstream compares the returned count with the token pool's free
+        blocks; an allocation the arena cannot serve returns one more than
+        that, so upstream's "cannot allocate" path runs unchanged.
+        """
+        if self.retention_interval != 0:
+            prefill_end = 0
+        need = {"token": 0, "state": 0}
+        for i, manager in enumerate(self.single_type_managers):
+            assert not isinstance(manager, CrossAttentionManager)
+            need[self._group_kind[i]] += manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[i],
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=prefill_end,
+            )
+        refuse = self.block_pool.get_num_free_blocks() + 1
+        if need["state"] > self.arena.state_pool.num_gpu_blocks:
+            # upstream's deferred-hit sentinel: not this step
+            return refuse
+        if not self.arena.ensure(need["token"], need["state"]):
+            return refuse
+        return need["token"]
+
+
+class PooledHybridKVCacheCoordinator(PooledCoordinatorMixin, HybridKVCacheCoordinator):
+    """Prefix caching on: upstream's hybrid coordinator over arena pools."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Partial (sub-block) hits need copy-on-write block copies, which the
+        # worker applies with one block count for every layer; pools differ.
+        kwargs["allow_partial_hash_hits"] = False
+        super().__init__(*args, **kwargs)
+        self._bind_arena()
+
+
+class PooledNoPrefixCacheCoordinator(
+    PooledCoordinatorMixin, KVCacheCoordinatorNoPrefixCache
+):
+    """Prefix caching off: upstream's no-cache coordinator over arena pools."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bind_arena()
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: Any,
+    max_model_len: int,
+    max_in_flight_tokens: int,
+    use_eagle: bool,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    dcp_world_size: int,
+    pcp_world_size: int,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    metrics_collector: Any = None,
+    num_prefill_lookahead: int = 0,
+    allow_partial_hash_hits: bool = True,
+) -> KVCacheCoordinator:
+    """Upstream's factory; pooled configs get the pooled coordinators."""
+    if not isinstance(kv_cache_config, PooledKVCacheConfig):
+        return upstream(TARGET)(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size,
+            pcp_world_size,
+            scheduler_block_size,
+            hash_block_size,
+            metrics_collector=metrics_collector,
+            num_prefill_lookahead=num_prefill_lookahead,
+            allow_partial_hash_hits=allow_partial_hash_hits,
+        )
+    common = dict(
+        dcp_world_size=dcp_world_size,
+        pcp_world_size=pcp_world_size,
+        scheduler_block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        metrics_collector=metrics_collector,
+        num_prefill_lookahead=num_prefill_lookahead,
+    )
+    if not enable_caching:
+        return PooledNoPrefixCacheCoordinator(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_kv_cache_events,
+            **common,
+        )
+    return PooledHybridKVCacheCoordinator(
+        kv_cache_config,
+        max_model_len,
+        max_in_flight_tokens,
+        use_eagle,
+        enable_caching,
+        enable_kv_cache_events,
+        **common,
+    )

@@ -1,0 +1,259 @@
+"""Pure planning of pooled mode: how one worker's KV budget becomes an arena.
+
+Given the per-layer ``KVCacheSpec`` of a hybrid model at *natural* page sizes
+(no attention block inflation, no state padding) and a byte budget, build a
+:class:`PooledKVCacheConfig`:
+
+* all attention layers form one KV cache group in the *token* pool; a token
+  block id covers one page of every attention layer, contiguously;
+* all state layers form one group in the *state* pool; a state block id
+  covers one request's state for every state layer, contiguously;
+* both pools view the same ``arena_bytes`` allocation from byte 0. Token ids
+  are handed out from the low end and state ids from the high end; the
+  scheduler moves the boundary between them at run time (see
+  :mod:`vllm_hybrid.v1.core.arena`). Bytes ``[0, max(token, state block))``
+  hold the two null blocks.
+
+No engine is needed: tests build specs directly and check the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vllm.utils.math_utils import cdiv, round_up
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaSpec,
+)
+
+from vllm_hybrid.v1.core.pooled_config import KVPoolSpec, PooledKVCacheConfig
+
+
+class PooledPlanError(ValueError):
+    """The budget cannot hold what one request needs; names the fix."""
+
+
+@dataclass(frozen=True)
+class PoolLayers:
+    """Layers of one pool, all with the same spec."""
+
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        raw = len(self.layer_names) * self.spec.page_size_bytes
+        return round_up(raw, max(1, self.spec.get_block_stride_alignment()))
+
+
+@dataclass(frozen=True)
+class PoolSplit:
+    """The attention and state layers of a model, or why there is no split."""
+
+    token: PoolLayers | None
+    state: PoolLayers | None
+    reason: str = ""
+
+
+def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
+    """Sort layers into one token and one state pool of identical specs.
+
+    Pooled mode currently supports exactly one attention spec and one state
+    spec (Qwen3.5/3.6, Qwen3-Next, Nemotron-H, Jamba, Granite hybrids); any
+    other mix returns a reason and the engine keeps upstream's plan.
+    """
+    attention: dict[str, KVCacheSpec] = {}
+    state: dict[str, KVCacheSpec] = {}
+    for name, spec in kv_cache_spec.items():
+        if isinstance(spec, MambaSpec):
+            state[name] = spec
+        elif isinstance(spec, AttentionSpec):
+            attention[name] = spec
+        else:
+            return PoolSplit(None, None, f"layer {name} has a {type(spec).__name__}")
+    if not attention or not state:
+        return PoolSplit(None, None, "model is not attention + state hybrid")
+    for kind, layers in (("attention", attention), ("state", state)):
+        if len(set(layers.values())) != 1:
+            return PoolSplit(None, None, f"{kind} layers have different specs")
+    attn_spec = next(iter(attention.values()))
+    state_spec = next(iter(state.values()))
+    if getattr(state_spec, "page_size_padded", None) is not None:
+        return PoolSplit(None, None, "state pages are padded (platform alignment ran)")
+    return PoolSplit(
+        PoolLayers(attn_spec, tuple(attention)),
+        PoolLayers(state_spec, tuple(state)),
+    )
+
+
+def state_blocks_per_request(spec: MambaSpec, max_model_len: int) -> int:
+    """State blocks one running request can hold at once.
+
+    ``none`` mode: one live state (plus speculative slots). ``align`` mode:
+    the running state, the previous one (freed a step later), speculative
+    slots and a prefill checkpoint where the layer type has one; upstream's
+    ``MambaSpec.max_memory_usage_bytes`` encodes the same count.
+    """
+    if spec.mamba_cache_mode == "align":
+        return 2 + spec.num_speculative_blocks + spec.num_prefill_checkpoint_blocks
+    return 1 + spec.num_speculative_blocks
+
+
+@dataclass(frozen=True)
+class PooledBudget:
+    """Inputs of the arena plan that are not layer specs."""
+
+    arena_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    #: Null blocks may overlap owned blocks (see ``ArenaLayout``): True only
+    #: where no kernel writes through a null block id.
+    null_blocks_overlap: bool = False
+
+
+def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCacheConfig:
+    """Lay out the arena for ``split`` in ``budget.arena_bytes`` bytes."""
+    assert split.token is not None and split.state is not None
+    token, state = split.token, split.state
+    tb, sb = token.block_bytes, state.block_bytes
+    block_size = token.spec.block_size
+    assert isinstance(state.spec, MambaSpec)
+    per_req = state_blocks_per_request(state.spec, budget.max_model_len)
+    null_region = min(tb, sb) if budget.null_blocks_overlap else max(tb, sb)
+    arena = budget.arena_bytes
+    one_request = cdiv(budget.max_model_len, block_size) * tb + per_req * sb
+    if null_region + one_request > arena:
+        raise PooledPlanError(
+            _too_small_message(arena, null_region, tb, sb, block_size, per_req, budget)
+        )
+    num_token_ids = arena // tb
+    num_state_ids = arena // sb
+    # Start with room for max_num_seqs requests' states (at most half the
+    # arena); the boundary moves on demand from there.
+    state_target = min(budget.max_num_seqs * per_req, (arena // 2) // sb)
+    state_target = max(state_target, per_req)
+    boundary = max(null_region, arena - state_target * sb)
+    groups = [
+        KVCacheGroupSpec(list(token.layer_names), token.spec),
+        KVCacheGroupSpec(list(state.layer_names), state.spec),
+    ]
+    tensors = [
+        KVCacheTensor(
+            size=arena,
+            layers=list(layers.layer_names),
+            layer_stride=layers.spec.page_size_bytes,
+            block_stride=layers.block_bytes,
+            offset=0,
+        )
+        for layers in (token, state)
+    ]
+    return PooledKVCacheConfig(
+        num_blocks=num_token_ids,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=groups,
+        pools=[
+            KVPoolSpec("token", (0,), tb, num_token_ids),
+            KVPoolSpec("state", (1,), sb, num_state_ids),
+        ],
+        arena_bytes=arena,
+        initial_boundary=boundary,
+        min_token_blocks=1,
+        min_state_blocks=per_req,
+        state_blocks_per_request=per_req,
+        null_region_bytes=null_region,
+    )
+
+
+def _too_small_message(
+    arena: int,
+    null_region: int,
+    tb: int,
+    sb: int,
+    block_size: int,
+    per_req: int,
+    budget: PooledBudget,
+) -> str:
+    attention = cdiv(budget.max_model_len, block_size) * tb
+    need = null_region + attention + per_req * sb
+    fits = max_model_len_that_fits(arena, null_region, tb, sb, block_size, per_req)
+    lower = (
+        f"or lower --max-model-len to {fits}"
+        if fits > 0
+        else "(no --max-model-len fits: one request's state and one attention "
+        "block do not fit)"
+    )
+    return (
+        f"The KV cache budget of {arena / 2**20:.2f} MiB cannot hold one request "
+        f"of max_model_len={budget.max_model_len} tokens in pooled mode "
+        f"({need / 2**20:.2f} MiB needed: attention {attention / 2**20:.2f} MiB, "
+        f"state {per_req * sb / 2**20:.2f} MiB, null blocks "
+        f"{null_region / 2**20:.2f} MiB). Raise --kv-cache-memory-bytes or "
+        f"--gpu-memory-utilization, {lower}."
+    )
+
+
+def max_model_len_that_fits(
+    arena: int, null_region: int, tb: int, sb: int, block_size: int, per_req: int
+) -> int:
+    """Longest sequence one request can hold in ``arena`` bytes."""
+    usable = arena - null_region - per_req * sb
+    return max(0, usable // tb) * block_size
+
+
+@dataclass(frozen=True)
+class PooledCapacity:
+    """Token capacity and concurrency figures of a pooled plan."""
+
+    #: Tokens the token pool can hold for one request (state of one request
+    #: and the null blocks taken out).
+    token_capacity: int
+    #: Requests of ``max_model_len`` tokens that fit at once.
+    max_concurrency: float
+
+
+def pooled_capacity(config: PooledKVCacheConfig, max_model_len: int) -> PooledCapacity:
+    token = config.pool_by_kind("token")
+    state = config.pool_by_kind("state")
+    block_size = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec.block_size
+    per_req = config.state_blocks_per_request
+    null_region = config.null_region_bytes
+    tokens = max_model_len_that_fits(
+        config.arena_bytes,
+        null_region,
+        token.block_bytes,
+        state.block_bytes,
+        block_size,
+        per_req,
+    )
+    usable = config.arena_bytes - null_region
+    per_request = (
+        cdiv(max_model_len, block_size) * token.block_bytes
+        + per_req * state.block_bytes
+    )
+    return PooledCapacity(tokens, usable / per_request)
+
+
+def describe_plan(config: PooledKVCacheConfig) -> str:
+    """One log line: pools, page sizes, block counts, boundary."""
+    token = config.pool_by_kind("token")
+    state = config.pool_by_kind("state")
+    tok_group = config.kv_cache_groups[token.group_ids[0]]
+    st_group = config.kv_cache_groups[state.group_ids[0]]
+    gcd = math.gcd(token.block_bytes, state.block_bytes)
+    return (
+        f"KV cache plan (pooled): arena {config.arena_bytes / 2**20:.2f} MiB; "
+        f"token pool: {len(tok_group.layer_names)} attention layers, block "
+        f"{tok_group.kv_cache_spec.block_size} tokens, page "
+        f"{tok_group.kv_cache_spec.page_size_bytes} B, block {token.block_bytes} B, "
+        f"{token.num_blocks} ids; state pool: {len(st_group.layer_names)} state "
+        f"layers, page {st_group.kv_cache_spec.page_size_bytes} B (0 B padding), "
+        f"block {state.block_bytes} B, {state.num_blocks} ids, "
+        f"{config.state_blocks_per_request} per request; boundary at "
+        f"{config.initial_boundary / 2**20:.2f} MiB (moves on demand, "
+        f"granularity gcd {gcd} B)"
+    )
