@@ -43,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[demo] prompt: {args.prompt!r}")
         print(f"[demo] answer (random weights): {answer!r}")
         print("[demo] KV cache plan lines from the engine log:")
-        for line in server.plan_lines():
+        plan_lines = server.plan_lines()
+        for line in plan_lines:
             print(f"    {line}")
+        if not any("KV cache size" in line for line in plan_lines):
+            print("[demo] error: the engine log has no KV cache plan line")
+            return 1
         code = stop(server)
     print(f"[demo] server stopped cleanly (exit code {code})")
     return 0 if code == 0 else 1

@@ -143,6 +143,8 @@ def serve(
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
     child_env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # The log is read while the server runs (plan lines, tests): no buffering.
+    child_env["PYTHONUNBUFFERED"] = "1"
     cmd = [
         sys.executable,
         "-m",
