@@ -21,6 +21,7 @@ def main(model_dir: str) -> None:
         max_model_len=1024,
         max_num_seqs=8,
         enable_prefix_caching=False,
+        seed=0,
     )
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = llm.generate(["The hybrid model says", "Once upon a time"], params)

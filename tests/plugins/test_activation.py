@@ -24,17 +24,18 @@ LINE = re.compile(
 )
 
 
-@pytest.fixture(scope="module")
-def tp2_run(tiny_model_dir):
+def _run_tp2(model_dir: str, switch: str | None) -> str:
     env = dict(os.environ)
     env.pop("VLLM_HYBRID_KV", None)
+    if switch is not None:
+        env["VLLM_HYBRID_KV"] = switch
     env.update(
         VLLM_CPU_OMP_THREADS_BIND="0|1",
         VLLM_ENABLE_V1_MULTIPROCESSING="1",
         VLLM_LOGGING_COLOR="0",
     )
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tiny_model_dir("qwen3_next"))],
+        [sys.executable, str(SCRIPT), model_dir],
         env=env,
         capture_output=True,
         text=True,
@@ -43,6 +44,21 @@ def tp2_run(tiny_model_dir):
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     return log
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tiny_model_dir):
+    return _run_tp2(str(tiny_model_dir("qwen3_next")), switch=None)
+
+
+@pytest.fixture(scope="module")
+def tp2_upstream_run(tiny_model_dir):
+    return _run_tp2(str(tiny_model_dir("qwen3_next")), switch="0")
+
+
+def _tokens(log: str) -> list[list[int]]:
+    line = next(ln for ln in log.splitlines() if ln.startswith("TP2_RESULT "))
+    return json.loads(line.removeprefix("TP2_RESULT "))
 
 
 @pytest.mark.slow
@@ -62,7 +78,20 @@ def test_activation_line_once_per_process(tp2_run):
 
 
 @pytest.mark.slow
-def test_tp2_generates(tp2_run):
-    line = next(ln for ln in tp2_run.splitlines() if ln.startswith("TP2_RESULT "))
-    token_ids = json.loads(line.removeprefix("TP2_RESULT "))
-    assert [len(ids) for ids in token_ids] == [8, 8]
+def test_tp2_pooled_worker_uses_the_engine_core_plan(tp2_run):
+    """Rank 0's arena view equals the engine core's plan (vLLM keeps INFO
+    lines of other ranks quiet; every rank gets a copy of the same config,
+    see tests/v1/core/test_pooled_planner.py, and identical outputs to
+    upstream below show rank 1 computed with it)."""
+    plan = re.search(r"KV cache plan \(pooled\).*token pool: .*?(\d+) ids;", tp2_run)
+    view = re.search(r"pooled KV arena on this worker: token pool (\d+) ids", tp2_run)
+    assert plan and view, tp2_run[-3000:]
+    assert plan.group(1) == view.group(1)
+
+
+@pytest.mark.slow
+def test_tp2_greedy_outputs_equal_upstream(tp2_run, tp2_upstream_run):
+    pooled, upstream = _tokens(tp2_run), _tokens(tp2_upstream_run)
+    assert [len(ids) for ids in pooled] == [8, 8]
+    assert pooled == upstream
+    assert "inactive: VLLM_HYBRID_KV=0" in tp2_upstream_run

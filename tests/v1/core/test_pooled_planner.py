@@ -129,3 +129,33 @@ def test_overlapping_null_blocks_free_a_whole_state_block():
     # (5 MiB - null - one state) // token block * 128 tokens
     assert pooled_capacity(apart, 384).token_capacity == 3 * 128
     assert pooled_capacity(overlap, 384).token_capacity == 5 * 128
+
+
+def test_every_rank_gets_the_same_plan_from_the_smallest_budget():
+    from types import SimpleNamespace
+
+    from vllm_hybrid.v1.core import pooled_kv_cache_utils as glue
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(is_hybrid=True, max_model_len=2048),
+        scheduler_config=SimpleNamespace(max_num_seqs=16),
+        cache_config=SimpleNamespace(
+            kv_cache_layout=None,
+            num_gpu_blocks_override=None,
+            prefix_cache_retention_interval=None,
+        ),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
+        ),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        kv_transfer_config=None,
+        speculative_config=None,
+        additional_config={},
+    )
+    specs = qwen3_5_specs("align")
+    configs = glue.plan_pooled_configs(config, [specs, specs], [48 * MiB, 40 * MiB])
+    assert configs is not None and len(configs) == 2
+    assert configs[0] == configs[1] and configs[0] is not configs[1]
+    assert configs[0].arena_bytes == 40 * MiB

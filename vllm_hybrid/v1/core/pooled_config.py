@@ -190,8 +190,23 @@ class PooledKVCacheConfig(KVCacheConfig):
         raise KeyError(f"no {kind} pool")
 
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
+        """Blocks of the pool whose view ``tensor`` is (workers allocate with
+        this); logs the worker's view of the arena once per process."""
         layer = tensor.layers[0]
         for group_id, group in enumerate(self.kv_cache_groups):
             if layer in group.layer_names:
+                logger.info_once(
+                    "vllm-hybrid pooled KV arena on this worker: %s",
+                    self.describe_pools(),
+                )
                 return self.pool_of_group(group_id).num_blocks
         raise KeyError(f"layer {layer} is in no KV cache group")
+
+    def describe_pools(self) -> str:
+        return (
+            "; ".join(
+                f"{pool.kind} pool {pool.num_blocks} ids x {pool.block_bytes} B"
+                for pool in self.pools
+            )
+            + f"; arena {self.arena_bytes} B"
+        )
