@@ -455,19 +455,22 @@ def oracle_floors(arena: KVArena, need_token: int, need_state: int) -> list[int]
     """State floors that satisfy both needs, computed from bytes directly."""
     lay = arena.layout
     tb, sb = lay.token_block_bytes, lay.state_block_bytes
-    null = max(tb, sb)
+    # overlapping null blocks keep only the smaller block clear, and align
+    # the state view to the arena's top
+    null = min(tb, sb) if lay.null_blocks_overlap else max(tb, sb)
+    off = lay.arena_bytes % sb if lay.null_blocks_overlap else 0
     tok, st_ = arena.token_pool, arena.state_pool
 
     def token_owned(t: int, floor: int) -> bool:
-        return t * tb >= null and (t + 1) * tb <= floor * sb
+        return t * tb >= null and (t + 1) * tb <= off + floor * sb
 
     def state_owned(s: int, floor: int) -> bool:
-        return (
-            s * sb >= floor * sb and s * sb >= null and (s + 1) * sb <= lay.arena_bytes
-        )
+        start = off + s * sb
+        return s >= max(floor, 1) and start >= null and start + sb <= lay.arena_bytes
 
     floors = []
-    for floor in range(-(-null // sb), lay.num_state_ids + 1):
+    lowest = max(1, -(-max(0, null - off) // sb))
+    for floor in range(lowest, lay.num_state_ids + 1):
         t_new = [t for t in range(1, lay.num_token_ids) if token_owned(t, floor)]
         s_new = [s for s in range(1, lay.num_state_ids) if state_owned(s, floor)]
         if len(t_new) < lay.min_token_blocks or len(s_new) < lay.min_state_blocks:
@@ -515,12 +518,18 @@ class ArenaMachine(RuleBasedStateMachine):
         null = max(tb, sb)
         low = null + (min_t + 1) * tb + (min_s + 2) * sb
         total = low + data.draw(st.integers(0, 200), label="extra")
-        probe = ArenaLayout(total, tb, sb, min_t, min_s, (total // sb - min_s) * sb)
+        overlap = data.draw(st.booleans(), label="null_blocks_overlap")
+        offset = total % sb if overlap else 0
+        probe = ArenaLayout(
+            total, tb, sb, min_t, min_s, offset + (total // sb - min_s) * sb, overlap
+        )
         floor = data.draw(
             st.integers(probe.min_state_floor, probe.max_state_floor), label="floor"
         )
-        boundary = floor * sb + data.draw(st.integers(0, sb - 1), label="slack")
-        layout = ArenaLayout(total, tb, sb, min_t, min_s, boundary)
+        slack = data.draw(st.integers(0, sb - 1), label="slack")
+        boundary = offset + floor * sb + slack
+        layout = ArenaLayout(total, tb, sb, min_t, min_s, boundary, overlap)
+        assert layout.state_offset == offset
         assert layout.initial_state_floor == floor
         self.events = data.draw(st.booleans(), label="events")
         self.arena = make_arena(layout, events=self.events)

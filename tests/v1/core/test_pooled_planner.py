@@ -96,9 +96,11 @@ def test_capacity_counts_token_pool_after_one_request_state():
     )
     cap = pooled_capacity(config, 512)
     tb, sb = 2 * 262_144, 6 * 268_288
-    usable = 8 * MiB - max(tb, sb) - 2 * sb
-    assert cap.token_capacity == (usable // tb) * 128
-    assert cap.token_capacity == 768
+    # 5 state ids; the state pool keeps 2 (align) -> boundary at 3 * sb; token
+    # ids start past the null region [0, sb) and end below the boundary
+    first_token, token_limit = -(-sb // tb), (3 * sb) // tb
+    assert (first_token, token_limit) == (4, 9)
+    assert cap.token_capacity == (token_limit - first_token) * 128 == 640
 
 
 def test_budget_too_small_names_the_fix():
@@ -109,7 +111,7 @@ def test_budget_too_small_names_the_fix():
         )
     message = str(err.value)
     assert "max_model_len=4096" in message and "--kv-cache-memory-bytes" in message
-    assert "--max-model-len to 768" in message
+    assert "--max-model-len to 640" in message
     with pytest.raises(PooledPlanError, match="no --max-model-len fits"):
         plan_pooled_kv_cache(
             split, PooledBudget(arena_bytes=4 * MiB, max_model_len=4096, max_num_seqs=8)
@@ -118,7 +120,7 @@ def test_budget_too_small_names_the_fix():
 
 def test_overlapping_null_blocks_free_a_whole_state_block():
     split = split_layers(qwen3_5_specs("none"))
-    kwargs = dict(arena_bytes=5 * MiB, max_model_len=384, max_num_seqs=8)
+    kwargs = dict(arena_bytes=5 * MiB, max_model_len=256, max_num_seqs=8)
     apart = plan_pooled_kv_cache(split, PooledBudget(**kwargs))
     overlap = plan_pooled_kv_cache(
         split, PooledBudget(**kwargs, null_blocks_overlap=True)
@@ -126,9 +128,12 @@ def test_overlapping_null_blocks_free_a_whole_state_block():
     tb, sb = 2 * 262_144, 6 * 268_288
     assert apart.null_region_bytes == sb and not apart.null_blocks_overlap
     assert overlap.null_region_bytes == tb and overlap.null_blocks_overlap
-    # (5 MiB - null - one state) // token block * 128 tokens
-    assert pooled_capacity(apart, 384).token_capacity == 3 * 128
-    assert pooled_capacity(overlap, 384).token_capacity == 5 * 128
+    # apart: null region [0, sb), state at id 2 -> token ids 4..5
+    assert pooled_capacity(apart, 256).token_capacity == 2 * 128
+    # overlap: the state view is aligned to the arena's top (offset T % sb),
+    # state id 2 starts at 413,696 + 2 * sb -> token ids 1..5
+    assert overlap.kv_cache_tensors[1].offset == 5 * MiB % sb == 413_696
+    assert pooled_capacity(overlap, 256).token_capacity == 5 * 128
 
 
 def test_every_rank_gets_the_same_plan_from_the_smallest_budget():

@@ -179,9 +179,23 @@ class ArenaLayout:
         return _cdiv(self.null_region_bytes, self.token_block_bytes)
 
     @property
+    def state_offset(self) -> int:
+        """Byte where the state pool's view (its id 0) starts.
+
+        With overlapping null blocks the state view is aligned to the top of
+        the arena, so the highest state id ends exactly at its last byte and
+        no tail smaller than a state block is lost; otherwise it starts at 0
+        and both null blocks sit in ``[0, R)``.
+        """
+        if self.null_blocks_overlap:
+            return self.arena_bytes % self.state_block_bytes
+        return 0
+
+    @property
     def first_state_id(self) -> int:
         """Lowest state id clear of the null region."""
-        return _cdiv(self.null_region_bytes, self.state_block_bytes)
+        clear = max(0, self.null_region_bytes - self.state_offset)
+        return max(1, _cdiv(clear, self.state_block_bytes))
 
     @property
     def reserved_token_ids(self) -> range:
@@ -198,7 +212,8 @@ class ArenaLayout:
     def token_limit_at(self, state_floor: int) -> int:
         """End (exclusive) of the token ids owned when the state pool starts at
         ``state_floor``; may be below ``first_token_id`` (no token blocks)."""
-        return state_floor * self.state_block_bytes // self.token_block_bytes
+        start = self.state_offset + state_floor * self.state_block_bytes
+        return start // self.token_block_bytes
 
     def token_ids_at(self, state_floor: int) -> range:
         return range(self.first_token_id, self.token_limit_at(state_floor))
@@ -217,7 +232,8 @@ class ArenaLayout:
         if capacity <= 0:
             return self.first_state_id
         end = (self.first_token_id + capacity) * self.token_block_bytes
-        return max(self.first_state_id, _cdiv(end, self.state_block_bytes))
+        above = max(0, end - self.state_offset)
+        return max(self.first_state_id, _cdiv(above, self.state_block_bytes))
 
     @property
     def min_state_floor(self) -> int:
@@ -231,7 +247,8 @@ class ArenaLayout:
 
     @property
     def initial_state_floor(self) -> int:
-        return max(self.first_state_id, self.initial_boundary // self.state_block_bytes)
+        above = max(0, self.initial_boundary - self.state_offset)
+        return max(self.first_state_id, above // self.state_block_bytes)
 
 
 # ---------------------------------------------------------------------------
@@ -583,7 +600,8 @@ class KVArena:
     @property
     def boundary_bytes(self) -> int:
         """First byte of the state pool; the token pool ends at or below it."""
-        return self._state_floor * self.layout.state_block_bytes
+        layout = self.layout
+        return layout.state_offset + self._state_floor * layout.state_block_bytes
 
     @property
     def state_floor(self) -> int:
@@ -740,7 +758,7 @@ class KVArena:
         if token_ids and state_ids:
             _require(
                 token_ids.stop * layout.token_block_bytes
-                <= state_ids.start * layout.state_block_bytes,
+                <= layout.state_offset + state_ids.start * layout.state_block_bytes,
                 "a byte is owned by both pools",
             )
         _require(

@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 
+from vllm_hybrid.v1.core.arena import ArenaLayout
 from vllm_hybrid.v1.core.pooled_config import KVPoolSpec, PooledKVCacheConfig
 
 
@@ -124,20 +125,20 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     block_size = token.spec.block_size
     assert isinstance(state.spec, MambaSpec)
     per_req = state_blocks_per_request(state.spec, budget.max_model_len)
-    null_region = min(tb, sb) if budget.null_blocks_overlap else max(tb, sb)
     arena = budget.arena_bytes
-    one_request = cdiv(budget.max_model_len, block_size) * tb + per_req * sb
-    if null_region + one_request > arena:
+    null_region = min(tb, sb) if budget.null_blocks_overlap else max(tb, sb)
+    # Start with room for max_num_seqs requests' states (at most half the
+    # arena); the boundary moves on demand from there.
+    state_target = max(per_req, min(budget.max_num_seqs * per_req, (arena // 2) // sb))
+    layout = _layout(
+        arena, tb, sb, per_req, budget.null_blocks_overlap, arena - state_target * sb
+    )
+    needed_blocks = cdiv(budget.max_model_len, block_size)
+    if layout is None or max_token_blocks(layout) < needed_blocks:
         raise PooledPlanError(
             _too_small_message(arena, null_region, tb, sb, block_size, per_req, budget)
         )
-    num_token_ids = arena // tb
-    num_state_ids = arena // sb
-    # Start with room for max_num_seqs requests' states (at most half the
-    # arena); the boundary moves on demand from there.
-    state_target = min(budget.max_num_seqs * per_req, (arena // 2) // sb)
-    state_target = max(state_target, per_req)
-    boundary = max(null_region, arena - state_target * sb)
+    state_offset = layout.state_offset
     groups = [
         KVCacheGroupSpec(list(token.layer_names), token.spec),
         KVCacheGroupSpec(list(state.layer_names), state.spec),
@@ -148,25 +149,55 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
             layers=list(layers.layer_names),
             layer_stride=layers.spec.page_size_bytes,
             block_stride=layers.block_bytes,
-            offset=0,
+            offset=offset,
         )
-        for layers in (token, state)
+        for layers, offset in ((token, 0), (state, state_offset))
     ]
     return PooledKVCacheConfig(
-        num_blocks=num_token_ids,
+        num_blocks=layout.num_token_ids,
         kv_cache_tensors=tensors,
         kv_cache_groups=groups,
         pools=[
-            KVPoolSpec("token", (0,), tb, num_token_ids),
-            KVPoolSpec("state", (1,), sb, num_state_ids),
+            KVPoolSpec("token", (0,), tb, layout.num_token_ids),
+            KVPoolSpec("state", (1,), sb, layout.num_state_ids),
         ],
         arena_bytes=arena,
-        initial_boundary=boundary,
+        initial_boundary=max(layout.initial_boundary, null_region),
         min_token_blocks=1,
         min_state_blocks=per_req,
         state_blocks_per_request=per_req,
         null_region_bytes=null_region,
     )
+
+
+def _layout(
+    arena: int, tb: int, sb: int, per_req: int, overlap: bool, boundary: int
+) -> ArenaLayout | None:
+    """The arena geometry, or None when the minimums do not fit at all.
+
+    ``boundary`` is only a wish: if it violates a floor, the boundary that
+    leaves the state pool exactly its floor is used instead.
+    """
+    offset = arena % sb if overlap else 0
+    for candidate in (boundary, offset + (arena // sb - per_req) * sb):
+        try:
+            return ArenaLayout(
+                arena_bytes=arena,
+                token_block_bytes=tb,
+                state_block_bytes=sb,
+                min_token_blocks=1,
+                min_state_blocks=per_req,
+                initial_boundary=max(0, candidate),
+                null_blocks_overlap=overlap,
+            )
+        except ValueError:
+            continue
+    return None
+
+
+def max_token_blocks(layout: ArenaLayout) -> int:
+    """Token blocks one request can use: the state pool at its floor."""
+    return layout.token_capacity_at(layout.max_state_floor)
 
 
 def _too_small_message(
@@ -200,9 +231,11 @@ def _too_small_message(
 def max_model_len_that_fits(
     arena: int, null_region: int, tb: int, sb: int, block_size: int, per_req: int
 ) -> int:
-    """Longest sequence one request can hold in ``arena`` bytes."""
-    usable = arena - null_region - per_req * sb
-    return max(0, usable // tb) * block_size
+    """Longest sequence one request can hold in ``arena`` bytes (exact: block
+    ids and the state-block-aligned boundary included)."""
+    overlap = null_region < max(tb, sb)
+    layout = _layout(arena, tb, sb, per_req, overlap, arena - per_req * sb)
+    return 0 if layout is None else max_token_blocks(layout) * block_size
 
 
 @dataclass(frozen=True)
