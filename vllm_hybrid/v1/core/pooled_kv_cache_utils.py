@@ -9,6 +9,7 @@ planner; everything else goes to upstream unchanged.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from vllm.v1.kv_cache_interface import KVCacheSpec
@@ -18,6 +19,8 @@ from vllm_hybrid.patches.registry import upstream
 from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig, pooled_mode_decision
 from vllm_hybrid.v1.core.pooled_planner import (
     PooledBudget,
+    PooledPlanError,
+    auto_fit_max_model_len,
     describe_plan,
     plan_pooled_kv_cache,
     split_layers,
@@ -92,6 +95,25 @@ def plan_pooled_configs(
         max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
         null_blocks_overlap=null_blocks_may_overlap(vllm_config),
     )
+    model_config = vllm_config.model_config
+    if getattr(model_config, "original_max_model_len", None) == -1:
+        fitted = auto_fit_max_model_len(split, budget)
+        if fitted <= 0:
+            raise PooledPlanError(
+                "Cannot auto-fit max_model_len in pooled mode: the KV cache "
+                f"budget of {budget.arena_bytes / 2**20:.2f} MiB cannot hold one "
+                "request's state and one attention block. Raise "
+                "--kv-cache-memory-bytes or --gpu-memory-utilization."
+            )
+        if fitted < budget.max_model_len:
+            logger.info(
+                "Auto-fit max_model_len (pooled mode): reduced from %d to %d to "
+                "fit the KV cache budget",
+                budget.max_model_len,
+                fitted,
+            )
+            model_config.max_model_len = fitted
+            budget = dataclasses.replace(budget, max_model_len=fitted)
     config = plan_pooled_kv_cache(split, budget)
     config.prefix_cache_retention_interval = (
         vllm_config.cache_config.prefix_cache_retention_interval

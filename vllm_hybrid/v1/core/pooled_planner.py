@@ -200,6 +200,20 @@ def max_token_blocks(layout: ArenaLayout) -> int:
     return layout.token_capacity_at(layout.max_state_floor)
 
 
+def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
+    """Longest ``max_model_len`` one request can use in this budget (for
+    ``--max-model-len -1``), capped at ``budget.max_model_len``."""
+    assert split.token is not None and split.state is not None
+    tb, sb = split.token.block_bytes, split.state.block_bytes
+    assert isinstance(split.state.spec, MambaSpec)
+    per_req = state_blocks_per_request(split.state.spec, budget.max_model_len)
+    null_region = min(tb, sb) if budget.null_blocks_overlap else max(tb, sb)
+    fits = max_model_len_that_fits(
+        budget.arena_bytes, null_region, tb, sb, split.token.spec.block_size, per_req
+    )
+    return min(fits, budget.max_model_len)
+
+
 def _too_small_message(
     arena: int,
     null_region: int,
