@@ -188,11 +188,11 @@ def upstream_unify(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     return registry.upstream(f"{UPSTREAM}:unify_kv_cache_spec_page_size")(specs)
 
 
-def _upstream_fails(reason: str):
+def _upstream_fails(reason: str, raises: type[Exception] | None = None):
     return pytest.param(
         upstream_unify,
         id="upstream",
-        marks=pytest.mark.xfail(strict=True, reason=reason),
+        marks=pytest.mark.xfail(strict=True, reason=reason, raises=raises),
     )
 
 
@@ -354,13 +354,7 @@ def test_skip_and_turboquant_next_to_gdn_fail_on_padding() -> None:
     "unify",
     [
         pytest.param(overlay_unify, id="overlay"),
-        pytest.param(
-            upstream_unify,
-            id="upstream",
-            marks=pytest.mark.xfail(
-                strict=True, raises=NotImplementedError, reason="MLA is not padded"
-            ),
-        ),
+        _upstream_fails("MLA is not padded", raises=NotImplementedError),
     ],
 )
 def test_mla_next_to_non_divisible_state_page(unify) -> None:
@@ -379,13 +373,7 @@ def test_mla_next_to_non_divisible_state_page(unify) -> None:
     "unify",
     [
         pytest.param(overlay_unify, id="overlay"),
-        pytest.param(
-            upstream_unify,
-            id="upstream",
-            marks=pytest.mark.xfail(
-                strict=True, raises=NotImplementedError, reason="MLA is not padded"
-            ),
-        ),
+        _upstream_fails("MLA is not padded", raises=NotImplementedError),
     ],
 )
 def test_mla_next_to_non_divisible_attention_page(unify) -> None:
