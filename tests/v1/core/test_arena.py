@@ -422,8 +422,10 @@ def test_reset_prefix_cache_only_when_everything_is_free():
     assert st_.get_cached_block(BlockHash(b"b"), [1]) is None
     assert st_.free_block_queue.cached_ids() == []
     assert free_order(st_) == [9, 8, 7, 6, 5]
-    assert [type(e) for e in tok.take_events()] == [AllBlocksCleared] * 2
-    assert [type(e) for e in st_.take_events()] == [AllBlocksCleared]
+    # one AllBlocksCleared per pool reset (token twice, state once); the
+    # token pool hands out the state pool's events too
+    assert [type(e) for e in tok.take_events()] == [AllBlocksCleared] * 3
+    assert st_.take_events() == []
     arena.check_invariants()
 
 
@@ -715,3 +717,17 @@ ArenaMachine.TestCase.settings = settings(
     max_examples=300, stateful_step_count=30, deadline=None
 )
 TestArenaMachine = ArenaMachine.TestCase
+
+
+def test_token_pool_events_include_the_state_pools():
+    """KVCacheManager reads events from its block_pool (the token pool) only."""
+    arena = make_arena(events=True)
+    st_ = arena.state_pool
+    held = st_.get_new_blocks(5)
+    cache(st_, held[4], b"s5")
+    st_.free_blocks(held)
+    assert arena.ensure(10, 0)  # evicts the cached state block in the way
+    events = arena.token_pool.take_events()
+    assert [type(e) for e in events] == [BlockRemoved]
+    assert events[0].group_idx == 1
+    assert st_.take_events() == [] and arena.token_pool.take_events() == []

@@ -67,7 +67,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared
+from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -449,6 +449,16 @@ class ArenaBlockPool(BlockPool):
         for block in self.blocks:
             block.prev_free_block = block.next_free_block = None
         self.free_block_queue = self._new_free_queue()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """This pool's KV cache events; the token pool also drains the state
+        pool's, because upstream's ``KVCacheManager`` reads events from one
+        pool (its ``block_pool``, the token pool). Events keep their group
+        index, so consumers still see which pool a block belongs to."""
+        events = super().take_events()
+        if self.side is ArenaSide.TOKEN:
+            events.extend(self.arena.state_pool.take_events())
+        return events
 
     def _new_free_queue(self) -> ArenaFreeBlockQueue:
         return ArenaFreeBlockQueue(

@@ -86,11 +86,6 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
         (parallel.pipeline_parallel_size > 1, "pipeline parallel"),
         (vllm_config.speculative_config is not None, "speculative decoding"),
         (bool(getattr(cache, "kv_cache_dtype_skip_layers", None)), "skip layers"),
-        (
-            getattr(vllm_config, "kv_events_config", None) is not None
-            and getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False),
-            "KV cache events",
-        ),
         (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),
         (_v2_runner_forced(), "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
     ]
