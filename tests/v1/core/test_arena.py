@@ -731,3 +731,20 @@ def test_token_pool_events_include_the_state_pools():
     assert [type(e) for e in events] == [BlockRemoved]
     assert events[0].group_idx == 1
     assert st_.take_events() == [] and arena.token_pool.take_events() == []
+
+
+def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
+    """The coordinator passes hit blocks (free, cached, not yet touched)."""
+    arena = make_arena(events=True)
+    st_ = arena.state_pool
+    held = st_.get_new_blocks(5)
+    cache(st_, held[4], b"s5")  # id 5, at the boundary
+    st_.free_blocks(held)
+    hit = st_.blocks[5]
+    before = snapshot(arena)
+    assert not arena.can_allocate(10, 0, keep=[hit])
+    assert not arena.ensure(10, 0, keep=[hit])
+    assert snapshot(arena) == before
+    assert st_.get_cached_block(BlockHash(b"s5"), [1]) == [hit]
+    assert arena.ensure(10, 0)  # without the hit, the move evicts it
+    arena.check_invariants()

@@ -639,15 +639,19 @@ class KVArena:
 
     # -- feasibility and moves ---------------------------------------------
 
-    def can_allocate(self, need_token: int, need_state: int) -> bool:
+    def can_allocate(
+        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
+    ) -> bool:
         """Whether both pools can hand out that many blocks, counting at most
         one boundary move. Changes nothing."""
-        return self._plan(need_token, need_state) is not None
+        return self._plan(need_token, need_state, keep) is not None
 
-    def ensure(self, need_token: int, need_state: int) -> bool:
+    def ensure(
+        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
+    ) -> bool:
         """Make both pools have at least that many free blocks, moving the
         boundary if needed; all-or-nothing, returns whether it succeeded."""
-        target = self._plan(need_token, need_state)
+        target = self._plan(need_token, need_state, keep)
         if target is None:
             return False
         if target != self._state_floor:
@@ -660,8 +664,15 @@ class KVArena:
             return self.ensure(need, 0)
         return self.ensure(0, need)
 
-    def _plan(self, need_token: int, need_state: int) -> int | None:
-        """State floor that satisfies both needs, or None if none does."""
+    def _plan(
+        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
+    ) -> int | None:
+        """State floor that satisfies both needs, or None if none does.
+
+        ``keep`` are free cached blocks about to be reused (prefix hits not
+        yet touched): a move must not evict them or hand their bytes over.
+        """
+        kept = {(id(block.pool), block.block_id) for block in keep}
         free_token = self.token_pool.get_num_free_blocks()
         free_state = self.state_pool.get_num_free_blocks()
         short_token = need_token > free_token
@@ -679,7 +690,7 @@ class KVArena:
             lost = range(self._state_floor, target)
             if free_state - len(lost) < need_state:
                 return None
-            if not self._all_free(self.state_pool, lost):
+            if not self._all_free(self.state_pool, lost, kept):
                 return None
             return target
         target = self._state_floor - (need_state - free_state)
@@ -688,7 +699,7 @@ class KVArena:
         lost = self._token_ids_lost(target)
         if free_token - len(lost) < need_token:
             return None
-        if not self._all_free(self.token_pool, lost):
+        if not self._all_free(self.token_pool, lost, kept):
             return None
         return target
 
@@ -698,9 +709,11 @@ class KVArena:
         return range(max(owned.start, self.layout.token_limit_at(target)), owned.stop)
 
     @staticmethod
-    def _all_free(pool: ArenaBlockPool, ids: range) -> bool:
+    def _all_free(
+        pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]] = frozenset()
+    ) -> bool:
         blocks = pool.blocks
-        return all(blocks[i].ref_cnt == 0 for i in ids)
+        return all(blocks[i].ref_cnt == 0 and (id(pool), i) not in kept for i in ids)
 
     def _move_to(self, target: int) -> None:
         old_boundary = self.boundary_bytes

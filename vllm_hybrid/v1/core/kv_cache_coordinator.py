@@ -115,7 +115,10 @@ class PooledCoordinatorMixin:
         if need["state"] > self.arena.state_pool.num_gpu_blocks:
             # upstream's deferred-hit sentinel: not this step
             return refuse
-        if not self.arena.ensure(need["token"], need["state"]):
+        # Prefix hits are touched only after this check; a boundary move must
+        # not evict them or give their bytes to the other pool.
+        hits = [block for blocks in new_computed_blocks for block in blocks]
+        if not self.arena.ensure(need["token"], need["state"], keep=hits):
             return refuse
         return need["token"]
 
