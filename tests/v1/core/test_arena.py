@@ -9,6 +9,7 @@ floor stays within [2, 8].
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from types import SimpleNamespace
@@ -143,16 +144,8 @@ def test_small_layout_ownership():
     ],
 )
 def test_layout_validation(kwargs, message):
-    fields = dict(
-        arena_bytes=100,
-        token_block_bytes=4,
-        state_block_bytes=10,
-        min_token_blocks=2,
-        min_state_blocks=2,
-        initial_boundary=50,
-    )
     with pytest.raises(ValueError, match=re.escape(message)):
-        ArenaLayout(**(fields | kwargs))
+        dataclasses.replace(SMALL, **kwargs)
 
 
 # ---------------------------------------------------------------------------

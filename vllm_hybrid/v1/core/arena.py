@@ -93,6 +93,12 @@ class ArenaSide(str, Enum):
 # ---------------------------------------------------------------------------
 
 
+def null_region_bytes(token_block: int, state_block: int, overlap: bool) -> int:
+    """Bytes at the arena's start that no owned block may use (see
+    :attr:`ArenaLayout.null_region_bytes`)."""
+    return min(token_block, state_block) if overlap else max(token_block, state_block)
+
+
 @dataclass(frozen=True)
 class ArenaLayout:
     """Byte geometry of the arena and the limits the boundary must respect.
@@ -169,9 +175,9 @@ class ArenaLayout:
         with ``null_blocks_overlap`` only the smaller one is kept clear, so
         both pools start at id 1.
         """
-        if self.null_blocks_overlap:
-            return min(self.token_block_bytes, self.state_block_bytes)
-        return max(self.token_block_bytes, self.state_block_bytes)
+        return null_region_bytes(
+            self.token_block_bytes, self.state_block_bytes, self.null_blocks_overlap
+        )
 
     @property
     def first_token_id(self) -> int:

@@ -26,26 +26,12 @@ from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream
-from vllm_hybrid.v1.core.arena import ArenaLayout, KVArena
+from vllm_hybrid.v1.core.arena import KVArena
 from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig
 
 logger = init_logger(__name__)
 
 TARGET = "vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator"
-
-
-def arena_layout(config: PooledKVCacheConfig) -> ArenaLayout:
-    token = config.pool_by_kind("token")
-    state = config.pool_by_kind("state")
-    return ArenaLayout(
-        arena_bytes=config.arena_bytes,
-        token_block_bytes=token.block_bytes,
-        state_block_bytes=state.block_bytes,
-        min_token_blocks=config.min_token_blocks,
-        min_state_blocks=config.min_state_blocks,
-        initial_boundary=config.initial_boundary,
-        null_blocks_overlap=config.null_blocks_overlap,
-    )
 
 
 class PooledCoordinatorMixin:
@@ -57,7 +43,7 @@ class PooledCoordinatorMixin:
     def _bind_arena(self) -> None:
         upstream_pool = self.block_pool  # built by upstream; only settings kept
         self.arena = KVArena(
-            arena_layout(self.kv_cache_config),
+            self.kv_cache_config.layout,
             enable_caching=upstream_pool.enable_caching,
             hash_block_size=upstream_pool.hash_block_size,
             enable_kv_cache_events=upstream_pool.enable_kv_cache_events,

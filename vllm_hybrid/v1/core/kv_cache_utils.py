@@ -711,10 +711,7 @@ def _pooled_capacity(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
     return pooled_capacity(kv_cache_config, vllm_config.model_config.max_model_len)
 
 
-def _update_pooled_capacity(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> None:
-    capacity = _pooled_capacity(vllm_config, kv_cache_config)
+def _update_pooled_capacity(vllm_config: VllmConfig, capacity: Any) -> None:
     cache_config = vllm_config.cache_config
     cache_config.kv_cache_size_tokens = capacity.token_capacity
     cache_config.kv_cache_max_concurrency = capacity.max_concurrency
@@ -738,8 +735,9 @@ def update_kv_cache_capacity(
     ``kv_cache_max_concurrency`` like upstream; for hybrid models the log line
     says that the tokens are those of the groups that grow with the sequence.
     """
-    if _pooled_capacity(vllm_config, kv_cache_config) is not None:
-        _update_pooled_capacity(vllm_config, kv_cache_config)
+    pooled = _pooled_capacity(vllm_config, kv_cache_config)
+    if pooled is not None:
+        _update_pooled_capacity(vllm_config, pooled)
         return
     split = _split_groups(vllm_config, kv_cache_config)
     if split is None:

@@ -16,6 +16,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.arena import ArenaLayout
 
 logger = init_logger(__name__)
 
@@ -154,23 +155,37 @@ class PooledKVCacheConfig(KVCacheConfig):
     """
 
     pools: list[KVPoolSpec] = field(default_factory=list)
-    #: Bytes of the arena (the single backing allocation per worker).
-    arena_bytes: int = 0
-    #: Initial token/state boundary in bytes.
-    initial_boundary: int = 0
-    #: Floors the boundary never crosses (in blocks of each pool).
-    min_token_blocks: int = 1
-    min_state_blocks: int = 1
+    #: Geometry of the arena (block sizes, floors, initial boundary, null
+    #: blocks); the scheduler's KVArena is built from exactly this.
+    arena: ArenaLayout | None = None
     #: State blocks one running request holds at most (for capacity figures).
     state_blocks_per_request: int = 1
-    #: Bytes at the start of the arena no owned block uses (null blocks).
-    null_region_bytes: int = 0
+
+    @property
+    def layout(self) -> ArenaLayout:
+        assert self.arena is not None, "pooled config without an arena layout"
+        return self.arena
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of the arena (the single backing allocation per worker)."""
+        return self.layout.arena_bytes
+
+    @property
+    def null_region_bytes(self) -> int:
+        return self.layout.null_region_bytes
 
     @property
     def null_blocks_overlap(self) -> bool:
-        token = self.pool_by_kind("token")
-        state = self.pool_by_kind("state")
-        return self.null_region_bytes < max(token.block_bytes, state.block_bytes)
+        return self.layout.null_blocks_overlap
+
+    @property
+    def initial_boundary(self) -> int:
+        """Initial token/state boundary in bytes."""
+        layout = self.layout
+        return layout.state_offset + layout.initial_state_floor * (
+            layout.state_block_bytes
+        )
 
     def pool_of_group(self, group_id: int) -> KVPoolSpec:
         for pool in self.pools:

@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 
-from vllm_hybrid.v1.core.arena import ArenaLayout
+from vllm_hybrid.v1.core.arena import ArenaLayout, null_region_bytes
 from vllm_hybrid.v1.core.pooled_config import KVPoolSpec, PooledKVCacheConfig
 
 
@@ -92,7 +92,7 @@ def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
     )
 
 
-def state_blocks_per_request(spec: MambaSpec, max_model_len: int) -> int:
+def state_blocks_per_request(spec: MambaSpec) -> int:
     """State blocks one running request can hold at once.
 
     ``none`` mode: one live state (plus speculative slots). ``align`` mode:
@@ -124,9 +124,8 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     tb, sb = token.block_bytes, state.block_bytes
     block_size = token.spec.block_size
     assert isinstance(state.spec, MambaSpec)
-    per_req = state_blocks_per_request(state.spec, budget.max_model_len)
+    per_req = state_blocks_per_request(state.spec)
     arena = budget.arena_bytes
-    null_region = min(tb, sb) if budget.null_blocks_overlap else max(tb, sb)
     # Start with room for max_num_seqs requests' states (at most half the
     # arena); the boundary moves on demand from there.
     state_target = max(per_req, min(budget.max_num_seqs * per_req, (arena // 2) // sb))
@@ -135,9 +134,7 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     )
     needed_blocks = cdiv(budget.max_model_len, block_size)
     if layout is None or max_token_blocks(layout) < needed_blocks:
-        raise PooledPlanError(
-            _too_small_message(arena, null_region, tb, sb, block_size, per_req, budget)
-        )
+        raise PooledPlanError(_too_small_message(tb, sb, block_size, per_req, budget))
     state_offset = layout.state_offset
     groups = [
         KVCacheGroupSpec(list(token.layer_names), token.spec),
@@ -161,12 +158,8 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
             KVPoolSpec("token", (0,), tb, layout.num_token_ids),
             KVPoolSpec("state", (1,), sb, layout.num_state_ids),
         ],
-        arena_bytes=arena,
-        initial_boundary=max(layout.initial_boundary, null_region),
-        min_token_blocks=1,
-        min_state_blocks=per_req,
+        arena=layout,
         state_blocks_per_request=per_req,
-        null_region_bytes=null_region,
     )
 
 
@@ -206,26 +199,25 @@ def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
     assert split.token is not None and split.state is not None
     tb, sb = split.token.block_bytes, split.state.block_bytes
     assert isinstance(split.state.spec, MambaSpec)
-    per_req = state_blocks_per_request(split.state.spec, budget.max_model_len)
-    null_region = min(tb, sb) if budget.null_blocks_overlap else max(tb, sb)
     fits = max_model_len_that_fits(
-        budget.arena_bytes, null_region, tb, sb, split.token.spec.block_size, per_req
+        budget.arena_bytes,
+        budget.null_blocks_overlap,
+        tb,
+        sb,
+        split.token.spec.block_size,
+        state_blocks_per_request(split.state.spec),
     )
     return min(fits, budget.max_model_len)
 
 
 def _too_small_message(
-    arena: int,
-    null_region: int,
-    tb: int,
-    sb: int,
-    block_size: int,
-    per_req: int,
-    budget: PooledBudget,
+    tb: int, sb: int, block_size: int, per_req: int, budget: PooledBudget
 ) -> str:
+    arena, overlap = budget.arena_bytes, budget.null_blocks_overlap
+    null_region = null_region_bytes(tb, sb, overlap)
     attention = cdiv(budget.max_model_len, block_size) * tb
     need = null_region + attention + per_req * sb
-    fits = max_model_len_that_fits(arena, null_region, tb, sb, block_size, per_req)
+    fits = max_model_len_that_fits(arena, overlap, tb, sb, block_size, per_req)
     lower = (
         f"or lower --max-model-len to {fits}"
         if fits > 0
@@ -243,11 +235,10 @@ def _too_small_message(
 
 
 def max_model_len_that_fits(
-    arena: int, null_region: int, tb: int, sb: int, block_size: int, per_req: int
+    arena: int, overlap: bool, tb: int, sb: int, block_size: int, per_req: int
 ) -> int:
     """Longest sequence one request can hold in ``arena`` bytes (exact: block
     ids and the state-block-aligned boundary included)."""
-    overlap = null_region < max(tb, sb)
     layout = _layout(arena, tb, sb, per_req, overlap, arena - per_req * sb)
     return 0 if layout is None else max_token_blocks(layout) * block_size
 
@@ -268,16 +259,9 @@ def pooled_capacity(config: PooledKVCacheConfig, max_model_len: int) -> PooledCa
     state = config.pool_by_kind("state")
     block_size = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec.block_size
     per_req = config.state_blocks_per_request
-    null_region = config.null_region_bytes
-    tokens = max_model_len_that_fits(
-        config.arena_bytes,
-        null_region,
-        token.block_bytes,
-        state.block_bytes,
-        block_size,
-        per_req,
-    )
-    usable = config.arena_bytes - null_region
+    layout = config.layout
+    tokens = max_token_blocks(layout) * block_size
+    usable = layout.arena_bytes - layout.null_region_bytes
     per_request = (
         cdiv(max_model_len, block_size) * token.block_bytes
         + per_req * state.block_bytes
