@@ -103,6 +103,11 @@ def register() -> None:
     from vllm_hybrid.patches.registry import PATCHES, apply_all
 
     apply_all()
+    # Name the per-pool metrics directory before any engine process starts,
+    # so the frontend and its engine cores agree on it.
+    from vllm_hybrid.v1.metrics.pool_stats import stats_dir
+
+    stats_dir()
     _state = ActivationState(True, "active", version, os.getpid())
     logger.info(
         "vllm-hybrid %s active on vLLM %s (%d upstream symbols patched)",

@@ -83,6 +83,49 @@ def test_metrics(server):
     assert re.search(r"^vllm:num_requests_running\{", text, re.M)
 
 
+def _samples(text: str, name: str) -> dict[str, float]:
+    """``{pool label (or ""): value}`` of one gauge in Prometheus text format."""
+    out = {}
+    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        pool = re.search(r'pool="([^"]*)"', m.group(1))
+        out[pool.group(1) if pool else ""] = float(m.group(2))
+    return out
+
+
+def test_plan_log_line_describes_the_pools(server):
+    lines = [ln for ln in server.plan_lines() if "KV cache plan (pooled)" in ln]
+    assert len(lines) == 1, server.plan_lines()
+    line = lines[0]
+    # natural CPU attention block, unpadded GDN state page
+    assert "block 128 tokens" in line
+    assert "(0 B padding)" in line
+    arena_mib = float(re.search(r"arena ([0-9.]+) MiB", line).group(1))
+    assert arena_mib == pytest.approx(32.0, abs=0.01)
+
+
+def test_metrics_per_pool_gauges(server):
+    # a request with a long prompt, so both pools were used at some point
+    server.chat("state space " * 200, max_tokens=4, ignore_eos=True)
+    status, raw = server.request("/metrics")
+    assert status == 200
+    text = raw.decode()
+    owned = _samples(text, "vllm_hybrid:kv_pool_owned_bytes")
+    used = _samples(text, "vllm_hybrid:kv_pool_used_bytes")
+    usage = _samples(text, "vllm_hybrid:kv_pool_usage_perc")
+    arena = _samples(text, "vllm_hybrid:kv_arena_usage_perc")
+    assert set(owned) == set(used) == set(usage) == {"token", "state"}
+    assert set(arena) == {""}
+    # the boundary splits the 32 MiB arena: both pools own memory, together
+    # no more than the arena (the null region and block remainders are not
+    # owned by either)
+    assert owned["token"] > 0 and owned["state"] > 0
+    assert 0.9 * 32 * 2**20 <= owned["token"] + owned["state"] <= 32 * 2**20
+    # nothing is running any more: every block is free again
+    assert used == {"token": 0.0, "state": 0.0}
+    assert usage == {"token": 0.0, "state": 0.0}
+    assert arena[""] == 0.0
+
+
 @pytest.mark.parametrize(
     "body",
     [

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -442,6 +442,9 @@ class ArenaBlockPool(BlockPool):
         self.arena = arena
         self.side = side
         self.owned_ids = owned_ids
+        #: Called whenever the scheduler reads this pool's usage (set by the
+        #: coordinator to publish per-pool metrics).
+        self.on_usage: Callable[[], object] | None = None
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -481,7 +484,13 @@ class ArenaBlockPool(BlockPool):
         return self.owned_capacity - self.get_num_free_blocks()
 
     def get_usage(self) -> float:
-        """Used share of the owned blocks (upstream divides by the id space)."""
+        """Used share of the owned blocks (upstream divides by the id space).
+
+        The scheduler asks the token pool once per step for its stats, which
+        makes this the place to tell ``on_usage`` (per-pool metrics) too.
+        """
+        if self.on_usage is not None:
+            self.on_usage()
         if not self.owned_capacity:
             return 0.0
         return self.get_num_used_blocks() / self.owned_capacity

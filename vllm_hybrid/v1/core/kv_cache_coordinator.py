@@ -28,6 +28,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream
 from vllm_hybrid.v1.core.arena import KVArena
 from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig
+from vllm_hybrid.v1.metrics.pool_stats import PoolStatsPublisher, arena_usage
 
 logger = init_logger(__name__)
 
@@ -61,8 +62,16 @@ class PooledCoordinatorMixin:
             manager.block_pool = pool
             manager._null_block = pool.null_block
         self.block_pool = self.arena.token_pool
+        self._publish_pool_usage()
         if hasattr(self, "verify_and_split_kv_cache_groups"):
             self.verify_and_split_kv_cache_groups()
+
+    def _publish_pool_usage(self) -> None:
+        """Per-pool usage for ``/metrics``, written whenever the scheduler
+        reads the token pool's usage for its stats."""
+        publisher = PoolStatsPublisher(_engine_index())
+        arena = self.arena
+        arena.token_pool.on_usage = lambda: publisher.publish(arena_usage(arena))
 
     def get_num_blocks_to_allocate(
         self,
@@ -107,6 +116,16 @@ class PooledCoordinatorMixin:
         if not self.arena.ensure(need["token"], need["state"], keep=hits):
             return refuse
         return need["token"]
+
+
+def _engine_index() -> int:
+    """Data-parallel index of this engine core (0 without data parallelism)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return 0
+    return int(getattr(config.parallel_config, "data_parallel_index", 0) or 0)
 
 
 class PooledHybridKVCacheCoordinator(PooledCoordinatorMixin, HybridKVCacheCoordinator):
