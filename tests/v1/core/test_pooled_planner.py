@@ -11,9 +11,11 @@ from vllm_hybrid.v1.core.pooled_planner import (
     PooledBudget,
     PooledPlanError,
     describe_plan,
+    min_state_blocks_per_request,
     plan_pooled_kv_cache,
     pooled_capacity,
     split_layers,
+    state_blocks_per_request,
 )
 
 MiB = 2**20
@@ -96,11 +98,29 @@ def test_capacity_counts_token_pool_after_one_request_state():
     )
     cap = pooled_capacity(config, 512)
     tb, sb = 2 * 262_144, 6 * 268_288
-    # 5 state ids; the state pool keeps 2 (align) -> boundary at 3 * sb; token
-    # ids start past the null region [0, sb) and end below the boundary
-    first_token, token_limit = -(-sb // tb), (3 * sb) // tb
-    assert (first_token, token_limit) == (4, 9)
-    assert cap.token_capacity == (token_limit - first_token) * 128 == 640
+    # 5 state ids; a lone request runs on 1 state block even in align mode
+    # (checkpoints skipped, state advanced in place when memory is short), so
+    # the state pool's floor is 1 -> boundary at 4 * sb; token ids start past
+    # the null region [0, sb) and end below the boundary
+    first_token, token_limit = -(-sb // tb), (4 * sb) // tb
+    assert (first_token, token_limit) == (4, 12)
+    assert cap.token_capacity == (token_limit - first_token) * 128 == 1024
+    assert config.arena.min_state_blocks == 1
+    # concurrency still counts align mode's two state blocks per request
+    assert config.state_blocks_per_request == 2
+
+
+def test_lone_request_state_blocks():
+    align = split_layers(qwen3_5_specs("align")).state.spec
+    none = split_layers(qwen3_5_specs("none")).state.spec
+    assert (state_blocks_per_request(align), min_state_blocks_per_request(align)) == (
+        2,
+        1,
+    )
+    assert (state_blocks_per_request(none), min_state_blocks_per_request(none)) == (
+        1,
+        1,
+    )
 
 
 def test_budget_too_small_names_the_fix():
@@ -111,10 +131,10 @@ def test_budget_too_small_names_the_fix():
         )
     message = str(err.value)
     assert "max_model_len=4096" in message and "--kv-cache-memory-bytes" in message
-    assert "--max-model-len to 640" in message
+    assert "--max-model-len to 1024" in message
     with pytest.raises(PooledPlanError, match="no --max-model-len fits"):
         plan_pooled_kv_cache(
-            split, PooledBudget(arena_bytes=4 * MiB, max_model_len=4096, max_num_seqs=8)
+            split, PooledBudget(arena_bytes=3 * MiB, max_model_len=4096, max_num_seqs=8)
         )
 
 

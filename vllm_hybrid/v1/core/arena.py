@@ -495,9 +495,26 @@ class ArenaBlockPool(BlockPool):
             return 0.0
         return self.get_num_used_blocks() / self.owned_capacity
 
+    def lend_in_place(self, block: KVCacheBlock | None) -> None:
+        """Make the next one-block allocation return ``block`` itself.
+
+        Used when memory is short and a request advances its recurrent state
+        in the block it already owns instead of copying it into a fresh one:
+        the block gets a second reference (the request's old and new block
+        table slots both name it; upstream frees the old slot next step) and
+        leaves the prefix cache, because its content moves on.
+        """
+        self._lent = block
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Upstream's allocation, after asking the arena to move the boundary
         in this pool's favour when it is short (may still raise ValueError)."""
+        lent, self._lent = getattr(self, "_lent", None), None
+        if lent is not None and num_blocks == 1:
+            assert lent.ref_cnt >= 1 and not lent.is_null
+            BlockPool._maybe_evict_cached_block(self, lent)
+            lent.ref_cnt += 1
+            return [lent]
         if num_blocks > self.get_num_free_blocks():
             self.arena.ensure_side(self.side, num_blocks)
         return super().get_new_blocks(num_blocks)

@@ -62,6 +62,10 @@ class PooledCoordinatorMixin:
             manager.block_pool = pool
             manager._null_block = pool.null_block
         self.block_pool = self.arena.token_pool
+        #: requests that advance their state in place this step (per group)
+        self._in_place: dict[str, dict[int, KVCacheBlock]] = {}
+        #: how often a request ran on fewer state blocks (see _when_short)
+        self.short_memory_counts = {"state_in_place": 0}
         self._publish_pool_usage()
         if hasattr(self, "verify_and_split_kv_cache_groups"):
             self.verify_and_split_kv_cache_groups()
@@ -93,10 +97,126 @@ class PooledCoordinatorMixin:
         """
         if self.retention_interval != 0:
             prefill_end = 0
+        args = (
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap,
+            prefill_end,
+        )
+        self._in_place.pop(request_id, None)
+        need = self._pool_needs(*args)
+        refuse = self.block_pool.get_num_free_blocks() + 1
+        if need["state"] > self.arena.state_pool.num_gpu_blocks:
+            # upstream's deferred-hit sentinel: not this step
+            return refuse
+        # Prefix hits are touched only after this check; a boundary move must
+        # not evict them or give their bytes to the other pool.
+        hits = [block for blocks in new_computed_blocks for block in blocks]
+        if self.arena.ensure(need["token"], need["state"], keep=hits):
+            return need["token"]
+        return self._when_short(args, need, hits, refuse)
+
+    # -- short of memory: one state block per request -------------------------
+
+    def _when_short(
+        self,
+        args: tuple[Any, ...],
+        need: dict[str, int],
+        hits: list[KVCacheBlock],
+        refuse: int,
+    ) -> int:
+        """Let a running request cross a state block edge in place.
+
+        At a state block edge align mode hands a running request a fresh
+        state block, copies the running state into it and keeps the old block
+        (a prefix-cache checkpoint) until the next step: two state blocks per
+        request. When the arena cannot serve that, the request advances its
+        state in the block it already owns instead (that block leaves the
+        prefix cache, its content moves on). Only a checkpoint is lost; a lone
+        request then needs one state block, as with prefix caching off.
+        """
+        request_id = args[0]
+        in_place = self._in_place_blocks(request_id, need)
+        if in_place and self.arena.ensure(
+            need["token"], need["state"] - len(in_place), keep=hits
+        ):
+            self._in_place[request_id] = in_place
+            self.short_memory_counts["state_in_place"] += 1
+            return need["token"]
+        return refuse
+
+    def _in_place_blocks(
+        self, request_id: str, need: dict[str, int]
+    ) -> dict[int, KVCacheBlock]:
+        """Running state block per state group, if every state group needs
+        exactly one new block and owns its running block alone."""
+        found: dict[int, KVCacheBlock] = {}
+        for i, manager in enumerate(self.single_type_managers):
+            if self._group_kind[i] != "state":
+                continue
+            if (
+                getattr(manager, "mamba_cache_mode", None) != "align"
+                or manager.num_speculative_blocks
+                or request_id not in manager._allocated_block_reqs
+                or self._state_need.get(i) != 1
+            ):
+                return {}
+            blocks = manager.req_to_blocks.get(request_id) or []
+            if not blocks or blocks[-1].is_null or blocks[-1].ref_cnt != 1:
+                return {}
+            found[i] = blocks[-1]
+        return found if len(found) == need["state"] else {}
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        in_place = self._in_place.pop(request_id, None)
+        if not in_place:
+            return super().allocate_new_blocks(
+                request_id, num_tokens, num_tokens_main_model, num_encoder_tokens
+            )
+        pool = self.arena.state_pool
+        out = []
+        for i, manager in enumerate(self.single_type_managers):
+            if i in in_place:
+                pool.lend_in_place(in_place[i])
+            try:
+                out.append(
+                    manager.allocate_new_blocks(
+                        request_id, num_tokens, num_tokens_main_model
+                    )
+                )
+            finally:
+                pool.lend_in_place(None)
+        return tuple(out)
+
+    def _pool_needs(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+        prefill_end: int,
+    ) -> dict[str, int]:
+        """New blocks per pool that each group's manager asks for (also kept
+        per state group in ``_state_need``)."""
         need = {"token": 0, "state": 0}
+        self._state_need: dict[int, int] = {}
         for i, manager in enumerate(self.single_type_managers):
             assert not isinstance(manager, CrossAttentionManager)
-            need[self._group_kind[i]] += manager.get_num_blocks_to_allocate(
+            kind = self._group_kind[i]
+            n = manager.get_num_blocks_to_allocate(
                 request_id,
                 num_tokens,
                 new_computed_blocks[i],
@@ -106,16 +226,10 @@ class PooledCoordinatorMixin:
                 apply_admission_cap=apply_admission_cap,
                 prefill_end=prefill_end,
             )
-        refuse = self.block_pool.get_num_free_blocks() + 1
-        if need["state"] > self.arena.state_pool.num_gpu_blocks:
-            # upstream's deferred-hit sentinel: not this step
-            return refuse
-        # Prefix hits are touched only after this check; a boundary move must
-        # not evict them or give their bytes to the other pool.
-        hits = [block for blocks in new_computed_blocks for block in blocks]
-        if not self.arena.ensure(need["token"], need["state"], keep=hits):
-            return refuse
-        return need["token"]
+            need[kind] += n
+            if kind == "state":
+                self._state_need[i] = n
+        return need
 
 
 def _engine_index() -> int:

@@ -105,6 +105,21 @@ def state_blocks_per_request(spec: MambaSpec) -> int:
     return 1 + spec.num_speculative_blocks
 
 
+def min_state_blocks_per_request(spec: MambaSpec) -> int:
+    """State blocks a lone request can run on.
+
+    In align mode the pooled coordinator lets a running request cross a
+    state block edge in the block it owns when the arena is short (see
+    ``PooledCoordinatorMixin._when_short``), so the copy target is not
+    needed; prefill checkpoints and speculative slots still are. This is the
+    floor of the state pool and what the longest single request is computed
+    with; concurrency figures keep :func:`state_blocks_per_request`.
+    """
+    if spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0:
+        return 1 + spec.num_prefill_checkpoint_blocks
+    return state_blocks_per_request(spec)
+
+
 @dataclass(frozen=True)
 class PooledBudget:
     """Inputs of the arena plan that are not layer specs."""
@@ -125,16 +140,17 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     block_size = token.spec.block_size
     assert isinstance(state.spec, MambaSpec)
     per_req = state_blocks_per_request(state.spec)
+    lone = min_state_blocks_per_request(state.spec)
     arena = budget.arena_bytes
     # Start with room for max_num_seqs requests' states (at most half the
     # arena); the boundary moves on demand from there.
     state_target = max(per_req, min(budget.max_num_seqs * per_req, (arena // 2) // sb))
     layout = _layout(
-        arena, tb, sb, per_req, budget.null_blocks_overlap, arena - state_target * sb
+        arena, tb, sb, lone, budget.null_blocks_overlap, arena - state_target * sb
     )
     needed_blocks = cdiv(budget.max_model_len, block_size)
     if layout is None or max_token_blocks(layout) < needed_blocks:
-        raise PooledPlanError(_too_small_message(tb, sb, block_size, per_req, budget))
+        raise PooledPlanError(_too_small_message(tb, sb, block_size, lone, budget))
     state_offset = layout.state_offset
     groups = [
         KVCacheGroupSpec(list(token.layer_names), token.spec),
@@ -205,7 +221,7 @@ def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
         tb,
         sb,
         split.token.spec.block_size,
-        state_blocks_per_request(split.state.spec),
+        min_state_blocks_per_request(split.state.spec),
     )
     return min(fits, budget.max_model_len)
 

@@ -1,0 +1,103 @@
+"""Pooled mode, prefix caching on, one long request at a tight budget.
+
+At a state block edge align mode hands a running request a fresh state block
+and copies the running state into it, so a request holds two state blocks for
+a step. When the arena cannot serve that, the pooled coordinator advances the
+state in the block the request owns. The request must then produce exactly
+the tokens of a roomy reference engine, also when run again over whatever
+stayed in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_pooled_engine import _generate, _scheduler, _with_engine
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+OUTPUT = 40  # crosses at least one 32-token state block edge while decoding
+
+
+def _long_prompt(length: int) -> dict:
+    rng = random.Random(11)
+    return {"prompt_token_ids": [rng.randrange(3, 900) for _ in range(length)]}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir):
+    model = str(tiny_model_dir("qwen3_5"))
+    tight = dict(
+        kv_cache_memory_bytes=5 * MiB,
+        enable_prefix_caching=True,
+        block_size=32,
+        max_model_len=-1,
+        max_num_seqs=1,
+    )
+
+    def pooled(llm):
+        sched = _scheduler(llm)
+        coord = sched.kv_cache_manager.coordinator
+        max_len = llm.llm_engine.vllm_config.model_config.max_model_len
+        prompt = _long_prompt(max_len - OUTPUT)
+        preempted = [0]
+        original = sched._preempt_request
+
+        def counting(*args, **kwargs):
+            preempted[0] += 1
+            return original(*args, **kwargs)
+
+        sched._preempt_request = counting
+        first = _generate(llm, [prompt], OUTPUT)
+        counts = dict(coord.short_memory_counts)
+        again = _generate(llm, [prompt], OUTPUT)  # may hit what stayed cached
+        llm.reset_prefix_cache()
+        free = {
+            k: (p.get_num_free_blocks(), p.owned_capacity)
+            for k, p in coord.pools.items()
+        }
+        coord.arena.check_invariants()
+        return dict(
+            prompt=prompt,
+            max_len=max_len,
+            first=first,
+            again=again,
+            counts=counts,
+            preempted=preempted[0],
+            free=free,
+            state_block_bytes=coord.arena.layout.state_block_bytes,
+        )
+
+    result = _with_engine(model, True, tight, pooled)
+    roomy = dict(
+        kv_cache_memory_bytes=48 * MiB, enable_prefix_caching=False, max_model_len=2048
+    )
+    result["reference"] = _with_engine(
+        model, False, roomy, lambda llm: _generate(llm, [result["prompt"]], OUTPUT)
+    )
+    return result
+
+
+def test_lone_request_fits_one_state_block(runs):
+    # (5 MiB - one request's state) / 4096 B per token = 887 tokens; block
+    # rounding and the null block leave 832 for max_model_len -1
+    assert runs["max_len"] >= 0.9 * (5 * MiB - runs["state_block_bytes"]) // 4096
+    assert runs["preempted"] == 0
+
+
+def test_short_memory_paths_taken(runs):
+    # 792 + 40 tokens cross the 32-token state block edges at 800 and 832
+    assert runs["counts"]["state_in_place"] == 2, runs["counts"]
+
+
+def test_tokens_equal_roomy_reference(runs):
+    assert runs["first"] == runs["reference"]
+    assert runs["again"] == runs["reference"]
+    assert len(runs["first"][0]) == OUTPUT
+
+
+def test_pools_fully_free_after_reset(runs):
+    for kind, (free, owned) in runs["free"].items():
+        assert free == owned, (kind, free, owned)
