@@ -660,6 +660,28 @@ class ArenaMachine(RuleBasedStateMachine):
         for i in chosen:
             assert pool.blocks[i].block_hash is None
 
+    @precondition(lambda self: any(self.requests.values()))
+    @rule(data=st.data())
+    def advance_state_in_place(self, data):
+        """A held state block lent back to its holder (the pooled
+        coordinator's in-place crossing): a second reference, out of the
+        prefix cache, no free block consumed."""
+        held = [
+            (r, b)
+            for r, bs in self.requests.items()
+            for b in bs
+            if b.pool is self.arena.state_pool and b.ref_cnt == 1
+        ]
+        assume(held)
+        req, block = data.draw(st.sampled_from(held), label="lent")
+        pool = self.arena.state_pool
+        free_before = pool.get_num_free_blocks()
+        pool.lend_in_place(block)
+        got = pool.get_new_blocks(1)
+        assert got == [block] and block.ref_cnt == 2 and block.block_hash is None
+        assert pool.get_num_free_blocks() == free_before
+        self.requests[req].append(block)
+
     @precondition(lambda self: bool(self.requests))
     @rule(data=st.data())
     def preempt(self, data):
