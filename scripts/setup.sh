@@ -7,13 +7,17 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
-want=$(sha256sum pyproject.toml | cut -c1-16)
+# The native TurboQuant kernel sources count too: changing them must rebuild.
+want=$(cat pyproject.toml setup.py CMakeLists.txt csrc/* | sha256sum | cut -c1-16)
 if [ "$(cat .setup-stamp 2>/dev/null || true)" != "$want" ] \
    || ! python -c "import vllm, vllm_hybrid" >/dev/null 2>&1; then
   python -m pip install --quiet --upgrade pip
   # torch first: the pinned CPU build comes from pip's configured find-links.
   python -m pip install --quiet "torch==2.13.0"
-  python -m pip install --quiet -e ".[cpu,test]"
+  # No build isolation: setup.py compiles csrc/ against the torch installed
+  # above, so the kernel's ABI matches the torch it runs with (docs/turboquant.md).
+  python -m pip install --quiet "setuptools>=77" wheel
+  python -m pip install --quiet --no-build-isolation -e ".[cpu,test]"
   # The registry's torchvision/torchaudio/torchcodec are CUDA builds that
   # break CPU imports (operator torchvision::nms does not exist).
   python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true

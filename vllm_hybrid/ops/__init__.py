@@ -1,0 +1,1 @@
+"""Numerical kernels owned by the overlay (torch references and native code)."""
