@@ -104,6 +104,9 @@ def register() -> None:
     from vllm_hybrid.patches.registry import PATCHES, apply_all
 
     apply_all()
+    from vllm_hybrid.platforms.cpu import register_backend
+
+    register_backend()
     # Name the per-pool metrics directory before any engine process starts,
     # so the frontend and its engine cores agree on it.
     from vllm_hybrid.v1.metrics.pool_stats import stats_dir

@@ -378,4 +378,53 @@ PATCHES: list[PatchEntry] = [
         removal="When pooled mode's worker glue also covers Model Runner V2.",
         issue=3,
     ),
+    # -- issue 6: TurboQuant KV cache on CPU, dtype validation ---------------
+    PatchEntry(
+        target="vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+        replacement="vllm_hybrid.platforms.cpu:get_attn_backend_cls",
+        bindings=(),
+        why=(
+            "CpuPlatform returns CPU_ATTN for every non-MLA layer and ignores "
+            "--attention-backend, so a backend registered through "
+            "register_backend() is never selected on CPU; CPU_ATTN cannot "
+            "store turboquant_* and corrupts memory. A platform plugin would "
+            "replace the whole platform and is skipped with "
+            "VLLM_TARGET_DEVICE=cpu."
+        ),
+        how=(
+            "Class attribute on CpuPlatform replaced by a classmethod. "
+            "Decoder layers (no MLA, sparse, sinks or sliding window, "
+            "power-of-two head size) with a turboquant_* cache dtype get "
+            "CPU_TURBOQUANT (registered as an AttentionBackendEnum member by "
+            "the plugin) unless another backend was requested; everything "
+            "else calls upstream's method unchanged."
+        ),
+        upstream_status="none (upstream's TURBOQUANT backend is Triton/GPU only)",
+        removal=(
+            "When the CPU platform selects registered backends (or honours "
+            "--attention-backend) or upstream ships a CPU TurboQuant backend."
+        ),
+        issue=6,
+    ),
+    PatchEntry(
+        target="vllm.v1.attention.selector:_cached_get_attn_backend",
+        replacement="vllm_hybrid.v1.attention.selector:cached_get_attn_backend",
+        bindings=(),
+        why=(
+            "Nothing checks the selected backend against --kv-cache-dtype on "
+            "CPU (CUDA checks in its platform): CPU_ATTN took turboquant_* and "
+            "segfaulted or silently corrupted memory under load. Every "
+            "attention layer's backend passes through this function with the "
+            "layer's own cache dtype, before any KV cache is allocated."
+        ),
+        how=(
+            "Module attribute replaced (only caller: get_attn_backend, module "
+            "global). Calls upstream's cached function, then raises one "
+            "ValueError naming the backend, the dtype and the dtypes the "
+            "backend supports when supports_kv_cache_dtype() says no."
+        ),
+        upstream_status="none",
+        removal="When upstream validates the cache dtype on every platform.",
+        issue=6,
+    ),
 ]

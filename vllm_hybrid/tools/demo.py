@@ -1,9 +1,10 @@
 """The README demo: serve the tiny Qwen3.5-shaped hybrid and ask it once.
 
 Builds the tiny random-weight ``qwen3_5`` model (offline, seconds), serves it
-with ``vllm-hybrid serve`` on loopback, sends one chat completion, prints the
-answer (random weights: expect word salad) and the engine's KV cache plan
-lines, then shuts the server down cleanly.
+with ``vllm-hybrid serve --kv-cache-dtype turboquant_k8v4`` on loopback,
+sends one chat completion, prints the answer (random weights: expect word
+salad) and the engine's KV cache plan lines, then shuts the server down
+cleanly.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ DEFAULT_KV_BYTES = 48 * 2**20
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model-dir", default=".tiny-models/qwen3_5")
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    # The project's headline command: packed TurboQuant KV on CPU_TURBOQUANT.
+    parser.add_argument("--kv-cache-dtype", default="turboquant_k8v4")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_BYTES)
     parser.add_argument("--prompt", default="Hello! What can a hybrid model do?")
     args = parser.parse_args(argv)

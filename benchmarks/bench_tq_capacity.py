@@ -1,0 +1,106 @@
+"""Longest single prompt a fixed KV budget serves: ``auto`` vs TurboQuant.
+
+Reuses bench_pooled's one_long search unchanged (``_one_long_part``: start
+with ``max_model_len=-1`` auto-fit, fall back to the largest startable
+``max_model_len``, then binary-search the longest prompt that prefills and
+decodes 16 tokens alone without preemption) on engines that differ only in
+``--kv-cache-dtype``. Default: tiny ``qwen3_5``, pooled mode, 5 MiB budget,
+32-token blocks, prefix caching off and on::
+
+    python benchmarks/bench_tq_capacity.py --dtypes auto,turboquant_k8v4
+
+The attention bytes per token fall from 4096 (bf16 K/V, head_dim 256, 2 KV
+heads, 2 attention layers) to 1552 with k8v4 (388-byte slots), 2.64x; the
+recurrent state of the request (same in both) takes the rest of the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+quality = _load("bench_tq_quality")
+bp = quality.bp
+
+
+def longest_prompt(kind: str, path: str, dtype: str, prefix: bool, cfg) -> dict:
+    """bench_pooled's one_long result for one cache dtype."""
+    spec = quality.DtypeEngineSpec(
+        model_path=path,
+        budget_bytes=cfg.one_long_budget_bytes,
+        prefix_caching=prefix,
+        max_num_seqs=1,
+        max_model_len=cfg.one_long_max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        block_size=cfg.one_long_block_size,
+        kv_cache_dtype=dtype,
+    )
+    report = bp.WorkerReport(model=kind, mode=dtype)
+    result = bp._one_long_part(report, f"one_long_{dtype}", spec, cfg)
+    metrics = result["metrics"]
+    engine = report.engines.get(f"one_long_{dtype}", {})
+    return {
+        "longest_prompt": metrics["longest_prompt"],
+        "reported_capacity_tokens": metrics.get("reported_capacity_tokens"),
+        "max_model_len": metrics.get("max_model_len"),
+        "tries": metrics["tries"],
+        "errors": report.errors,
+        "start_error": engine.get("start_error"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3_5")
+    parser.add_argument("--dtypes", default="auto,turboquant_k8v4")
+    parser.add_argument("--budget-mib", type=float, default=5.0)
+    parser.add_argument("--prefix-caching", default="off,on")
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = replace(bp.BenchConfig(), one_long_budget_bytes=int(args.budget_mib * bp.MIB))
+    from vllm_hybrid.tools.tiny_models import build_tiny_model
+
+    report: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(build_tiny_model(Path(tmp) / args.model, args.model))
+        for pc in args.prefix_caching.split(","):
+            for dtype in args.dtypes.split(","):
+                r = longest_prompt(args.model, path, dtype, pc == "on", cfg)
+                report[f"pc_{pc}/{dtype}"] = r
+                print(f"[tq-capacity] prefix caching {pc}, {dtype}: {r}", flush=True)
+    print(f"| {args.model}, {args.budget_mib:g} MiB | longest prompt | ratio |")
+    print("| --- | ---: | ---: |")
+    for pc in args.prefix_caching.split(","):
+        base = report.get(f"pc_{pc}/auto", {}).get("longest_prompt") or 0
+        for dtype in args.dtypes.split(","):
+            n = report[f"pc_{pc}/{dtype}"]["longest_prompt"]
+            ratio = f"{n / base:.2f}x" if base else "-"
+            print(f"| prefix caching {pc}, {dtype} | {n} | {ratio} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""TurboQuant KV cache quality against ``auto`` on the tiny hybrid models.
+
+Method (teacher forcing): the same random-token prompts are prefilled by an
+engine per cache dtype, asking vLLM for the log-probabilities of *every*
+vocabulary entry at every prompt position (``prompt_logprobs`` = vocab
+size, ``max_logprobs`` raised to match; raw log-softmax of the logits). The
+prefill already runs through the CPU_TURBOQUANT backend's quantized cache
+(store, then attend over the dequantized context), so each position's
+distribution reflects the preset. Per preset we report, over the same
+positions:
+
+* top-1 agreement: share of positions whose argmax equals ``auto``'s;
+* mean KL(auto || preset) of the next-token distributions, in nats.
+
+Engines run in this process, pooled mode (the default), one at a time::
+
+    python benchmarks/bench_tq_quality.py --models qwen3_5,qwen3_next
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PRESETS = (
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+)
+
+
+def load_bench_pooled():
+    """``benchmarks/bench_pooled.py`` as a module (workloads, engine helpers)."""
+    name = "bench_pooled"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / "bench_pooled.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+bp = load_bench_pooled()
+
+
+@dataclass(frozen=True)
+class DtypeEngineSpec(bp.EngineSpec):
+    """bench_pooled's engine, with a cache dtype and full-vocab logprobs."""
+
+    kv_cache_dtype: str = "auto"
+    max_logprobs: int = 20
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return super().llm_kwargs() | {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "max_logprobs": self.max_logprobs,
+        }
+
+
+def prompts_for(vocab: list[int], positions: int, length: int, seed: int):
+    """Random prompts whose scored positions (all but the first) sum to
+    ``positions``; the last prompt is shortened to hit the count."""
+    import random
+
+    rng = random.Random(f"tq_quality/{seed}")
+    prompts, left = [], positions
+    while left > 0:
+        n = min(length, left + 1)
+        prompts.append(bp.random_tokens(rng, vocab, n))
+        left -= n - 1
+    return prompts
+
+
+def distributions(engine: Any, prompts: list[list[int]], vocab_size: int):
+    """Per scored position: a list of ``vocab_size`` log-probabilities."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab_size)
+    outs = engine.llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    rows = []
+    for out in outs:
+        for entry in out.prompt_logprobs[1:]:
+            row = [-math.inf] * vocab_size
+            for token, logprob in entry.items():
+                if token < vocab_size:
+                    row[token] = logprob.logprob
+            rows.append(row)
+    return rows
+
+
+def compare(reference: list[list[float]], other: list[list[float]]) -> dict:
+    """Top-1 agreement and mean KL(reference || other) over positions."""
+    import torch
+
+    ref = torch.tensor(reference, dtype=torch.float64)
+    oth = torch.tensor(other, dtype=torch.float64)
+    agree = (ref.argmax(-1) == oth.argmax(-1)).double().mean().item()
+    p = ref.exp()
+    terms = torch.where(p > 0, p * (ref - oth), torch.zeros_like(p))
+    kl = terms.sum(-1)
+    return {
+        "positions": ref.shape[0],
+        "top1_agreement": agree,
+        "mean_kl": kl.mean().item(),
+        "max_kl": kl.max().item(),
+    }
+
+
+def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
+    from vllm_hybrid.tools.tiny_models import build_tiny_model
+
+    path = str(build_tiny_model(root / kind, kind))
+    results: dict[str, Any] = {}
+    reference = None
+    for dtype in ("auto", *args.presets):
+        spec = DtypeEngineSpec(
+            model_path=path,
+            budget_bytes=args.budget_mib * bp.MIB,
+            prefix_caching=False,
+            max_num_seqs=16,
+            max_model_len=args.prompt_len + 16,
+            enforce_eager=True,
+            seed=0,
+            kv_cache_dtype=dtype,
+            max_logprobs=args.vocab,
+        )
+        start = time.perf_counter()
+        with bp.open_engine(spec) as engine:
+            vocab = engine.vocab()
+            size = engine.vllm_config.model_config.get_vocab_size()
+            prompts = prompts_for(vocab, args.positions, args.prompt_len, 0)
+            rows = distributions(engine, prompts, size)
+        wall = time.perf_counter() - start
+        if dtype == "auto":
+            reference = rows
+            results[dtype] = {"positions": len(rows), "wall_s": wall}
+        else:
+            results[dtype] = compare(reference, rows) | {"wall_s": wall}
+        print(f"[tq-quality] {kind} {dtype}: {results[dtype]}", flush=True)
+    return results
+
+
+def format_table(report: dict[str, dict]) -> str:
+    lines = [
+        "| model | preset | positions | top-1 agreement | mean KL (nats) | max KL |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for kind, results in report.items():
+        for dtype in PRESETS:
+            r = results.get(dtype)
+            if r is None:
+                continue
+            lines.append(
+                f"| {kind} | {dtype} | {r['positions']} | "
+                f"{100 * r['top1_agreement']:.1f}% | {r['mean_kl']:.5f} | "
+                f"{r['max_kl']:.4f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="qwen3_5,qwen3_next")
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--positions", type=int, default=2000)
+    parser.add_argument("--prompt-len", type=int, default=501)
+    parser.add_argument("--budget-mib", type=int, default=48)
+    parser.add_argument(
+        "--vocab", type=int, default=2048, help="max_logprobs (>= vocab size)"
+    )
+    parser.add_argument("--json", help="also write the report here")
+    args = parser.parse_args(argv)
+    args.presets = [p for p in args.presets.split(",") if p]
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.models.split(","):
+            report[kind] = run_model(kind, Path(tmp), args)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""TurboQuant KV cache end to end on CPU: tiny qwen3_5 and qwen3_next.
+
+One in-process engine per (model, mode) with ``--kv-cache-dtype
+turboquant_k8v4`` and the 48 MiB budget of ``benchmarks/bench_pooled.py``,
+whose workload generators and settings are reused: the saturation workload
+(64 requests, prompts of 64-512 tokens, 32 output tokens) runs twice with a
+prefix-cache reset in between, then the multi-turn prefix-caching workload
+(6 conversations, 5 turns). Pooled and
+single-pool mode must both finish, repeat themselves exactly, and produce
+the same multi-turn conversations.
+
+Saturation outputs are compared between the two modes only as a count (see
+docs/turboquant-backend.md): the modes admit different numbers of requests
+per step, and this model's CPU numerics depend on the batch (``auto`` shows
+the same).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+DTYPE = "turboquant_k8v4"
+BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_pooled.py"
+MODES = ("pooled", "single")
+
+
+def _bench():
+    name = "bench_pooled_for_tq"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH_PATH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _config():
+    """bench_pooled's acceptance settings, unchanged."""
+    return _bench().BenchConfig()
+
+
+def _generate(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outs], [
+        o.num_cached_tokens or 0 for o in outs
+    ]
+
+
+def _multi_turn(llm, cfg, vocab):
+    bp = _bench()
+    system = bp.multi_turn_system(cfg, vocab)
+    histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
+    turns, cached, prompt_tokens = [], 0, 0
+    for turn in range(cfg.multi_turn_turns):
+        prompts = [
+            h + bp.multi_turn_user(cfg, vocab, conv, turn)
+            for conv, h in enumerate(histories)
+        ]
+        outs, hits = _generate(llm, prompts, cfg.multi_turn_output)
+        turns.append(outs)
+        cached += sum(hits)
+        prompt_tokens += sum(len(p) for p in prompts)
+        histories = [p + o for p, o in zip(prompts, outs, strict=True)]
+    return turns, cached / prompt_tokens
+
+
+def _run(model: str, mode: str) -> dict:
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.plugins import load_general_plugins
+
+    from vllm_hybrid import plugin
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    load_general_plugins()
+    plugin.register()
+    cfg = _config()
+    llm = LLM(
+        model=model,
+        kv_cache_dtype=DTYPE,
+        kv_cache_memory_bytes=cfg.budget_bytes,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        seed=cfg.seed,
+        additional_config={"hybrid_kv": {"pooled": mode == "pooled"}},
+    )
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        tokenizer = llm.get_tokenizer()
+        vocab_size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+        vocab = _bench().allowed_token_ids(
+            min(len(tokenizer), vocab_size), tokenizer.all_special_ids
+        )
+        prompts = _bench().many_short_prompts(cfg, vocab)
+        first, _ = _generate(llm, prompts, cfg.many_short_output)
+        llm.reset_prefix_cache()
+        second, _ = _generate(llm, prompts, cfg.many_short_output)
+        llm.reset_prefix_cache()
+        turns, hit_rate = _multi_turn(llm, cfg, vocab)
+        context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        backends = {
+            layer.attn_backend.get_name()
+            for layer in context.values()
+            if hasattr(layer, "attn_backend")
+        }
+        return {
+            "saturation": first,
+            "saturation_repeat": second,
+            "multi_turn": turns,
+            "hit_rate": hit_rate,
+            "config": core.scheduler.kv_cache_config,
+            "backends": backends,
+            "coordinator": type(core.scheduler.kv_cache_manager.coordinator).__name__,
+        }
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def runs(request, tiny_model_dir):
+    model = str(tiny_model_dir(request.param))
+    return {"kind": request.param} | {mode: _run(model, mode) for mode in MODES}
+
+
+def _slot_bytes(kind: str) -> int:
+    # k8v4: head_dim fp8 key bytes + head_dim/2 value bytes + 3 fp16 fields.
+    return {"qwen3_5": 388, "qwen3_next": 196}[kind]
+
+
+def test_both_modes_run_the_cpu_turboquant_backend(runs):
+    for mode in MODES:
+        assert runs[mode]["backends"] == {"CPU_TURBOQUANT"}
+    assert runs["pooled"]["coordinator"].startswith("Pooled")
+    assert not runs["single"]["coordinator"].startswith("Pooled")
+
+
+def test_saturation_completes_and_repeats_exactly(runs):
+    cfg = _config()
+    for mode in MODES:
+        first = runs[mode]["saturation"]
+        assert len(first) == cfg.many_short_requests
+        assert all(len(ids) == cfg.many_short_output for ids in first)
+        assert runs[mode]["saturation_repeat"] == first, mode
+
+
+def test_multi_turn_identical_between_pooled_and_single_pool(runs):
+    pooled, single = runs["pooled"], runs["single"]
+    assert pooled["multi_turn"] == single["multi_turn"]
+    # The shared 1200-token system prompt and the histories hit the cache.
+    for mode in MODES:
+        assert runs[mode]["hit_rate"] > 0.5, (mode, runs[mode]["hit_rate"])
+
+
+def test_pages_are_packed_slots_with_true_padding(runs):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    slot = _slot_bytes(runs["kind"])
+    for mode in MODES:
+        config = runs[mode]["config"]
+        specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+        attn = [s for s in specs if isinstance(s, FullAttentionSpec)]
+        state = [s for s in specs if isinstance(s, MambaSpec)]
+        assert attn and state
+        for spec in attn:
+            assert spec.page_size_bytes == spec.block_size * 2 * slot, mode
+            assert spec.state_content_bytes == slot
+        for spec in state:
+            padding = spec.page_size_bytes - spec.real_page_size_bytes
+            if mode == "pooled":
+                assert padding == 0
+            else:
+                # The state page is padded exactly to the packed attention page.
+                assert spec.page_size_bytes == attn[0].page_size_bytes
+                assert 0 <= padding < attn[0].page_size_bytes
+    assert runs["pooled"]["config"].kv_cache_groups[0].kv_cache_spec.block_size == 128

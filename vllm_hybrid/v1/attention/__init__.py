@@ -1,0 +1,1 @@
+"""Attention of the overlay, mirroring upstream's ``vllm/v1/attention``."""

@@ -1,0 +1,1 @@
+"""Attention backends the overlay adds through vLLM's backend registry."""

@@ -1,0 +1,329 @@
+"""TurboQuant KV cache on vLLM's CPU backend.
+
+vLLM 0.32's TurboQuant backend is GPU-only (Triton kernels); on CPU the
+``turboquant_*`` cache dtypes used to land on ``CPU_ATTN``, which stores plain
+bf16 K/V into pages sized for the packed slot and corrupts memory. This
+backend keeps upstream's packed format: one slot of
+``TQLayout.slot_bytes`` (== upstream ``TurboQuantConfig.slot_size_aligned``)
+per token per KV head, so pages, plans and capacity are those of upstream's
+TurboQuant, and the numerics live in :mod:`vllm_hybrid.ops.turboquant`.
+
+Each layer's cache is the uint8 view vLLM allocates from the spec
+(``customize_spec`` makes the page ``block_size x num_kv_heads x
+slot_bytes``). The backend asks for the token-major ``LBNHC`` layout, so the
+logical ``[blocks, heads, tokens, slot]`` view vLLM binds is, transposed, the
+``[blocks, tokens, heads, slot]`` array the TurboQuant ops take; block
+strides may exceed one page (pooled mode interleaves layers per block) and
+are kept as they are.
+
+Forward = ``store`` (new K/V through the slot mapping, done by vLLM's
+separate KV-update op) then causal ``paged_attention`` over the cached
+context, which covers prefill, chunked prefill, prefix-cache hits and decode
+alike: every query attends to its request's stored tokens up to itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from vllm_hybrid.logger import init_logger
+
+logger = init_logger(__name__)
+
+#: Name of the backend in vLLM's ``AttentionBackendEnum``.
+BACKEND_NAME = "CPU_TURBOQUANT"
+
+#: The four upstream presets (``vllm.config.cache.CacheDType``).
+TURBOQUANT_CACHE_DTYPES: tuple[str, ...] = (
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+)
+
+
+def is_turboquant_dtype(kv_cache_dtype: str | None) -> bool:
+    return kv_cache_dtype in TURBOQUANT_CACHE_DTYPES
+
+
+def tq_layout(cache_dtype: str, head_dim: int) -> Any:
+    """The numerics' slot layout for a preset (imported lazily: torch ops)."""
+    from vllm_hybrid.ops.turboquant import TQLayout
+
+    return TQLayout.from_cache_dtype(cache_dtype, head_dim)
+
+
+@dataclass(frozen=True)
+class DenseCache:
+    """A layer's cache as the dense array the ops take, and the block scale.
+
+    vLLM's per-layer view may step from one block to the next by more than a
+    page (pooled mode puts one page of every attention layer in a block, and
+    a layer's next page follows the other layers' pages). When that step is
+    ``stride`` whole pages, the same bytes form a dense array in which block
+    ``b`` of the layer is row ``b * stride``; rows in between belong to other
+    layers and are never addressed.
+    """
+
+    cache: torch.Tensor  # uint8 [rows, block_size, H, slot_bytes], contiguous
+    stride: int  # rows per block of the layer
+
+    def block_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        return block_table if self.stride == 1 else block_table * self.stride
+
+    def slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if self.stride == 1:
+            return slot_mapping
+        block_size = self.cache.shape[1]
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        moved = slot_mapping + blocks * ((self.stride - 1) * block_size)
+        return torch.where(slot_mapping >= 0, moved, slot_mapping)
+
+
+def dense_cache(kv_cache: torch.Tensor) -> DenseCache:
+    """``[blocks, heads, tokens, slot]`` (vLLM's LBNHC view) -> :class:`DenseCache`
+    over ``[rows, tokens, heads, slot]`` (the ops' layout)."""
+    view = kv_cache.transpose(1, 2)
+    num_blocks, block_size, heads, slot = view.shape
+    page = block_size * heads * slot
+    if view[0].stride() != (heads * slot, slot, 1):
+        raise ValueError(
+            f"{BACKEND_NAME} needs token-major pages (KV cache layout LBNHC); "
+            f"got strides {tuple(kv_cache.stride())}"
+        )
+    step = view.stride(0)
+    if num_blocks > 1 and (step < page or step % page):
+        raise ValueError(
+            f"{BACKEND_NAME}: block stride {step} B is not a whole number of "
+            f"{page} B pages"
+        )
+    stride = step // page if num_blocks > 1 else 1
+    rows = (num_blocks - 1) * stride + 1
+    dense = view.as_strided(
+        (rows, block_size, heads, slot),
+        (page, heads * slot, slot, 1),
+        view.storage_offset(),
+    )
+    return DenseCache(dense, stride)
+
+
+class CPUTurboQuantAttentionBackend(AttentionBackend):
+    """Packed TurboQuant KV cache, torch/C++ numerics, any block size."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.bfloat16,
+        torch.float16,
+        torch.float32,
+    ]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(TURBOQUANT_CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUTurboQuantAttentionImpl]:
+        return CPUTurboQuantAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[CPUTurboQuantMetadataBuilder]:
+        return CPUTurboQuantMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # The ops address tokens through block tables of any block size, so
+        # manager blocks are never split into kernel blocks.
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        # The Hadamard rotation needs a power of two.
+        return head_size > 0 and head_size & (head_size - 1) == 0
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Make the page ``block_size x num_kv_heads x slot_bytes``.
+
+        Without this the spec would size plain K/V of uint8 (2 x head_dim
+        bytes per token per head) and the plan would not match the slots.
+        """
+        if spec.state_content_bytes is not None or not spec.kv_quant_mode.is_turboquant:
+            return spec
+        # KVQuantMode member names are the preset names in upper case.
+        layout = tq_layout(spec.kv_quant_mode.name.lower(), spec.head_size)
+        return replace(spec, state_content_bytes=layout.slot_bytes)
+
+
+@dataclass
+class CPUTurboQuantMetadata:
+    """What ``paged_attention`` needs for one step (tensors on CPU)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+
+
+class CPUTurboQuantMetadataBuilder(AttentionMetadataBuilder[CPUTurboQuantMetadata]):
+    """Slices vLLM's common metadata to the real requests; no reordering."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> CPUTurboQuantMetadata:
+        cam = common_attn_metadata
+        num_reqs = cam.num_reqs
+        return CPUTurboQuantMetadata(
+            num_actual_tokens=cam.num_actual_tokens,
+            max_query_len=cam.max_query_len,
+            max_seq_len=cam.max_seq_len,
+            query_start_loc=cam.query_start_loc[: num_reqs + 1].to(torch.int32),
+            seq_lens=cam.seq_lens[:num_reqs].to(torch.int32),
+            block_table=cam.block_table_tensor[:num_reqs].to(torch.int32),
+            slot_mapping=cam.slot_mapping,
+        )
+
+
+class CPUTurboQuantAttentionImpl(AttentionImpl[CPUTurboQuantMetadata]):
+    """Store through the slot mapping, attend through the block table."""
+
+    supports_quant_query_input: bool = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap or None,
+            "sinks": kwargs.get("sinks"),
+        }
+        used = [name for name, value in unsupported.items() if value is not None]
+        if used:
+            raise NotImplementedError(
+                f"{BACKEND_NAME} does not support {', '.join(used)}; start "
+                "without --kv-cache-dtype turboquant_* for this model"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"{BACKEND_NAME} only runs decoder attention")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.layout = tq_layout(kv_cache_dtype, head_size)
+        self._dense_key: tuple | None = None
+        self._dense_value: DenseCache | None = None
+
+    def _dense(self, kv_cache: torch.Tensor) -> DenseCache:
+        """The dense form of this layer's cache, computed once per binding."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+        if key != self._dense_key or self._dense_value is None:
+            self._dense_value = dense_cache(kv_cache)
+            self._dense_key = key
+        return self._dense_value
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Quantize the step's new K/V into their slots (-1 = no slot)."""
+        if kv_cache.numel() == 0:
+            return
+        from vllm_hybrid.ops.turboquant import store
+
+        n = slot_mapping.shape[0]
+        cache = self._dense(kv_cache)
+        store(
+            key[:n],
+            value[:n],
+            cache.cache,
+            cache.slot_mapping(slot_mapping),
+            self.layout,
+        )
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUTurboQuantMetadata | None,
+        output: torch.Tensor | None = None,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert output is not None, "CPU_TURBOQUANT writes into vLLM's output buffer"
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError(
+                f"{BACKEND_NAME} does not fuse output quantization"
+            )
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        from vllm_hybrid.ops.turboquant import paged_attention
+
+        n = attn_metadata.num_actual_tokens
+        out = output[:n]
+        cache = self._dense(kv_cache)
+        result = paged_attention(
+            query[:n],
+            cache.cache,
+            cache.block_table(attn_metadata.block_table),
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            self.scale,
+            self.layout,
+            out=out,
+        )
+        if result is not None and result.data_ptr() != out.data_ptr():
+            out.copy_(result)
+        return output
