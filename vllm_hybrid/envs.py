@@ -62,7 +62,12 @@ def tq_native_enabled(environ: dict[str, str] | None = None) -> bool:
 
 #: Every variable the overlay reads. vLLM warns about (or, with hard failing
 #: enabled, rejects) ``VLLM_*`` variables it does not know.
-OVERLAY_ENV_VARS = (SWITCH_VAR, TQ_NATIVE_VAR, "VLLM_HYBRID_STATS_DIR")
+OVERLAY_ENV_VARS = (
+    SWITCH_VAR,
+    TQ_NATIVE_VAR,
+    "VLLM_HYBRID_STATS_DIR",  # per-pool metrics (vllm_hybrid.v1.metrics)
+    "VLLM_HYBRID_SKIP_NATIVE",  # build time only (setup.py), harmless when set later
+)
 
 
 def declare_to_vllm() -> None:
