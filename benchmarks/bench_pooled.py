@@ -81,6 +81,10 @@ class BenchConfig:
     #: holds only a handful of the CPU default's 128-token blocks; 32 is the
     #: smallest block the CPU attention kernel takes. None keeps the default.
     one_long_block_size: int | None = 32
+    #: ``--mamba-block-size`` (state checkpoint interval in align mode) of the
+    #: prefix-caching engines except one_long's; None keeps the default (the
+    #: attention block). Upstream overrides it with its inflated block.
+    mamba_block_size: int | None = None
     same_tokens_max_model_len: int = 2048
     many_short_requests: int = 64
     many_short_min_len: int = 64
@@ -503,9 +507,12 @@ class EngineSpec:
     enforce_eager: bool
     seed: int
     block_size: int | None = None
+    mamba_block_size: int | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
+        if self.mamba_block_size is not None and self.prefix_caching:
+            extra["mamba_block_size"] = self.mamba_block_size
         return extra | {
             "model": self.model_path,
             "kv_cache_memory_bytes": self.budget_bytes,
@@ -1072,6 +1079,7 @@ def _engine_specs(
             cfg.enforce_eager,
             cfg.seed,
             block,
+            cfg.mamba_block_size if block is None else None,
         )
 
     specs = {
@@ -1711,6 +1719,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 32; 0 keeps the platform default)",
     )
     parser.add_argument(
+        "--mamba-block-size",
+        type=int,
+        default=None,
+        help="state checkpoint interval (align mode) of the prefix-caching "
+        "engines other than one_long's, both modes (default: the attention block)",
+    )
+    parser.add_argument(
         "--preempt-budget-mib",
         type=float,
         default=None,
@@ -1744,6 +1759,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ),
         enforce_eager=not args.compile,
         one_long_block_size=args.one_long_block_size or None,
+        mamba_block_size=args.mamba_block_size,
     )
     return quick_config(cfg) if args.quick else cfg
 

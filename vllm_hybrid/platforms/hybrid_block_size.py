@@ -27,15 +27,39 @@ def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
         return
     cache_config = vllm_config.cache_config
     if cache_config.mamba_cache_mode == "align":
-        # State checkpoints every attention block, as upstream does after
-        # alignment; the block is just not inflated.
-        cache_config.mamba_block_size = cache_config.block_size
+        cache_config.mamba_block_size = checkpoint_interval(
+            cache_config.block_size, cache_config.mamba_block_size
+        )
     cache_config.mamba_page_size_padded = None
     logger.info_once(
         "vllm-hybrid pooled KV mode: attention keeps its natural block of %d "
         "tokens; state pages are not padded",
         cache_config.block_size,
     )
+
+
+def checkpoint_interval(block_size: int, requested: int | None) -> int:
+    """Tokens between state checkpoints in align mode (``mamba_block_size``).
+
+    Default: the attention block, as upstream does after its alignment (the
+    block is just not inflated here). ``--mamba-block-size`` may ask for a
+    multiple of it: checkpoints (one state page each) then come every that
+    many tokens, and prefix hits land on its multiples. Upstream plans group
+    block sizes that differ (scheduler block = their LCM, hashes at their
+    GCD); a multiple keeps that LCM equal to the interval.
+    """
+    if requested is None or requested == block_size:
+        return block_size
+    if requested % block_size:
+        raise ValueError(
+            f"--mamba-block-size {requested} must be a multiple of the attention "
+            f"block size {block_size} in vllm-hybrid's pooled mode (state "
+            f"checkpoints sit on attention block edges); use "
+            f"{max(1, requested // block_size) * block_size} or "
+            f"{-(-requested // block_size) * block_size}, or leave it unset for "
+            f"{block_size}"
+        )
+    return requested
 
 
 align_hybrid_block_size = classmethod(_align_hybrid_block_size)

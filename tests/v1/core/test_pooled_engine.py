@@ -78,6 +78,15 @@ CONFIGS = {
     "prefix-caching-off": dict(
         kv_cache_memory_bytes=48 * MiB, enable_prefix_caching=False, max_model_len=2048
     ),
+    # state checkpoints every 256 tokens, attention blocks of 128: the shared
+    # 300-token prefix hits at 256 (upstream ignores the option: its
+    # alignment sets the interval to its inflated block)
+    "mamba-block-256": dict(
+        kv_cache_memory_bytes=48 * MiB,
+        enable_prefix_caching=True,
+        max_model_len=2048,
+        mamba_block_size=256,
+    ),
     # 12 MiB and 6 prompts of up to 800 tokens at once: the scheduler must
     # preempt (upstream cannot even plan max_model_len 2048 at this budget).
     "forced-preemption": dict(
@@ -106,7 +115,12 @@ def runs(request, tiny_model_dir):
 def _measure(llm, mode: str) -> dict:
     sched = _scheduler(llm)
     counter = _count_preemptions(sched)
-    out = {mode: _generate(llm, _prompts())}
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(_prompts(), params)
+    out = {mode: [list(o.outputs[0].token_ids) for o in outputs]}
+    out[f"{mode}_hit_tokens"] = sum(o.num_cached_tokens or 0 for o in outputs)
     out[f"{mode}_preemptions"] = counter[0]
     out[f"{mode}_coordinator"] = type(sched.kv_cache_manager.coordinator).__name__
     out[f"{mode}_block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
@@ -169,3 +183,17 @@ def test_plan_natural_block_and_zero_state_padding(runs):
 def test_every_pool_fully_free_after_workload_and_reset(runs):
     for kind, (free, owned) in runs["free_after"].items():
         assert free == owned, (kind, free, owned)
+
+
+def test_decoupled_checkpoint_interval(runs):
+    if runs["name"] != "mamba-block-256":
+        pytest.skip("only the mamba-block-256 configuration sets the interval")
+    config = runs["config"]
+    state = config.pool_by_kind("state")
+    token = config.pool_by_kind("token")
+    assert config.kv_cache_groups[state.group_ids[0]].kv_cache_spec.block_size == 256
+    assert config.kv_cache_groups[token.group_ids[0]].kv_cache_spec.block_size == 128
+    # prompts with the shared 300-token prefix scheduled after the first one
+    # hit its 256-token checkpoint; hits land on multiples of the interval
+    hits = runs["pooled_hit_tokens"]
+    assert hits >= 256 and hits % 256 == 0, hits

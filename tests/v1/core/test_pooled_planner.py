@@ -184,3 +184,13 @@ def test_every_rank_gets_the_same_plan_from_the_smallest_budget():
     assert configs is not None and len(configs) == 2
     assert configs[0] == configs[1] and configs[0] is not configs[1]
     assert configs[0].arena_bytes == 40 * MiB
+
+
+def test_checkpoint_interval_default_and_multiples():
+    from vllm_hybrid.platforms.hybrid_block_size import checkpoint_interval
+
+    assert checkpoint_interval(128, None) == 128
+    assert checkpoint_interval(128, 128) == 128
+    assert checkpoint_interval(128, 512) == 512
+    with pytest.raises(ValueError, match="--mamba-block-size 200 must be a multiple"):
+        checkpoint_interval(128, 200)

@@ -11,6 +11,7 @@ stayed in the prefix cache.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from test_pooled_engine import _generate, _scheduler, _with_engine
@@ -53,6 +54,15 @@ def runs(tiny_model_dir):
         first = _generate(llm, [prompt], OUTPUT)
         counts = dict(coord.short_memory_counts)
         again = _generate(llm, [prompt], OUTPUT)  # may hit what stayed cached
+        # a prompt that can never fit (max_model_len is auto-fitted to the
+        # budget) is refused at once instead of waiting forever
+        started = time.perf_counter()
+        try:
+            _generate(llm, [_long_prompt(max_len + 1)], OUTPUT)
+            refusal = None
+        except Exception as exc:  # vLLM raises a ValueError subclass
+            refusal = f"{type(exc).__name__}: {exc}"
+        refusal_s = time.perf_counter() - started
         llm.reset_prefix_cache()
         free = {
             k: (p.get_num_free_blocks(), p.owned_capacity)
@@ -68,6 +78,8 @@ def runs(tiny_model_dir):
             preempted=preempted[0],
             free=free,
             state_block_bytes=coord.arena.layout.state_block_bytes,
+            refusal=refusal,
+            refusal_s=refusal_s,
         )
 
     result = _with_engine(model, True, tight, pooled)
@@ -101,3 +113,10 @@ def test_tokens_equal_roomy_reference(runs):
 def test_pools_fully_free_after_reset(runs):
     for kind, (free, owned) in runs["free"].items():
         assert free == owned, (kind, free, owned)
+
+
+def test_request_that_can_never_fit_is_refused_at_once(runs):
+    refusal = runs["refusal"]
+    assert refusal is not None
+    assert "maximum model length" in refusal and str(runs["max_len"]) in refusal
+    assert runs["refusal_s"] < 5.0
