@@ -42,20 +42,23 @@ def checkpoint_interval(block_size: int, requested: int | None) -> int:
     """Tokens between state checkpoints in align mode (``mamba_block_size``).
 
     Default: the attention block, as upstream does after its alignment (the
-    block is just not inflated here). ``--mamba-block-size`` may ask for a
-    multiple of it: checkpoints (one state page each) then come every that
-    many tokens, and prefix hits land on its multiples. Upstream plans group
+    block is just not inflated here); values at or below the block count as
+    unset. ``--mamba-block-size`` may ask for a larger multiple of it:
+    checkpoints (one state page each) then come every that many tokens, and
+    prefix hits land on its multiples. Upstream plans group
     block sizes that differ (scheduler block = their LCM, hashes at their
     GCD); a multiple keeps that LCM equal to the interval.
     """
-    if requested is None or requested == block_size:
+    if requested is None or requested <= block_size:
+        # unset, or a value a config hook copied from an earlier (smaller)
+        # block size before the platform chose the final one
         return block_size
     if requested % block_size:
         raise ValueError(
             f"--mamba-block-size {requested} must be a multiple of the attention "
             f"block size {block_size} in vllm-hybrid's pooled mode (state "
             f"checkpoints sit on attention block edges); use "
-            f"{max(1, requested // block_size) * block_size} or "
+            f"{requested // block_size * block_size} or "
             f"{-(-requested // block_size) * block_size}, or leave it unset for "
             f"{block_size}"
         )

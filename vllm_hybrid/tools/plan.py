@@ -1076,10 +1076,31 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     )
 
 
-def _quiet_vllm_logs() -> None:
-    """Keep vLLM's INFO lines off stdout (the plan, or JSON, goes there)."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+_QUIET_VLLM_LOGS = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+}
+
+
+@contextlib.contextmanager
+def _quiet_vllm_logs() -> Iterator[None]:
+    """Keep vLLM's INFO lines off stdout (the plan, or JSON, goes there).
+
+    vLLM reads these variables when it configures logging (at import in a
+    fresh ``vllm-hybrid plan`` process). They are restored afterwards, so a
+    caller's process (tests run ``main`` in-process) keeps its own settings.
+    """
+    saved = {name: os.environ.get(name) for name in _QUIET_VLLM_LOGS}
+    for name, value in _QUIET_VLLM_LOGS.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1089,8 +1110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         request = request_from_args(args)
-        _quiet_vllm_logs()
-        plan = build_plan(request)
+        with _quiet_vllm_logs():
+            plan = build_plan(request)
         if args.plot is not None:
             plot_concurrency(plan, request, args.plot)
     except PlanError as exc:

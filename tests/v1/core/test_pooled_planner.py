@@ -192,5 +192,7 @@ def test_checkpoint_interval_default_and_multiples():
     assert checkpoint_interval(128, None) == 128
     assert checkpoint_interval(128, 128) == 128
     assert checkpoint_interval(128, 512) == 512
+    # a value copied from an earlier, smaller block size is not a request
+    assert checkpoint_interval(128, 16) == 128
     with pytest.raises(ValueError, match="--mamba-block-size 200 must be a multiple"):
         checkpoint_interval(128, 200)

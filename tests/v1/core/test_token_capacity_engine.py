@@ -78,8 +78,11 @@ def _start_engine(model: Path) -> Iterator[Engine]:
         logging.getLogger("vllm.hybrid.v1.core.kv_cache_utils"): overlay,
         logging.getLogger(UPSTREAM): upstream,
     }
+    levels = {logger: logger.level for logger in loggers}
     for logger, handler in loggers.items():
         logger.addHandler(handler)
+        # INFO even if an earlier test left vLLM's logging at WARNING
+        logger.setLevel(logging.INFO)
     # The capacity line is logged with info_once; an identical line from an
     # earlier engine in this process would otherwise be swallowed.
     _print_info_once.cache_clear()
@@ -103,6 +106,7 @@ def _start_engine(model: Path) -> Iterator[Engine]:
     finally:
         for logger, handler in loggers.items():
             logger.removeHandler(handler)
+            logger.setLevel(levels[logger])
         # The overlay stays active, as vLLM leaves it for the rest of a process.
         del llm
         gc.collect()
