@@ -118,5 +118,5 @@ def test_pools_fully_free_after_reset(runs):
 def test_request_that_can_never_fit_is_refused_at_once(runs):
     refusal = runs["refusal"]
     assert refusal is not None
-    assert "maximum model length" in refusal and str(runs["max_len"]) in refusal
+    assert "maximum context length" in refusal and str(runs["max_len"]) in refusal
     assert runs["refusal_s"] < 5.0
