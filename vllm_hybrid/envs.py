@@ -15,14 +15,16 @@ _ON = {"1", "true", "on", "yes"}
 _OFF = {"0", "false", "off", "no"}
 
 
-def overlay_enabled(environ: dict[str, str] | None = None) -> bool:
-    """Return whether ``VLLM_HYBRID_KV`` asks for the overlay.
+def _on_off(
+    name: str, on_means: str, off_means: str, environ: dict[str, str] | None
+) -> bool:
+    """Read an on/off variable; unset or empty means on.
 
     Raises ``ValueError`` naming the variable and the accepted values when it
     holds anything else, so a typo never silently picks a mode.
     """
     env = os.environ if environ is None else environ
-    raw = env.get(SWITCH_VAR)
+    raw = env.get(name)
     if raw is None or raw.strip() == "":
         return True
     value = raw.strip().lower()
@@ -31,9 +33,14 @@ def overlay_enabled(environ: dict[str, str] | None = None) -> bool:
     if value in _OFF:
         return False
     raise ValueError(
-        f"{SWITCH_VAR}={raw!r} is not understood: set {SWITCH_VAR}=1 (overlay on, "
-        f"the default) or {SWITCH_VAR}=0 (pure upstream vLLM)."
+        f"{name}={raw!r} is not understood: set {name}=1 ({on_means}, the "
+        f"default) or {name}=0 ({off_means})."
     )
+
+
+def overlay_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Return whether ``VLLM_HYBRID_KV`` asks for the overlay."""
+    return _on_off(SWITCH_VAR, "overlay on", "pure upstream vLLM", environ)
 
 
 TQ_NATIVE_VAR = "VLLM_HYBRID_TQ_NATIVE"
@@ -45,18 +52,8 @@ def tq_native_enabled(environ: dict[str, str] | None = None) -> bool:
     Unset or ``1`` uses the C++ kernel when it is built; ``0`` forces the torch
     reference (for A/B timing and for bisecting numerical differences).
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(TQ_NATIVE_VAR)
-    if raw is None or raw.strip() == "":
-        return True
-    value = raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise ValueError(
-        f"{TQ_NATIVE_VAR}={raw!r} is not understood: set {TQ_NATIVE_VAR}=1 (native "
-        f"kernel when built, the default) or {TQ_NATIVE_VAR}=0 (torch reference)."
+    return _on_off(
+        TQ_NATIVE_VAR, "native kernel when built", "torch reference", environ
     )
 
 
