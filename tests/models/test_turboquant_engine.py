@@ -17,13 +17,12 @@ the same).
 
 from __future__ import annotations
 
-import gc
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from engine_utils import with_engine
 
 pytestmark = pytest.mark.slow
 
@@ -79,18 +78,8 @@ def _multi_turn(llm, cfg, vocab):
 
 
 def _run(model: str, mode: str) -> dict:
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-    from vllm.plugins import load_general_plugins
-
-    from vllm_hybrid import plugin
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    load_general_plugins()
-    plugin.register()
     cfg = _config()
-    llm = LLM(
-        model=model,
+    kwargs = dict(
         kv_cache_dtype=DTYPE,
         kv_cache_memory_bytes=cfg.budget_bytes,
         max_model_len=cfg.max_model_len,
@@ -100,7 +89,8 @@ def _run(model: str, mode: str) -> dict:
         seed=cfg.seed,
         additional_config={"hybrid_kv": {"pooled": mode == "pooled"}},
     )
-    try:
+
+    def work(llm) -> dict:
         core = llm.llm_engine.engine_core.engine_core
         tokenizer = llm.get_tokenizer()
         vocab_size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
@@ -128,10 +118,9 @@ def _run(model: str, mode: str) -> dict:
             "backends": backends,
             "coordinator": type(core.scheduler.kv_cache_manager.coordinator).__name__,
         }
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+
+    # the overlay is on in both modes; "single" turns pooled mode off
+    return with_engine(model, True, kwargs, work)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])

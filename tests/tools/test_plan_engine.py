@@ -8,9 +8,8 @@ engine holds after start-up.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
+from engine_utils import with_engine
 
 from vllm_hybrid.tools import plan as planmod
 
@@ -22,28 +21,9 @@ MAX_MODEL_LEN = 2048
 
 
 def _engine_figures(model: str, pooled: bool) -> dict:
-    import os
-
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-    from vllm.plugins import load_general_plugins
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from vllm_hybrid import plugin
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    load_general_plugins()
-    plugin.deactivate()
-    if pooled:
-        plugin.register()
-    llm = LLM(
-        model=model,
-        kv_cache_memory_bytes=BUDGET,
-        max_model_len=MAX_MODEL_LEN,
-        enforce_eager=True,
-        seed=0,
-    )
-    try:
+    def figures(llm) -> dict:
         core = llm.llm_engine.engine_core.engine_core
         config = core.scheduler.kv_cache_manager.kv_cache_config
         cache = core.vllm_config.cache_config
@@ -52,7 +32,7 @@ def _engine_figures(model: str, pooled: bool) -> dict:
             for g in config.kv_cache_groups
             if isinstance(g.kv_cache_spec, MambaSpec)
         )
-        figures = {
+        out = {
             "block_size": cache.block_size,
             "num_blocks": config.num_blocks,
             "token_capacity": cache.kv_cache_size_tokens,
@@ -62,16 +42,16 @@ def _engine_figures(model: str, pooled: bool) -> dict:
             "groups": len(config.kv_cache_groups),
         }
         if pooled:
-            figures["pools"] = [
-                (p.kind, p.num_blocks, p.block_bytes) for p in config.pools
-            ]
-        return figures
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
-        plugin.deactivate()
-        plugin.register()
+            out["pools"] = [(p.kind, p.num_blocks, p.block_bytes) for p in config.pools]
+        return out
+
+    kwargs = dict(
+        kv_cache_memory_bytes=BUDGET,
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True,
+        seed=0,
+    )
+    return with_engine(model, pooled, kwargs, figures)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])

@@ -7,10 +7,10 @@ KV byte budget and prompts. Greedy outputs must be token-identical.
 
 from __future__ import annotations
 
-import gc
 import random
 
 import pytest
+from engine_utils import scheduler, with_engine
 
 pytestmark = pytest.mark.slow
 
@@ -26,42 +26,6 @@ def _prompts(n: int = 6, seed: int = 7) -> list[dict]:
         ids = (shared + tail) if i % 2 else tail
         prompts.append({"prompt_token_ids": ids})
     return prompts
-
-
-def _with_engine(model: str, pooled: bool, kwargs: dict, work):
-    """Build an engine (overlay on or off), run ``work(llm)``, tear it down.
-
-    No reference to the engine survives this call, so the next engine in the
-    process starts from a clean distributed state.
-    """
-    import os
-
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
-    from vllm.plugins import load_general_plugins
-
-    from vllm_hybrid import plugin
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # vLLM loads plugins once per process; load them now so that the engine
-    # below does not re-activate the overlay after it was switched off.
-    load_general_plugins()
-    plugin.deactivate()
-    if pooled:
-        plugin.register()
-    llm = LLM(model=model, **kwargs)
-    try:
-        return work(llm)
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
-        plugin.deactivate()
-        plugin.register()
-
-
-def _scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def _generate(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
@@ -105,7 +69,7 @@ def runs(request, tiny_model_dir):
     result = {"name": request.param}
     for mode in ("upstream", "pooled"):
         result.update(
-            _with_engine(
+            with_engine(
                 model, mode == "pooled", kwargs, lambda llm, m=mode: _measure(llm, m)
             )
         )
@@ -113,7 +77,7 @@ def runs(request, tiny_model_dir):
 
 
 def _measure(llm, mode: str) -> dict:
-    sched = _scheduler(llm)
+    sched = scheduler(llm)
     counter = _count_preemptions(sched)
     from vllm import SamplingParams
 

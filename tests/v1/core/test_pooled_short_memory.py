@@ -14,7 +14,8 @@ import random
 import time
 
 import pytest
-from test_pooled_engine import _generate, _scheduler, _with_engine
+from engine_utils import scheduler, with_engine
+from test_pooled_engine import _count_preemptions, _generate
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +40,11 @@ def runs(tiny_model_dir):
     )
 
     def pooled(llm):
-        sched = _scheduler(llm)
+        sched = scheduler(llm)
         coord = sched.kv_cache_manager.coordinator
         max_len = llm.llm_engine.vllm_config.model_config.max_model_len
         prompt = _long_prompt(max_len - OUTPUT)
-        preempted = [0]
-        original = sched._preempt_request
-
-        def counting(*args, **kwargs):
-            preempted[0] += 1
-            return original(*args, **kwargs)
-
-        sched._preempt_request = counting
+        preempted = _count_preemptions(sched)
         first = _generate(llm, [prompt], OUTPUT)
         counts = dict(coord.short_memory_counts)
         again = _generate(llm, [prompt], OUTPUT)  # may hit what stayed cached
@@ -82,11 +76,11 @@ def runs(tiny_model_dir):
             refusal_s=refusal_s,
         )
 
-    result = _with_engine(model, True, tight, pooled)
+    result = with_engine(model, True, tight, pooled)
     roomy = dict(
         kv_cache_memory_bytes=48 * MiB, enable_prefix_caching=False, max_model_len=2048
     )
-    result["reference"] = _with_engine(
+    result["reference"] = with_engine(
         model, False, roomy, lambda llm: _generate(llm, [result["prompt"]], OUTPUT)
     )
     return result

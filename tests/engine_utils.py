@@ -1,0 +1,52 @@
+"""One in-process engine at a time, with the overlay on or off.
+
+Shared by the engine tests that compare the overlay against upstream vLLM in
+one process (``tests/`` is on ``sys.path`` through its ``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def with_engine(
+    model: str, overlay: bool, kwargs: dict[str, Any], work: Callable[[Any], T]
+) -> T:
+    """Build an engine (overlay on or off), run ``work(llm)``, tear it down.
+
+    No reference to the engine survives this call, so the next engine in the
+    process starts from a clean distributed state; the overlay is active
+    again afterwards, as vLLM leaves it for the rest of a process.
+    """
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.plugins import load_general_plugins
+
+    from vllm_hybrid import plugin
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM loads plugins once per process; load them now so that the engine
+    # below does not re-activate the overlay after it was switched off.
+    load_general_plugins()
+    plugin.deactivate()
+    if overlay:
+        plugin.register()
+    llm = LLM(model=model, **kwargs)
+    try:
+        return work(llm)
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        plugin.deactivate()
+        plugin.register()
+
+
+def scheduler(llm: Any) -> Any:
+    """The in-process scheduler (needs multiprocessing off)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
