@@ -445,6 +445,8 @@ class ArenaBlockPool(BlockPool):
         #: Called whenever the scheduler reads this pool's usage (set by the
         #: coordinator to publish per-pool metrics).
         self.on_usage: Callable[[], object] | None = None
+        #: block the next one-block allocation returns (see lend_in_place)
+        self._lent: KVCacheBlock | None = None
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -509,7 +511,7 @@ class ArenaBlockPool(BlockPool):
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Upstream's allocation, after asking the arena to move the boundary
         in this pool's favour when it is short (may still raise ValueError)."""
-        lent, self._lent = getattr(self, "_lent", None), None
+        lent, self._lent = self._lent, None
         if lent is not None and num_blocks == 1:
             assert lent.ref_cnt >= 1 and not lent.is_null
             BlockPool._maybe_evict_cached_block(self, lent)

@@ -64,7 +64,7 @@ class PooledCoordinatorMixin:
         self.block_pool = self.arena.token_pool
         #: requests that advance their state in place this step (per group)
         self._in_place: dict[str, dict[int, KVCacheBlock]] = {}
-        #: how often a request ran on fewer state blocks (see _when_short)
+        #: how often a request crossed a state block edge in place
         self.short_memory_counts = {"state_in_place": 0}
         self._publish_pool_usage()
         if hasattr(self, "verify_and_split_kv_cache_groups"):
@@ -97,18 +97,26 @@ class PooledCoordinatorMixin:
         """
         if self.retention_interval != 0:
             prefill_end = 0
-        args = (
-            request_id,
-            num_tokens,
-            new_computed_blocks,
-            total_computed_tokens,
-            num_local_computed_tokens,
-            num_tokens_main_model,
-            apply_admission_cap,
-            prefill_end,
-        )
         self._in_place.pop(request_id, None)
-        need = self._pool_needs(*args)
+        assert not any(
+            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
+        )
+        needs = [
+            manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[i],
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=prefill_end,
+            )
+            for i, manager in enumerate(self.single_type_managers)
+        ]
+        need = {"token": 0, "state": 0}
+        for kind, n in zip(self._group_kind, needs, strict=True):
+            need[kind] += n
         refuse = self.block_pool.get_num_free_blocks() + 1
         if need["state"] > self.arena.state_pool.num_gpu_blocks:
             # upstream's deferred-hit sentinel: not this step
@@ -118,18 +126,25 @@ class PooledCoordinatorMixin:
         hits = [block for blocks in new_computed_blocks for block in blocks]
         if self.arena.ensure(need["token"], need["state"], keep=hits):
             return need["token"]
-        return self._when_short(args, need, hits, refuse)
+        # Short of memory: let a running request cross a state block edge in
+        # place (see _in_place_blocks).
+        in_place = self._in_place_blocks(request_id, needs)
+        if in_place and self.arena.ensure(
+            need["token"], need["state"] - len(in_place), keep=hits
+        ):
+            self._in_place[request_id] = in_place
+            self.short_memory_counts["state_in_place"] += 1
+            return need["token"]
+        return refuse
 
     # -- short of memory: one state block per request -------------------------
 
-    def _when_short(
-        self,
-        args: tuple[Any, ...],
-        need: dict[str, int],
-        hits: list[KVCacheBlock],
-        refuse: int,
-    ) -> int:
-        """Let a running request cross a state block edge in place.
+    def _in_place_blocks(
+        self, request_id: str, needs: list[int]
+    ) -> dict[int, KVCacheBlock]:
+        """Running state block per state group, if the request may advance its
+        state in place: every state group needs exactly one new block (a state
+        block edge) and owns its running block alone.
 
         At a state block edge align mode hands a running request a fresh
         state block, copies the running state into it and keeps the old block
@@ -139,21 +154,6 @@ class PooledCoordinatorMixin:
         prefix cache, its content moves on). Only a checkpoint is lost; a lone
         request then needs one state block, as with prefix caching off.
         """
-        request_id = args[0]
-        in_place = self._in_place_blocks(request_id, need)
-        if in_place and self.arena.ensure(
-            need["token"], need["state"] - len(in_place), keep=hits
-        ):
-            self._in_place[request_id] = in_place
-            self.short_memory_counts["state_in_place"] += 1
-            return need["token"]
-        return refuse
-
-    def _in_place_blocks(
-        self, request_id: str, need: dict[str, int]
-    ) -> dict[int, KVCacheBlock]:
-        """Running state block per state group, if every state group needs
-        exactly one new block and owns its running block alone."""
         found: dict[int, KVCacheBlock] = {}
         for i, manager in enumerate(self.single_type_managers):
             if self._group_kind[i] != "state":
@@ -162,14 +162,14 @@ class PooledCoordinatorMixin:
                 getattr(manager, "mamba_cache_mode", None) != "align"
                 or manager.num_speculative_blocks
                 or request_id not in manager._allocated_block_reqs
-                or self._state_need.get(i) != 1
+                or needs[i] != 1
             ):
                 return {}
             blocks = manager.req_to_blocks.get(request_id) or []
             if not blocks or blocks[-1].is_null or blocks[-1].ref_cnt != 1:
                 return {}
             found[i] = blocks[-1]
-        return found if len(found) == need["state"] else {}
+        return found
 
     def allocate_new_blocks(
         self,
@@ -197,39 +197,6 @@ class PooledCoordinatorMixin:
             finally:
                 pool.lend_in_place(None)
         return tuple(out)
-
-    def _pool_needs(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
-        total_computed_tokens: int,
-        num_local_computed_tokens: int,
-        num_tokens_main_model: int,
-        apply_admission_cap: bool,
-        prefill_end: int,
-    ) -> dict[str, int]:
-        """New blocks per pool that each group's manager asks for (also kept
-        per state group in ``_state_need``)."""
-        need = {"token": 0, "state": 0}
-        self._state_need: dict[int, int] = {}
-        for i, manager in enumerate(self.single_type_managers):
-            assert not isinstance(manager, CrossAttentionManager)
-            kind = self._group_kind[i]
-            n = manager.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens,
-                new_computed_blocks[i],
-                total_computed_tokens,
-                num_local_computed_tokens,
-                num_tokens_main_model,
-                apply_admission_cap=apply_admission_cap,
-                prefill_end=prefill_end,
-            )
-            need[kind] += n
-            if kind == "state":
-                self._state_need[i] = n
-        return need
 
 
 def _engine_index() -> int:

@@ -110,7 +110,7 @@ def min_state_blocks_per_request(spec: MambaSpec) -> int:
 
     In align mode the pooled coordinator lets a running request cross a
     state block edge in the block it owns when the arena is short (see
-    ``PooledCoordinatorMixin._when_short``), so the copy target is not
+    ``PooledCoordinatorMixin._in_place_blocks``), so the copy target is not
     needed; prefill checkpoints and speculative slots still are. This is the
     floor of the state pool and what the longest single request is computed
     with; concurrency figures keep :func:`state_blocks_per_request`.

@@ -26,7 +26,12 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.metrics.pool_stats import ArenaUsage, read_snapshot, stats_dir
+from vllm_hybrid.v1.metrics.pool_stats import (
+    ArenaUsage,
+    read_snapshot,
+    snapshot_path,
+    stats_dir,
+)
 
 logger = init_logger(__name__)
 
@@ -131,7 +136,7 @@ class HybridPoolStatLogger(StatLoggerBase):
 
     def refresh(self) -> ArenaUsage | None:
         """Read the engine's snapshot if it changed and set the gauges."""
-        path = os.path.join(self.directory, f"engine-{self.engine_index}.json")
+        path = snapshot_path(self.directory, self.engine_index)
         try:
             mtime = os.stat(path).st_mtime_ns
         except OSError:

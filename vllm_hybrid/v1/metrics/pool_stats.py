@@ -117,8 +117,10 @@ class PoolStatsPublisher:
 
     def publish(self, usage: ArenaUsage) -> bool:
         """Write ``usage`` atomically; returns whether a file was written."""
+        if not os.path.isdir(self.directory):
+            return False
         text = usage.to_json()
-        if text == self._last or not os.path.isdir(self.directory):
+        if text == self._last:
             return False
         tmp = f"{self.path}.{os.getpid()}.tmp"
         try:
