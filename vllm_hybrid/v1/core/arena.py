@@ -66,13 +66,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.prefix_cache_view import CheckpointLinks
 
 logger = init_logger(__name__)
 
@@ -447,6 +449,10 @@ class ArenaBlockPool(BlockPool):
         self.on_usage: Callable[[], object] | None = None
         #: block the next one-block allocation returns (see lend_in_place)
         self._lent: KVCacheBlock | None = None
+        #: request whose blocks are being cached (state side: links them)
+        self._caching: Any = None
+        #: keys are being re-pointed to another block, not leaving the cache
+        self._moving = False
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -497,6 +503,105 @@ class ArenaBlockPool(BlockPool):
             return 0.0
         return self.get_num_used_blocks() / self.owned_capacity
 
+    # -- prefix-cache coupling (see prefix_cache_view) ----------------------
+
+    def cache_full_blocks(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        self._caching = request
+        try:
+            super().cache_full_blocks(request, *args, **kwargs)
+        finally:
+            self._caching = None
+
+    def cache_partial_block(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        self._caching = request
+        try:
+            return super().cache_partial_block(request, *args, **kwargs)
+        finally:
+            self._caching = None
+
+    def move_block_hashes(
+        self, src_block: KVCacheBlock, dst_block: KVCacheBlock
+    ) -> None:
+        self._moving = True
+        try:
+            super().move_block_hashes(src_block, dst_block)
+        finally:
+            self._moving = False
+
+    def _insert_block_hash(
+        self, block_hash_with_group_id: Any, block: KVCacheBlock, num_tokens: int | None
+    ) -> None:
+        super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
+        links = self.arena.links
+        if (
+            links is not None
+            and self.side is ArenaSide.STATE
+            and self._caching is not None
+            and num_tokens
+        ):
+            token_keys = links.token_keys(self._caching.block_hashes, num_tokens)
+            cached = self.arena.token_pool.cached_block_hash_to_block
+            if all(cached.get_one_block(k) is not None for k in token_keys):
+                links.link(block_hash_with_group_id, token_keys)
+            else:
+                links.link_incomplete(block_hash_with_group_id)
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[Any]:
+        removed = super()._remove_cached_block_hashes(block)
+        if self.arena.links is not None and not self._moving:
+            gone = [
+                k
+                for k in removed
+                if self.cached_block_hash_to_block.get_one_block(k) is None
+            ]
+            if gone:
+                self.arena.keys_left_cache(self.side, gone)
+        return removed
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        if self.arena.links is not None:
+            self.evict_dead(b for b in blocks if b.pool is None or b.pool is self)
+
+    def blocks_with(self, key: Any) -> list[KVCacheBlock]:
+        """Every block holding a prefix-cache key (duplicates included)."""
+        held = self.cached_block_hash_to_block._cache.get(key)
+        if held is None:
+            return []
+        if isinstance(held, KVCacheBlock):
+            return [held]
+        return list(held.values())
+
+    def is_dead(self, block: KVCacheBlock) -> bool:
+        """Whether a cached block can no longer be part of any hit (rules in
+        prefix_cache_view's module docstring)."""
+        links = self.arena.links
+        if links is None or block.block_hash is None:
+            return False
+        extra = self.cached_block_hashes_by_block.get(block.block_id, ())
+        if self.side is ArenaSide.STATE:
+            return block.block_hash in links.broken and all(
+                k in links.broken for k in extra
+            )
+        key = block.block_hash
+        if extra or not links.couples(key) or links.is_needed(key):
+            return False
+        size = links.token_groups[get_group_id(key)]
+        return (block.block_hash_num_tokens or 0) % size == 0
+
+    def evict_dead(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Evict the free ones among ``blocks`` that are dead."""
+        links = self.arena.links
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null and self.is_dead(block):
+                self._maybe_evict_cached_block(block)
+                if links is not None:
+                    links.evictions[self.side.value] += 1
+
+    def evict_dead_keys(self, keys: Iterable[Any]) -> None:
+        self.evict_dead(b for k in keys for b in self.blocks_with(k))
+
     def lend_in_place(self, block: KVCacheBlock | None) -> None:
         """Make the next one-block allocation return ``block`` itself.
 
@@ -546,6 +651,8 @@ class ArenaBlockPool(BlockPool):
         return True
 
     def _clear_prefix_cache(self) -> None:
+        if self.arena.links is not None:
+            self.arena.links.clear()
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
@@ -616,6 +723,8 @@ class KVArena:
         self.layout = layout
         self._state_floor = layout.initial_state_floor
         self._moves: list[BoundaryMove] = []
+        #: prefix-cache coupling between the pools; None keeps them independent
+        self.links: CheckpointLinks | None = None
         common = dict(
             enable_caching=enable_caching,
             hash_block_size=hash_block_size,
@@ -786,6 +895,37 @@ class KVArena:
             self.state_capacity,
         )
 
+    # -- prefix-cache coupling ----------------------------------------------
+
+    def couple_prefix_caches(self, token_groups: dict[int, int]) -> None:
+        """Evict attention blocks no cached checkpoint needs and checkpoints
+        whose attention prefix is gone (``token_groups``: block size of each
+        full-attention group). Needs prefix caching and empty caches."""
+        pools = (self.token_pool, self.state_pool)
+        assert all(
+            p.enable_caching and not len(p.cached_block_hash_to_block) for p in pools
+        )
+        self.links = CheckpointLinks(token_groups, self.token_pool.hash_block_size)
+
+    def keys_left_cache(self, side: ArenaSide, keys: list[Any]) -> None:
+        """Keys no block of ``side``'s pool holds any more: update the links
+        and evict the free blocks that became dead in either pool."""
+        links = self.links
+        assert links is not None
+        if side is ArenaSide.STATE:
+            orphans = [t for k in keys for t in links.forget_state(k)]
+            self.token_pool.evict_dead_keys(orphans)
+            return
+        broken: list[Any] = []
+        orphans = []
+        for key in keys:
+            if links.couples(key):
+                states, lost = links.forget_token(key)
+                broken += states
+                orphans += lost
+        self.state_pool.evict_dead_keys(broken)
+        self.token_pool.evict_dead_keys(orphans)
+
     # -- whole-arena operations --------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
@@ -830,6 +970,17 @@ class KVArena:
         )
         for pool in (self.token_pool, self.state_pool):
             _check_pool(pool)
+        if self.links is not None:
+            self.links.check(
+                self.state_pool.cached_block_hash_to_block._cache,
+                set(self.token_pool.cached_block_hash_to_block._cache),
+            )
+            for pool in (self.token_pool, self.state_pool):
+                for i in pool.free_block_queue.cached_ids():
+                    _require(
+                        not pool.is_dead(pool.blocks[i]),
+                        f"{pool.side.value}: dead block {i} kept in the prefix cache",
+                    )
 
 
 def _require(condition: bool, message: str) -> None:

@@ -23,6 +23,7 @@ from vllm.v1.core.kv_cache_coordinator import (
 )
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream
@@ -62,6 +63,7 @@ class PooledCoordinatorMixin:
             manager.block_pool = pool
             manager._null_block = pool.null_block
         self.block_pool = self.arena.token_pool
+        self._couple_prefix_caches()
         #: requests that advance their state in place this step (per group)
         self._in_place: dict[str, dict[int, KVCacheBlock]] = {}
         #: how often a request crossed a state block edge in place
@@ -69,6 +71,24 @@ class PooledCoordinatorMixin:
         self._publish_pool_usage()
         if hasattr(self, "verify_and_split_kv_cache_groups"):
             self.verify_and_split_kv_cache_groups()
+
+    def _couple_prefix_caches(self) -> None:
+        """Coordinated eviction across the pools (prefix_cache_view), when
+        prefix caching is on and the token pool's groups are full attention
+        (a sliding window needs only its tail blocks for a hit)."""
+        config = self.kv_cache_config
+        if not (self.arena.token_pool.enable_caching and config.couple_prefix_caches):
+            return
+        token_groups: dict[int, int] = {}
+        for group_id, kind in enumerate(self._group_kind):
+            spec = config.kv_cache_groups[group_id].kv_cache_spec
+            if kind != "token":
+                continue
+            if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+                return
+            token_groups[group_id] = spec.block_size
+        if token_groups and "state" in self._group_kind:
+            self.arena.couple_prefix_caches(token_groups)
 
     def _publish_pool_usage(self) -> None:
         """Per-pool usage for ``/metrics``, written whenever the scheduler

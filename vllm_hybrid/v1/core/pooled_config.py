@@ -24,7 +24,9 @@ logger = init_logger(__name__)
 ADDITIONAL_CONFIG_KEY = "hybrid_kv"
 
 #: Every option of the ``hybrid_kv`` object (page unification reads its own).
-KNOWN_OPTIONS = frozenset({"pooled", "max_page_padding_pct", "max_page_growth"})
+KNOWN_OPTIONS = frozenset(
+    {"pooled", "couple_prefix_caches", "max_page_padding_pct", "max_page_growth"}
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class HybridKVOptions:
 
     #: Use pooled mode for hybrid models (default on).
     pooled: bool = True
+    #: Pooled mode with prefix caching: evict attention blocks no cached
+    #: state checkpoint needs, and checkpoints whose attention prefix is gone
+    #: (default on; off leaves each pool to its own LRU, for A/B runs).
+    couple_prefix_caches: bool = True
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> HybridKVOptions:
@@ -49,13 +55,16 @@ class HybridKVOptions:
                 f"Unknown --additional-config {ADDITIONAL_CONFIG_KEY} option(s) "
                 f"{unknown}; known options: {sorted(KNOWN_OPTIONS)}"
             )
-        pooled = raw.get("pooled", True)
-        if not isinstance(pooled, bool):
-            raise ValueError(
-                f"--additional-config {ADDITIONAL_CONFIG_KEY}.pooled must be true "
-                f"or false, got {pooled!r}"
-            )
-        return cls(pooled=pooled)
+        flags = {
+            name: raw.get(name, True) for name in ("pooled", "couple_prefix_caches")
+        }
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"--additional-config {ADDITIONAL_CONFIG_KEY}.{name} must be "
+                    f"true or false, got {value!r}"
+                )
+        return cls(**flags)
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,8 @@ class PooledKVCacheConfig(KVCacheConfig):
     arena: ArenaLayout | None = None
     #: State blocks one running request holds at most (for capacity figures).
     state_blocks_per_request: int = 1
+    #: Couple the pools' prefix-cache eviction (see prefix_cache_view).
+    couple_prefix_caches: bool = True
 
     @property
     def layout(self) -> ArenaLayout:

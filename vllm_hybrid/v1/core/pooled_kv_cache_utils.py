@@ -16,7 +16,11 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream
-from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig, pooled_mode_decision
+from vllm_hybrid.v1.core.pooled_config import (
+    HybridKVOptions,
+    PooledKVCacheConfig,
+    pooled_mode_decision,
+)
 from vllm_hybrid.v1.core.pooled_planner import (
     PooledBudget,
     PooledPlanError,
@@ -118,6 +122,9 @@ def plan_pooled_configs(
     config.prefix_cache_retention_interval = (
         vllm_config.cache_config.prefix_cache_retention_interval
     )
+    config.couple_prefix_caches = HybridKVOptions.from_vllm_config(
+        vllm_config
+    ).couple_prefix_caches
     logger.info(describe_plan(config))
     return [copy.deepcopy(config) for _ in kv_cache_specs]
 

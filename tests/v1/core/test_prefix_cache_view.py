@@ -1,0 +1,350 @@
+"""Coordinated prefix-cache eviction across the arena's pools (issue 3, item 4).
+
+Setup used by the example tests: 16-token hash blocks, one full-attention
+group (id 0, 16-token blocks) in the token pool and one state group (id 1) in
+the state pool. A request's chain is a list of per-block hashes; a state
+checkpoint at ``N`` tokens needs the attention blocks of those ``N`` tokens.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
+
+from vllm_hybrid.v1.core.arena import ArenaLayout, KVArena
+from vllm_hybrid.v1.core.pooled_config import HybridKVOptions
+from vllm_hybrid.v1.core.prefix_cache_view import CheckpointLinks
+
+HBS = 16
+LAYOUT = ArenaLayout(
+    arena_bytes=400,
+    token_block_bytes=4,
+    state_block_bytes=10,
+    min_token_blocks=2,
+    min_state_blocks=2,
+    initial_boundary=200,
+)
+
+
+def make_arena(coupled: bool = True, layout: ArenaLayout = LAYOUT) -> KVArena:
+    arena = KVArena(layout, enable_caching=True, hash_block_size=HBS)
+    if coupled:
+        arena.couple_prefix_caches({0: HBS})
+    return arena
+
+
+def chain(name: str, n: int) -> list[BlockHash]:
+    return [BlockHash(f"{name}{i}".encode()) for i in range(n)]
+
+
+def tkey(h: BlockHash):
+    return make_block_hash_with_group_id(h, 0)
+
+
+def skey(h: BlockHash):
+    return make_block_hash_with_group_id(h, 1)
+
+
+class Req:
+    """Blocks one request holds: attention blocks and state blocks by index
+    (None: a null slot, as align mode leaves between checkpoints)."""
+
+    def __init__(self, arena: KVArena, hashes: list[BlockHash]) -> None:
+        self.arena = arena
+        self.request = SimpleNamespace(block_hashes=hashes)
+        self.attn: list[KVCacheBlock] = []
+        self.state: list[KVCacheBlock] = []
+
+    def compute(self, n_blocks: int, checkpoints: list[int]) -> None:
+        """Allocate and cache ``n_blocks`` attention blocks and a state block
+        at each checkpoint index (state for ``(i + 1) * 16`` tokens)."""
+        tok, sta = self.arena.token_pool, self.arena.state_pool
+        self.attn = tok.get_new_blocks(n_blocks)
+        tok.cache_full_blocks(self.request, self.attn, 0, n_blocks, HBS, 0)
+        self.state = [sta.null_block] * n_blocks
+        for i in checkpoints:
+            self.state[i] = sta.get_new_blocks(1)[0]
+        sta.cache_full_blocks(self.request, self.state, 0, n_blocks, HBS, 1)
+
+    def free(self) -> None:
+        self.arena.token_pool.free_blocks(reversed(self.attn))
+        real = [b for b in self.state if not b.is_null]
+        self.arena.state_pool.free_blocks(reversed(real))
+
+
+def cached(pool, keys) -> list[bool]:
+    return [pool.cached_block_hash_to_block.get_one_block(k) is not None for k in keys]
+
+
+def test_links_unit():
+    links = CheckpointLinks({0: 16}, 16)
+    a, b = chain("a", 3), chain("b", 3)
+    assert links.token_keys(a, 40) == (tkey(a[0]), tkey(a[1]))
+    links.link(skey(a[1]), links.token_keys(a, 32))
+    links.link(skey(a[2]), links.token_keys(a, 48))
+    links.link(skey(b[0]), links.token_keys(b, 16))
+    # Forgetting the deeper checkpoint orphans only the block it alone needed.
+    assert links.forget_state(skey(a[2])) == [tkey(a[2])]
+    # Losing an attention block breaks the checkpoint and orphans its prefix.
+    states, orphans = links.forget_token(tkey(a[0]))
+    assert states == [skey(a[1])] and orphans == [tkey(a[1])]
+    assert links.broken == {skey(a[1])}
+    assert links.needs == {skey(b[0]): (tkey(b[0]),)}
+    assert links.needed_by == {tkey(b[0]): {skey(b[0])}}
+    links.link_incomplete(skey(b[0]))  # already linked: stays linked
+    assert skey(b[0]) not in links.broken
+
+
+def test_tail_past_last_checkpoint_is_evicted_on_free():
+    arena = make_arena()
+    hashes = chain("r", 4)
+    req = Req(arena, hashes)
+    req.compute(4, checkpoints=[1])  # checkpoint at 32 tokens
+    req.free()
+    tok = arena.token_pool
+    assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
+    assert sorted(tok.free_block_queue.cached_ids()) == sorted(
+        b.block_id for b in req.attn[:2]
+    )
+    assert arena.links.evictions == {"token": 2, "state": 0}
+    arena.check_invariants()
+
+
+def test_uncoupled_arena_keeps_everything():
+    arena = make_arena(coupled=False)
+    hashes = chain("r", 4)
+    req = Req(arena, hashes)
+    req.compute(4, checkpoints=[1])
+    req.free()
+    assert cached(arena.token_pool, [tkey(h) for h in hashes]) == [True] * 4
+    arena.check_invariants()
+
+
+def test_evicting_a_checkpoint_evicts_the_blocks_only_it_needed():
+    arena = make_arena()
+    hashes = chain("r", 4)
+    req = Req(arena, hashes)
+    req.compute(4, checkpoints=[1, 3])  # checkpoints at 32 and 64 tokens
+    req.free()
+    tok, sta = arena.token_pool, arena.state_pool
+    assert cached(tok, [tkey(h) for h in hashes]) == [True] * 4
+    sta.evict_blocks({req.state[3].block_id})
+    assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
+    sta.evict_blocks({req.state[1].block_id})
+    assert cached(tok, [tkey(h) for h in hashes]) == [False] * 4
+    assert tok.free_block_queue.cached_ids() == []
+    arena.check_invariants()
+
+
+def test_evicting_an_attention_block_evicts_the_checkpoints_past_it():
+    arena = make_arena()
+    hashes = chain("r", 4)
+    req = Req(arena, hashes)
+    req.compute(4, checkpoints=[0, 3])
+    req.free()
+    tok, sta = arena.token_pool, arena.state_pool
+    tok.evict_blocks({req.attn[2].block_id})
+    # The 64-token checkpoint lost its prefix; so did blocks 1 and 3, which
+    # only it needed. Block 0 and the 16-token checkpoint still make a hit.
+    assert cached(sta, [skey(hashes[0]), skey(hashes[3])]) == [True, False]
+    assert cached(tok, [tkey(h) for h in hashes]) == [True, False, False, False]
+    assert arena.links.evictions == {"token": 2, "state": 1}
+    arena.check_invariants()
+
+
+def test_blocks_in_use_are_checked_again_when_freed():
+    arena = make_arena()
+    hashes = chain("r", 2)
+    holder = Req(arena, hashes)
+    holder.compute(2, checkpoints=[1])
+    tok, sta = arena.token_pool, arena.state_pool
+    # Free only the attention blocks; the checkpoint stays held.
+    tok.free_blocks(reversed(holder.attn))
+    tok.evict_blocks({holder.attn[0].block_id})
+    assert arena.links.broken == {skey(hashes[1])}
+    assert cached(sta, [skey(hashes[1])]) == [True]  # held: not evicted yet
+    sta.free_blocks([holder.state[1]])
+    assert cached(sta, [skey(hashes[1])]) == [False]
+    assert sta.free_block_queue.cached_ids() == []
+    arena.check_invariants()
+
+
+def test_a_hit_keeps_shared_prefix_alive():
+    """Two requests share two blocks; each has its own checkpoint."""
+    arena = make_arena()
+    shared = chain("p", 2)
+    first = Req(arena, shared + chain("x", 1))
+    first.compute(3, checkpoints=[1, 2])
+    first.free()
+    second = Req(arena, shared + chain("y", 1))
+    tok, sta = arena.token_pool, arena.state_pool
+    hit = tok.get_cached_block(shared[0], [0]) + tok.get_cached_block(shared[1], [0])
+    tok.touch(hit)
+    extra = tok.get_new_blocks(1)
+    second.attn = hit + extra
+    tok.cache_full_blocks(second.request, second.attn, 2, 3, HBS, 0)
+    second.state = [sta.null_block, sta.null_block, sta.get_new_blocks(1)[0]]
+    sta.cache_full_blocks(second.request, second.state, 2, 3, HBS, 1)
+    second.free()
+    # Dropping the first request's deep checkpoint orphans only x0.
+    sta.evict_blocks({first.state[2].block_id})
+    keys = [tkey(h) for h in shared + chain("x", 1) + chain("y", 1)]
+    assert cached(tok, keys) == [True, True, False, True]
+    arena.check_invariants()
+
+
+def test_reset_clears_links():
+    arena = make_arena()
+    req = Req(arena, chain("r", 2))
+    req.compute(2, checkpoints=[1])
+    req.free()
+    assert arena.reset_prefix_cache()
+    assert arena.links.needs == {} and arena.links.needed_by == {}
+    arena.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [({}, True), ({"couple_prefix_caches": False}, False)],
+)
+def test_option(raw, expected):
+    config = SimpleNamespace(additional_config={"hybrid_kv": raw})
+    assert HybridKVOptions.from_vllm_config(config).couple_prefix_caches is expected
+
+
+def test_option_must_be_a_bool():
+    config = SimpleNamespace(
+        additional_config={"hybrid_kv": {"couple_prefix_caches": 0}}
+    )
+    with pytest.raises(
+        ValueError, match=r"hybrid_kv.couple_prefix_caches must be true"
+    ):
+        HybridKVOptions.from_vllm_config(config)
+
+
+class CoupledArenaMachine(RuleBasedStateMachine):
+    """Random requests over a small tree of shared prefixes: compute, free,
+    hit, evict by id, allocate under pressure, reset. Invariants: the arena's
+    own, the links agree with both caches, and no free cached block in either
+    pool is dead (every cached entry can still be part of a hit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arena: KVArena | None = None
+        self.live: list[Req] = []
+        self.held: list[tuple[object, list[KVCacheBlock]]] = []
+
+    @initialize(extra=st.integers(0, 200))
+    def build(self, extra):
+        layout = ArenaLayout(
+            200 + extra, 4, 10, 2, 2, initial_boundary=(200 + extra) // 2
+        )
+        self.arena = make_arena(layout=layout)
+
+    def _chain(self, data) -> list[BlockHash]:
+        # Prefixes from a 2-ary tree of depth 5: many shared prefixes.
+        path = data.draw(st.lists(st.integers(0, 1), min_size=1, max_size=5))
+        return [
+            BlockHash(("n" + "".join(map(str, path[: i + 1]))).encode())
+            for i in range(len(path))
+        ]
+
+    @rule(data=st.data())
+    def compute(self, data):
+        arena = self.arena
+        hashes = self._chain(data)
+        n = len(hashes)
+        points = data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="ckpt")
+        tok, sta = arena.token_pool, arena.state_pool
+        if not arena.ensure(n, len(points)):
+            return
+        # Like a request: reuse the cached prefix, compute the rest.
+        hit: list[KVCacheBlock] = []
+        for h in hashes:
+            blocks = tok.get_cached_block(h, [0])
+            if blocks is None:
+                break
+            hit += blocks
+        keep = data.draw(st.integers(0, len(hit)), label="hit")
+        hit = hit[:keep]
+        tok.touch(hit)
+        req = Req(arena, hashes)
+        if tok.get_num_free_blocks() < n - keep or sta.get_num_free_blocks() < len(
+            points
+        ):
+            tok.free_blocks(reversed(hit))
+            return
+        req.attn = hit + tok.get_new_blocks(n - keep)
+        tok.cache_full_blocks(req.request, req.attn, keep, n, HBS, 0)
+        req.state = [sta.null_block] * n
+        for i in points:
+            req.state[i] = sta.get_new_blocks(1)[0]
+        sta.cache_full_blocks(req.request, req.state, 0, n, HBS, 1)
+        self.live.append(req)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def free(self, data):
+        req = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
+        req.free()
+
+    @rule(data=st.data(), state_side=st.booleans())
+    def evict_by_id(self, data, state_side):
+        pool = self.arena.state_pool if state_side else self.arena.token_pool
+        ids = data.draw(st.sets(st.integers(1, len(pool.blocks) - 1), max_size=3))
+        pool.evict_blocks(ids)
+
+    @rule(data=st.data(), state_side=st.booleans(), n=st.integers(1, 8))
+    def allocate_under_pressure(self, data, state_side, n):
+        """Plain allocations that pop (and so evict) LRU cached blocks."""
+        pool = self.arena.state_pool if state_side else self.arena.token_pool
+        if not self.arena.ensure_side(pool.side, n):
+            return
+        self.held.append((pool, pool.get_new_blocks(n)))
+
+    @precondition(lambda self: bool(self.held))
+    @rule()
+    def release(self):
+        pool, blocks = self.held.pop()
+        pool.free_blocks(blocks)
+
+    @rule()
+    def reset(self):
+        self.arena.reset_prefix_cache()
+
+    @invariant()
+    def coupled(self):
+        if self.arena is not None:
+            self.arena.check_invariants()
+
+    def teardown(self):
+        if self.arena is None:
+            return
+        for req in self.live:
+            req.free()
+        for pool, blocks in self.held:
+            pool.free_blocks(blocks)
+        self.arena.check_invariants()
+        for pool in (self.arena.token_pool, self.arena.state_pool):
+            assert pool.get_num_free_blocks() == pool.owned_capacity
+
+
+CoupledArenaMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None
+)
+TestCoupledArenaMachine = CoupledArenaMachine.TestCase
