@@ -104,6 +104,9 @@ class BenchConfig:
     #: Steps without any token progress after which a drive counts as stalled.
     stall_steps: int = 64
     enforce_eager: bool = True
+    #: Pooled mode's coordinated prefix-cache eviction across its pools
+    #: (``hybrid_kv.couple_prefix_caches``); upstream ignores the option.
+    couple_prefix_caches: bool = True
 
 
 # ---------------------------------------------------------------------------
@@ -359,6 +362,18 @@ def shared_pool_block_bytes(kv_cache_config: Any) -> int:
     return max(t.size for t in tensors) // kv_cache_config.num_blocks
 
 
+def coupled_evictions(scheduler: Any) -> int | None:
+    """Blocks pooled mode evicted because the other pool made them useless
+    (coordinated prefix-cache eviction); None without coupling."""
+    coordinator = getattr(scheduler.kv_cache_manager, "coordinator", None)
+    links = getattr(getattr(coordinator, "arena", None), "links", None)
+    return None if links is None else sum(links.evictions.values())
+
+
+def _delta(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
+
+
 def kv_pools(scheduler: Any) -> list[PoolView]:
     """The block pools of a scheduler; the one place that knows their shape.
 
@@ -508,9 +523,12 @@ class EngineSpec:
     seed: int
     block_size: int | None = None
     mamba_block_size: int | None = None
+    couple_prefix_caches: bool = True
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
+        if not self.couple_prefix_caches:
+            extra["additional_config"] = {"hybrid_kv": {"couple_prefix_caches": False}}
         if self.mamba_block_size is not None and self.prefix_caching:
             extra["mamba_block_size"] = self.mamba_block_size
         return extra | {
@@ -635,6 +653,8 @@ class Submission:
     key: str
     prompt: list[int]
     max_tokens: int
+    #: top log-probabilities to return per output token (None: none)
+    logprobs: int | None = None
 
 
 @dataclass
@@ -658,6 +678,15 @@ class DriveResult:
 
     def token_ids(self, key: str) -> list[int]:
         return [int(t) for t in self.outputs[key].outputs[0].token_ids]
+
+    def top2_gaps(self, key: str) -> list[float | None]:
+        """Per output token: log-probability of the best token minus the
+        second best (needs ``logprobs >= 2``); how close greedy was to a tie."""
+        gaps: list[float | None] = []
+        for position in self.outputs[key].outputs[0].logprobs or []:
+            best = sorted((lp.logprob for lp in position.values()), reverse=True)
+            gaps.append(best[0] - best[1] if len(best) > 1 else None)
+        return gaps
 
 
 @dataclass
@@ -713,7 +742,10 @@ def drive(
     for sub in submissions:
         # Random weights emit EOS at random: ignore it so lengths are fixed.
         params = SamplingParams(
-            max_tokens=sub.max_tokens, temperature=0.0, ignore_eos=True
+            max_tokens=sub.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=sub.logprobs,
         )
         try:
             internal[sub.key] = llm_engine.add_request(
@@ -834,6 +866,7 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
 def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     """Conversations sharing a system prefix, run turn by turn."""
     engine.reset_prefix_cache()
+    evicted_before = coupled_evictions(engine.scheduler)
     vocab = engine.vocab()
     system = multi_turn_system(cfg, vocab)
     histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
@@ -873,6 +906,9 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     metrics = {
         "hit_rate": cached / prompt_tokens if prompt_tokens else None,
         "hit_rate_last_turn": per_turn[-1]["hit_rate"] if per_turn else None,
+        "coupled_evictions": _delta(
+            coupled_evictions(engine.scheduler), evicted_before
+        ),
         "cached_tokens": cached,
         "prompt_tokens": prompt_tokens,
         "preemptions": preemptions,
@@ -888,13 +924,14 @@ def _same_tokens_pass(
 ) -> dict[str, Any]:
     """One batch of the fixed prompts; token ids per prompt."""
     subs = [
-        Submission(f"fixed-{i}", p, cfg.same_tokens_output)
+        Submission(f"fixed-{i}", p, cfg.same_tokens_output, logprobs=2)
         for i, p in enumerate(prompts)
     ]
     result = drive(engine, subs, cfg)
     _check_finished(result, "same_tokens")
     return {
         "tokens": [result.token_ids(s.key) for s in subs],
+        "top2_gaps": [result.top2_gaps(s.key) for s in subs],
         "preemptions": result.preemptions,
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in result.outputs.values()),
         "wall_s": result.wall_s,
@@ -1080,6 +1117,7 @@ def _engine_specs(
             cfg.seed,
             block,
             cfg.mamba_block_size if block is None else None,
+            cfg.couple_prefix_caches,
         )
 
     specs = {
@@ -1408,6 +1446,7 @@ MANY_SHORT_ROWS: tuple[tuple[str, str], ...] = (
 MULTI_TURN_ROWS: tuple[tuple[str, str], ...] = (
     ("hit_rate", "prefix hit rate (tokens)"),
     ("hit_rate_last_turn", "hit rate, last turn"),
+    ("coupled_evictions", "coupled evictions"),
     ("cached_tokens", "cached tokens"),
     ("prompt_tokens", "prompt tokens"),
     ("preemptions", "preemptions"),
@@ -1507,6 +1546,27 @@ def tokens_verdict(upstream: Sequence[list[int]], overlay: Sequence[list[int]]) 
     return f"{same}/{n} prompts equal"
 
 
+def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str:
+    """Largest, over the prompts whose tokens differ from ``other``'s, of this
+    run's best-minus-second log-probability at the first differing token: a
+    small value means greedy decoding was close to a tie there, so rounding
+    noise decides the token."""
+    worst: float | None = None
+    for mine, theirs, gaps in zip(
+        run["tokens"], other, run.get("top2_gaps", []), strict=False
+    ):
+        if mine == theirs:
+            continue
+        at = next(
+            (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
+            min(len(mine), len(theirs)),
+        )
+        gap = gaps[at] if at < len(gaps) else None
+        if gap is not None:
+            worst = gap if worst is None else max(worst, gap)
+    return "-" if worst is None else f"{worst:.4f}"
+
+
 def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
     """Token-for-token equality per configuration, plus preemption counts.
 
@@ -1522,6 +1582,16 @@ def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]
         where = f"same_tokens {name}"
         verdict = tokens_verdict(a["tokens"], b["tokens"]) if a and b else "missing"
         rows.append(Row(model, where, "overlay == upstream", "", verdict))
+        if a and b and a["tokens"] != b["tokens"]:
+            rows.append(
+                Row(
+                    model,
+                    where,
+                    "top-2 logprob gap, 1st diff",
+                    first_difference_gap(a, b["tokens"]),
+                    first_difference_gap(b, a["tokens"]),
+                )
+            )
         if name != "pc_off":
             rows.append(
                 Row(
@@ -1726,6 +1796,19 @@ def build_parser() -> argparse.ArgumentParser:
         "engines other than one_long's, both modes (default: the attention block)",
     )
     parser.add_argument(
+        "--budget-mib",
+        type=float,
+        default=BenchConfig.budget_bytes / MIB,
+        help="KV budget of the many_short, multi_turn and same_tokens engines "
+        "(default: 48)",
+    )
+    parser.add_argument(
+        "--no-couple-prefix-caches",
+        action="store_true",
+        help="pooled mode without coordinated eviction across its pools "
+        "(each pool evicts by its own LRU), to measure what coupling buys",
+    )
+    parser.add_argument(
         "--preempt-budget-mib",
         type=float,
         default=None,
@@ -1760,6 +1843,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         enforce_eager=not args.compile,
         one_long_block_size=args.one_long_block_size or None,
         mamba_block_size=args.mamba_block_size,
+        budget_bytes=int(args.budget_mib * MIB),
+        couple_prefix_caches=not args.no_couple_prefix_caches,
     )
     return quick_config(cfg) if args.quick else cfg
 

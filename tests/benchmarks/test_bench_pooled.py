@@ -317,3 +317,15 @@ def test_quick_config_and_cli_round_trip():
     assert args.models == ["qwen3_5"]
     with pytest.raises(SystemExit):
         bench.build_parser().parse_args(["--workloads", "nope"])
+
+
+def test_first_difference_gap_reads_the_gap_where_tokens_first_differ():
+    run = {
+        "tokens": [[1, 2, 3], [4, 5, 6], [7, 8]],
+        "top2_gaps": [[0.5, 0.25, 0.125], [0.9, 0.8, 0.7], [0.3, 0.2]],
+    }
+    other = [[1, 9, 3], [4, 5, 6], [7, 8]]
+    assert bench.first_difference_gap(run, other) == "0.2500"
+    other = [[1, 9, 3], [4, 5, 0], [7, 8]]  # the largest gap over prompts
+    assert bench.first_difference_gap(run, other) == "0.7000"
+    assert bench.first_difference_gap(run, run["tokens"]) == "-"
