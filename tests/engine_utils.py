@@ -50,3 +50,17 @@ def with_engine(
 def scheduler(llm: Any) -> Any:
     """The in-process scheduler (needs multiprocessing off)."""
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def record_preemptions(sched: Any) -> list[tuple[str, int]]:
+    """Wrap the scheduler's preemption method; the returned list gets one
+    ``(request id, output tokens so far)`` entry per preemption."""
+    preempted: list[tuple[str, int]] = []
+    original = sched._preempt_request
+
+    def recording(request: Any, *args: Any, **kwargs: Any) -> Any:
+        preempted.append((request.request_id, request.num_output_tokens))
+        return original(request, *args, **kwargs)
+
+    sched._preempt_request = recording
+    return preempted

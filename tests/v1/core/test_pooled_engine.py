@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_utils import scheduler, with_engine
+from engine_utils import record_preemptions, scheduler, with_engine
 
 pytestmark = pytest.mark.slow
 
@@ -78,14 +78,14 @@ def runs(request, tiny_model_dir):
 
 def _measure(llm, mode: str) -> dict:
     sched = scheduler(llm)
-    counter = _count_preemptions(sched)
+    preempted = record_preemptions(sched)
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(_prompts(), params)
     out = {mode: [list(o.outputs[0].token_ids) for o in outputs]}
     out[f"{mode}_hit_tokens"] = sum(o.num_cached_tokens or 0 for o in outputs)
-    out[f"{mode}_preemptions"] = counter[0]
+    out[f"{mode}_preemptions"] = len(preempted)
     out[f"{mode}_coordinator"] = type(sched.kv_cache_manager.coordinator).__name__
     out[f"{mode}_block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     if mode == "pooled":
@@ -98,19 +98,6 @@ def _measure(llm, mode: str) -> dict:
         }
         coord.arena.check_invariants()
     return out
-
-
-def _count_preemptions(sched) -> list[int]:
-    """Wrap the scheduler's preemption method with a counter."""
-    counter = [0]
-    original = sched._preempt_request
-
-    def counting(*args, **kwargs):
-        counter[0] += 1
-        return original(*args, **kwargs)
-
-    sched._preempt_request = counting
-    return counter
 
 
 def test_greedy_outputs_equal_upstream(runs):

@@ -14,8 +14,8 @@ import random
 import time
 
 import pytest
-from engine_utils import scheduler, with_engine
-from test_pooled_engine import _count_preemptions, _generate
+from engine_utils import record_preemptions, scheduler, with_engine
+from test_pooled_engine import _generate
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def runs(tiny_model_dir):
         coord = sched.kv_cache_manager.coordinator
         max_len = llm.llm_engine.vllm_config.model_config.max_model_len
         prompt = _long_prompt(max_len - OUTPUT)
-        preempted = _count_preemptions(sched)
+        preempted = record_preemptions(sched)
         first = _generate(llm, [prompt], OUTPUT)
         counts = dict(coord.short_memory_counts)
         again = _generate(llm, [prompt], OUTPUT)  # may hit what stayed cached
@@ -69,7 +69,7 @@ def runs(tiny_model_dir):
             first=first,
             again=again,
             counts=counts,
-            preempted=preempted[0],
+            preempted=len(preempted),
             free=free,
             state_block_bytes=coord.arena.layout.state_block_bytes,
             refusal=refusal,
