@@ -208,6 +208,33 @@ def test_a_hit_keeps_shared_prefix_alive():
     arena.check_invariants()
 
 
+def test_resetting_one_pool_keeps_the_links_consistent():
+    arena = make_arena()
+    hashes = chain("r", 3)
+    req = Req(arena, hashes)
+    req.compute(3, checkpoints=[0, 2])
+    tok, sta = arena.token_pool, arena.state_pool
+    sta.free_blocks(reversed([b for b in req.state if not b.is_null]))
+    # The token pool is busy; only the state pool can be reset.
+    assert not arena.reset_prefix_cache()
+    assert sta.reset_prefix_cache()
+    assert arena.links.needs == {} and arena.links.needed_by == {}
+    tok.free_blocks(reversed(req.attn))
+    # No checkpoint is left, so no attention block can be hit: all evicted.
+    assert tok.free_block_queue.cached_ids() == []
+    arena.check_invariants()
+    # The other way round: a busy state pool, the token pool reset.
+    req = Req(arena, hashes)
+    req.compute(3, checkpoints=[2])
+    tok.free_blocks(reversed(req.attn))
+    assert tok.reset_prefix_cache()
+    assert arena.links.broken == {skey(hashes[2])}
+    sta.free_blocks([req.state[2]])
+    assert sta.free_block_queue.cached_ids() == []
+    assert arena.links.broken == set()
+    arena.check_invariants()
+
+
 def test_reset_clears_links():
     arena = make_arena()
     req = Req(arena, chain("r", 2))
@@ -323,9 +350,13 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         pool, blocks = self.held.pop()
         pool.free_blocks(blocks)
 
-    @rule()
-    def reset(self):
-        self.arena.reset_prefix_cache()
+    @rule(whole=st.booleans(), state_side=st.booleans())
+    def reset(self, whole, state_side):
+        if whole:
+            self.arena.reset_prefix_cache()
+        else:
+            pool = self.arena.state_pool if state_side else self.arena.token_pool
+            pool.reset_prefix_cache()
 
     @invariant()
     def coupled(self):

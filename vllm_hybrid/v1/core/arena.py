@@ -651,8 +651,8 @@ class ArenaBlockPool(BlockPool):
         return True
 
     def _clear_prefix_cache(self) -> None:
-        if self.arena.links is not None:
-            self.arena.links.clear()
+        links = self.arena.links
+        keys = list(self.cached_block_hash_to_block._cache) if links else []
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
@@ -665,6 +665,10 @@ class ArenaBlockPool(BlockPool):
             self.metrics_collector.reset()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
+        if keys:
+            # The other pool may have been reset too, or be busy: drop what
+            # this pool's keys meant to it either way.
+            self.arena.keys_left_cache(self.side, keys)
         logger.info("Prefix cache of the %s pool reset", self.side.value)
 
     # -- boundary moves (called by the arena only) -------------------------
