@@ -91,6 +91,11 @@ def _measure(llm, mode: str) -> dict:
     if mode == "pooled":
         coord = sched.kv_cache_manager.coordinator
         out["config"] = sched.kv_cache_config
+        links = coord.arena.links
+        out["links"] = None
+        if links is not None:
+            out["links"] = {"linked": len(links.needs), **links.evictions}
+        coord.arena.check_invariants()
         llm.reset_prefix_cache()
         out["free_after"] = {
             kind: (pool.get_num_free_blocks(), pool.owned_capacity)
@@ -134,6 +139,19 @@ def test_plan_natural_block_and_zero_state_padding(runs):
 def test_every_pool_fully_free_after_workload_and_reset(runs):
     for kind, (free, owned) in runs["free_after"].items():
         assert free == owned, (kind, free, owned)
+
+
+def test_prefix_caches_of_the_pools_are_coupled(runs):
+    links = runs["links"]
+    if runs["name"] == "prefix-caching-off":
+        assert links is None
+        return
+    # every prompt leaves at least one checkpoint linked to its attention blocks
+    assert links["linked"] >= 1, links
+    if runs["name"] == "mamba-block-256":
+        # attention blocks past a prompt's last 256-token checkpoint can never
+        # be hit: they were evicted when their request finished
+        assert links["token"] >= 1, links
 
 
 def test_decoupled_checkpoint_interval(runs):
