@@ -87,6 +87,20 @@ class Req:
         self.arena.state_pool.free_blocks(reversed(real))
 
 
+def computed(
+    n_blocks: int, checkpoints: list[int], free: bool = True
+) -> tuple[KVArena, list[BlockHash], Req]:
+    """A coupled arena with one request over the chain "r0", "r1", ... that
+    computed ``n_blocks`` blocks with those checkpoints (and finished)."""
+    arena = make_arena()
+    hashes = chain("r", n_blocks)
+    req = Req(arena, hashes)
+    req.compute(n_blocks, checkpoints)
+    if free:
+        req.free()
+    return arena, hashes, req
+
+
 def cached(pool, keys) -> list[bool]:
     return [pool.cached_block_hash_to_block.get_one_block(k) is not None for k in keys]
 
@@ -111,11 +125,7 @@ def test_links_unit():
 
 
 def test_tail_past_last_checkpoint_is_evicted_on_free():
-    arena = make_arena()
-    hashes = chain("r", 4)
-    req = Req(arena, hashes)
-    req.compute(4, checkpoints=[1])  # checkpoint at 32 tokens
-    req.free()
+    arena, hashes, req = computed(4, [1])  # checkpoint at 32 tokens
     tok = arena.token_pool
     assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
     assert sorted(tok.free_block_queue.cached_ids()) == sorted(
@@ -136,11 +146,7 @@ def test_uncoupled_arena_keeps_everything():
 
 
 def test_evicting_a_checkpoint_evicts_the_blocks_only_it_needed():
-    arena = make_arena()
-    hashes = chain("r", 4)
-    req = Req(arena, hashes)
-    req.compute(4, checkpoints=[1, 3])  # checkpoints at 32 and 64 tokens
-    req.free()
+    arena, hashes, req = computed(4, [1, 3])  # checkpoints at 32 and 64 tokens
     tok, sta = arena.token_pool, arena.state_pool
     assert cached(tok, [tkey(h) for h in hashes]) == [True] * 4
     sta.evict_blocks({req.state[3].block_id})
@@ -152,11 +158,7 @@ def test_evicting_a_checkpoint_evicts_the_blocks_only_it_needed():
 
 
 def test_evicting_an_attention_block_evicts_the_checkpoints_past_it():
-    arena = make_arena()
-    hashes = chain("r", 4)
-    req = Req(arena, hashes)
-    req.compute(4, checkpoints=[0, 3])
-    req.free()
+    arena, hashes, req = computed(4, [0, 3])
     tok, sta = arena.token_pool, arena.state_pool
     tok.evict_blocks({req.attn[2].block_id})
     # The 64-token checkpoint lost its prefix; so did blocks 1 and 3, which
@@ -168,10 +170,7 @@ def test_evicting_an_attention_block_evicts_the_checkpoints_past_it():
 
 
 def test_blocks_in_use_are_checked_again_when_freed():
-    arena = make_arena()
-    hashes = chain("r", 2)
-    holder = Req(arena, hashes)
-    holder.compute(2, checkpoints=[1])
+    arena, hashes, holder = computed(2, [1], free=False)
     tok, sta = arena.token_pool, arena.state_pool
     # Free only the attention blocks; the checkpoint stays held.
     tok.free_blocks(reversed(holder.attn))
@@ -209,10 +208,7 @@ def test_a_hit_keeps_shared_prefix_alive():
 
 
 def test_resetting_one_pool_keeps_the_links_consistent():
-    arena = make_arena()
-    hashes = chain("r", 3)
-    req = Req(arena, hashes)
-    req.compute(3, checkpoints=[0, 2])
+    arena, hashes, req = computed(3, [0, 2], free=False)
     tok, sta = arena.token_pool, arena.state_pool
     sta.free_blocks(reversed([b for b in req.state if not b.is_null]))
     # The token pool is busy; only the state pool can be reset.
@@ -236,10 +232,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
 
 
 def test_reset_clears_links():
-    arena = make_arena()
-    req = Req(arena, chain("r", 2))
-    req.compute(2, checkpoints=[1])
-    req.free()
+    arena, _, _ = computed(2, [1])
     assert arena.reset_prefix_cache()
     assert arena.links.needs == {} and arena.links.needed_by == {}
     arena.check_invariants()
