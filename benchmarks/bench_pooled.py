@@ -543,6 +543,13 @@ class EngineSpec:
         }
 
 
+def llm_vocab(llm: Any) -> list[int]:
+    """Token ids random prompts may use (tokenizer and model agree on)."""
+    tokenizer = llm.get_tokenizer()
+    model_size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    return allowed_token_ids(min(len(tokenizer), model_size), tokenizer.all_special_ids)
+
+
 @dataclass
 class Engine:
     """An open ``vllm.LLM`` with the handles the workloads read."""
@@ -565,10 +572,7 @@ class Engine:
         return self.llm.llm_engine.vllm_config
 
     def vocab(self) -> list[int]:
-        """Token ids random prompts may use (tokenizer and model agree on)."""
-        tokenizer = self.llm.get_tokenizer()
-        size = min(len(tokenizer), self.vllm_config.model_config.get_vocab_size())
-        return allowed_token_ids(size, tokenizer.all_special_ids)
+        return llm_vocab(self.llm)
 
     def describe(self) -> dict[str, Any]:
         """Engine facts for the report: capacity, pools, plan."""

@@ -62,21 +62,15 @@ def _generate(llm, prompts, max_tokens):
     ]
 
 
-def _saturation(llm, cfg):
+def _saturation(llm, cfg, prompts):
     """The saturation prompts once: outputs, preemptions, and the indices of
     the prompts preempted after they had produced a token."""
     preempted = record_preemptions(scheduler(llm))
-    tokenizer = llm.get_tokenizer()
-    vocab_size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
-    vocab = _bench().allowed_token_ids(
-        min(len(tokenizer), vocab_size), tokenizer.all_special_ids
-    )
-    prompts = _bench().many_short_prompts(cfg, vocab)
     outs, _ = _generate(llm, prompts, cfg.many_short_output)
     # LLM.generate numbers requests 0, 1, ... in prompt order; the engine
     # appends a random suffix ("7-1a2b3c4d").
     mid_decode = {int(rid.split("-")[0]) for rid, tokens in preempted if tokens > 0}
-    return outs, len(preempted), mid_decode, vocab
+    return outs, len(preempted), mid_decode
 
 
 def _multi_turn(llm, cfg, vocab):
@@ -113,7 +107,9 @@ def _kwargs(mode: str, prefix_caching: bool) -> dict:
 
 def _run_no_prefix_caching(model: str, mode: str) -> dict:
     def work(llm) -> dict:
-        outs, preemptions, _, _ = _saturation(llm, _config())
+        cfg = _config()
+        prompts = _bench().many_short_prompts(cfg, _bench().llm_vocab(llm))
+        outs, preemptions, _ = _saturation(llm, cfg, prompts)
         return {"saturation": outs, "preemptions": preemptions}
 
     return with_engine(model, True, _kwargs(mode, False), work)
@@ -125,8 +121,9 @@ def _run(model: str, mode: str) -> dict:
 
     def work(llm) -> dict:
         core = llm.llm_engine.engine_core.engine_core
-        first, preemptions, mid_decode, vocab = _saturation(llm, cfg)
+        vocab = _bench().llm_vocab(llm)
         prompts = _bench().many_short_prompts(cfg, vocab)
+        first, preemptions, mid_decode = _saturation(llm, cfg, prompts)
         llm.reset_prefix_cache()
         second, _ = _generate(llm, prompts, cfg.many_short_output)
         llm.reset_prefix_cache()
