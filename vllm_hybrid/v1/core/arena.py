@@ -562,7 +562,8 @@ class ArenaBlockPool(BlockPool):
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)
         if self.arena.links is not None:
-            self.evict_dead(b for b in blocks if b.pool is None or b.pool is self)
+            # upstream routes blocks of another pool there (their own check)
+            self.evict_dead(b for b in blocks if b.pool is self)
 
     def blocks_with(self, key: Any) -> list[KVCacheBlock]:
         """Every block holding a prefix-cache key (duplicates included)."""
@@ -593,11 +594,11 @@ class ArenaBlockPool(BlockPool):
     def evict_dead(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Evict the free ones among ``blocks`` that are dead."""
         links = self.arena.links
+        assert links is not None
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null and self.is_dead(block):
                 self._maybe_evict_cached_block(block)
-                if links is not None:
-                    links.evictions[self.side.value] += 1
+                links.evictions[self.side.value] += 1
 
     def evict_dead_keys(self, keys: Iterable[Any]) -> None:
         self.evict_dead(b for k in keys for b in self.blocks_with(k))
