@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -20,7 +21,14 @@ import pytest
 import vllm
 
 from vllm_hybrid import plugin
-from vllm_hybrid.patches.registry import PATCHES, PatchEntry, load_object, upstream
+from vllm_hybrid.patches.registry import (
+    PATCHES,
+    SUBCLASSES,
+    PatchEntry,
+    SubclassEntry,
+    load_object,
+    upstream,
+)
 
 PROBE = Path(__file__).with_name("probe_bindings.py")
 VLLM_ROOT = Path(vllm.__file__).parent
@@ -159,3 +167,28 @@ def test_other_vllm_version_applies_nothing_and_warns():
     warnings = [ln for ln in log.splitlines() if "WARNING" in ln and "0.32.0" in ln]
     assert len(warnings) == 1, log[-3000:]
     assert "found vLLM 0.33.0" in warnings[0]
+
+
+@pytest.mark.parametrize("entry", SUBCLASSES, ids=lambda e: e.subclass)
+def test_subclass_overrides_match_installed_upstream(entry: SubclassEntry):
+    """Each listed override still overrides an upstream method of the same
+    parameters, and no other upstream method is overridden unlisted."""
+    base, sub = load_object(entry.base), load_object(entry.subclass)
+    assert issubclass(sub, base)
+    for field in ("why", "how", "removal"):
+        assert len(getattr(entry, field).strip()) >= 10, (entry.subclass, field)
+    assert entry.upstream_status.startswith("none") and entry.issue > 0
+    own = {
+        name
+        for klass in sub.__mro__[: sub.__mro__.index(base)]
+        for name, value in vars(klass).items()
+        if callable(value) and hasattr(base, name) and not name.startswith("__")
+    }
+    assert own == set(entry.overrides)
+    for name in entry.overrides:
+        theirs = inspect.signature(getattr(base, name)).parameters
+        ours = inspect.signature(getattr(sub, name)).parameters
+        kinds = {p.kind for p in ours.values()}
+        if inspect.Parameter.VAR_POSITIONAL in kinds:
+            continue  # forwards everything to upstream's method
+        assert list(ours) == list(theirs), (name, list(ours), list(theirs))

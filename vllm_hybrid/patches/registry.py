@@ -428,3 +428,86 @@ PATCHES: list[PatchEntry] = [
         issue=6,
     ),
 ]
+
+
+@dataclass(frozen=True)
+class SubclassEntry:
+    """An upstream class the overlay subclasses without replacing it.
+
+    Nothing upstream is rebound, but each listed method is an override of an
+    upstream method (often a private one) that upstream code calls on our
+    objects, so a rename or signature change upstream would silently bypass
+    or break it; ``tests/patches`` checks them against what is installed.
+    """
+
+    base: str
+    subclass: str
+    overrides: tuple[str, ...]
+    why: str
+    how: str
+    upstream_status: str
+    removal: str
+    issue: int
+
+
+SUBCLASSES: list[SubclassEntry] = [
+    SubclassEntry(
+        base="vllm.v1.core.block_pool:BlockPool",
+        subclass="vllm_hybrid.v1.core.arena:ArenaBlockPool",
+        overrides=(
+            "get_new_blocks",
+            "get_usage",
+            "free_blocks",
+            "reset_prefix_cache",
+            "take_events",
+            "cache_full_blocks",
+            "cache_partial_block",
+            "move_block_hashes",
+            "_insert_block_hash",
+            "_remove_cached_block_hashes",
+            "_maybe_evict_cached_block",
+        ),
+        why=(
+            "Pooled mode has one block pool per page kind inside one arena; "
+            "each pool owns a movable id range, hands out blocks in an order "
+            "that keeps the boundary movable, and evicts prefix-cache entries "
+            "together with the other pool (prefix_cache_view)."
+        ),
+        how=(
+            "Upstream's managers and KVCacheManager call these methods on the "
+            "pool they hold; the overrides call upstream's and add boundary "
+            "moves, owned-capacity usage, coupled eviction and events of both "
+            "pools. Built by the pooled coordinators only."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_coordinator entry.",
+        issue=3,
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator",
+        subclass=(
+            "vllm_hybrid.v1.core.kv_cache_coordinator:PooledHybridKVCacheCoordinator"
+        ),
+        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
+        why="Admission and allocation across the token and state pools.",
+        how=(
+            "Upstream's per-group managers compute needs; the overrides ask "
+            "the arena for both pools at once and may advance a state in place."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_coordinator entry.",
+        issue=3,
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache",
+        subclass=(
+            "vllm_hybrid.v1.core.kv_cache_coordinator:PooledNoPrefixCacheCoordinator"
+        ),
+        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
+        why="As PooledHybridKVCacheCoordinator, with prefix caching off.",
+        how="The same mixin as PooledHybridKVCacheCoordinator.",
+        upstream_status="none",
+        removal="With the get_kv_cache_coordinator entry.",
+        issue=3,
+    ),
+]
