@@ -99,6 +99,13 @@ class BenchConfig:
     multi_turn_user_len: int = 100
     multi_turn_output: int = 32
     same_tokens_output: int = 24
+    #: OpenMP threads of the same_tokens workers (own processes, both modes);
+    #: 0 runs same_tokens in the main workers with the platform's threads.
+    #: vLLM's CPU attention shares a step's work among its threads by the
+    #: KV length of the whole batch, so with more than one thread a request's
+    #: bf16 bits depend on which requests it runs with; one thread removes
+    #: that, which is what a token-for-token comparison needs.
+    same_tokens_threads: int = 1
     #: Wall-clock cap of one engine drive; a stuck run ends as "time_limit".
     drive_time_limit_s: float = 1800.0
     #: Steps without any token progress after which a drive counts as stalled.
@@ -960,6 +967,35 @@ def run_same_tokens_plain(
     return {name: _same_tokens_pass(engine, cfg, prompts)}
 
 
+def run_same_tokens_alone(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """Each fixed prompt by itself, one after the other (prefix caching off).
+
+    Against the batched ``pc_off`` pass of the same engine this shows whether
+    a request's tokens depend on the requests it is batched with: a
+    difference here, in either mode, is the kernels' batch dependence, which
+    any change of schedule (more requests admitted, other prefix hits, other
+    preemptions) exposes.
+    """
+    prompts = same_tokens_prompts(cfg.seed, engine.vocab())
+    passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
+    return {
+        "alone": {
+            "tokens": [p["tokens"][0] for p in passes],
+            "top2_gaps": [p["top2_gaps"][0] for p in passes],
+            "preemptions": sum(p["preemptions"] for p in passes),
+            "cached_tokens": sum(p["cached_tokens"] for p in passes),
+            "wall_s": sum(p["wall_s"] for p in passes),
+        }
+    }
+
+
+def omp_threads() -> int:
+    """OpenMP threads this process computes with."""
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 @dataclass(frozen=True)
 class Try:
     """One one_long attempt."""
@@ -1225,6 +1261,19 @@ def _add_same_tokens(report: WorkerReport, fn: Callable[[], dict[str, Any]]) -> 
     configs.update(result)
 
 
+def _same_tokens_body(
+    report: WorkerReport, cfg: BenchConfig, config: str
+) -> Callable[[Engine], None]:
+    """The same_tokens passes of the engine set up for ``config``."""
+
+    def body(engine: Engine) -> None:
+        _add_same_tokens(report, lambda: run_same_tokens_plain(engine, cfg, config))
+        if config == "pc_off":
+            _add_same_tokens(report, lambda: run_same_tokens_alone(engine, cfg))
+
+    return body
+
+
 def start_error(spec: EngineSpec) -> str | None:
     """Why an engine with ``spec`` does not start, or None if it does."""
     try:
@@ -1340,13 +1389,11 @@ def run_worker(model: str, model_dir: Path, workloads: list[str], cfg: BenchConf
         if "same_tokens" in selected:
             for name, config in (("no_pc", "pc_off"), ("preempt", "preempt")):
                 _with_engine(
-                    report,
-                    name,
-                    specs[name],
-                    lambda e, c=config: _add_same_tokens(
-                        report, lambda: run_same_tokens_plain(e, cfg, c)
-                    ),
+                    report, name, specs[name], _same_tokens_body(report, cfg, config)
                 )
+            report.workloads.setdefault("same_tokens", {})["omp_threads"] = (
+                omp_threads()
+            )
         if "one_long" in selected:
             _run_one_long(report, specs, cfg)
     except Exception as exc:
@@ -1385,25 +1432,103 @@ def parse_result(text: str) -> dict[str, Any] | None:
     return found
 
 
-def worker_env(mode: str) -> dict[str, str]:
-    """Environment of a worker: the overlay switch and in-process engines."""
+def worker_env(mode: str, threads: int = 0) -> dict[str, str]:
+    """Environment of a worker: the overlay switch and in-process engines.
+
+    ``threads`` > 0 pins the worker's vLLM CPU worker to that many OpenMP
+    threads on cores ``0..threads-1``; 0 keeps the platform's choice.
+    """
     env = dict(os.environ)
     env["VLLM_HYBRID_KV"] = MODE_SWITCH[mode]
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if threads > 0:
+        env["OMP_NUM_THREADS"] = str(threads)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
     return env
 
 
+@dataclass(frozen=True)
+class WorkerJob:
+    """One worker process to run: a model, a mode and its workloads."""
+
+    model: str
+    mode: str
+    workloads: tuple[str, ...]
+    #: OpenMP threads (0: the platform's choice), see ``worker_env``
+    threads: int = 0
+
+    @property
+    def name(self) -> str:
+        part = "" if self.threads == 0 else f"-{'+'.join(self.workloads)}"
+        return f"{self.model}-{self.mode}{part}"
+
+
+def worker_jobs(
+    models: Sequence[str], workloads: Sequence[str], cfg: BenchConfig
+) -> list[WorkerJob]:
+    """The workers of a run: per model and mode, one for the workloads that
+    use the platform's threads and, unless ``same_tokens_threads`` is 0, one
+    for same_tokens with that many threads."""
+    alone = "same_tokens" in workloads and cfg.same_tokens_threads > 0
+    rest = tuple(w for w in workloads if not (alone and w == "same_tokens"))
+    jobs = []
+    for model in models:
+        for mode in MODES:
+            if rest:
+                jobs.append(WorkerJob(model, mode, rest))
+            if alone:
+                jobs.append(
+                    WorkerJob(model, mode, ("same_tokens",), cfg.same_tokens_threads)
+                )
+    return jobs
+
+
+def merge_runs(runs: Sequence[WorkerRun]) -> dict[tuple[str, str], WorkerRun]:
+    """One run per (model, mode): the reports of its workers combined.
+
+    Workloads, errors and tracebacks are joined; engine facts and geometry
+    come from the first worker that reported them, so an engine both workers
+    opened is described once.
+    """
+    merged: dict[tuple[str, str], WorkerRun] = {}
+    for run in runs:
+        key = (run.model, run.mode)
+        prev = merged.get(key)
+        if prev is None:
+            merged[key] = run
+            continue
+        report = _merge_reports(prev.report, run.report)
+        merged[key] = WorkerRun(
+            run.model,
+            run.mode,
+            prev.returncode or run.returncode,
+            prev.wall_s + run.wall_s,
+            f"{prev.log_path}; {run.log_path}",
+            report,
+        )
+    return merged
+
+
+def _merge_reports(a: dict | None, b: dict | None) -> dict | None:
+    if a is None or b is None:
+        return None
+    out = dict(a)
+    out["workloads"] = {**a.get("workloads", {}), **b.get("workloads", {})}
+    out["engines"] = {**b.get("engines", {}), **a.get("engines", {})}
+    out["geometry"] = a.get("geometry") or b.get("geometry")
+    out["errors"] = [*a.get("errors", []), *b.get("errors", [])]
+    out["tracebacks"] = {**b.get("tracebacks", {}), **a.get("tracebacks", {})}
+    return out
+
+
 def spawn_worker(
-    model: str,
-    mode: str,
-    args: argparse.Namespace,
-    cfg: BenchConfig,
-    log_dir: Path,
+    job: WorkerJob, args: argparse.Namespace, cfg: BenchConfig, log_dir: Path
 ) -> WorkerRun:
     """Run one worker subprocess to completion, its output in a log file."""
-    log_path = log_dir / f"{model}-{mode}.log"
+    model, mode = job.model, job.mode
+    log_path = log_dir / f"{job.name}.log"
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -1411,22 +1536,26 @@ def spawn_worker(
         "--models",
         model,
         "--workloads",
-        ",".join(args.workloads),
+        ",".join(job.workloads),
         "--model-dir",
         str(args.model_dir),
         "--config-json",
         json.dumps(asdict(cfg)),
     ]
-    _say(f"{model}/{mode}: worker started, log {log_path}")
+    _say(f"{job.name}: worker started, log {log_path}")
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            cmd, env=worker_env(mode), stdout=log, stderr=subprocess.STDOUT, check=False
+            cmd,
+            env=worker_env(mode, job.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            check=False,
         )
     wall = time.perf_counter() - start
     text = log_path.read_text(errors="replace")
     report = parse_result(text)
-    _say(f"{model}/{mode}: worker exited {proc.returncode} after {wall:.0f} s")
+    _say(f"{job.name}: worker exited {proc.returncode} after {wall:.0f} s")
     return WorkerRun(model, mode, proc.returncode, wall, str(log_path), report)
 
 
@@ -1618,6 +1747,15 @@ def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]
             Row(
                 model,
                 "same_tokens",
+                "OpenMP threads",
+                _workload(up, "same_tokens").get("omp_threads"),
+                _workload(ov, "same_tokens").get("omp_threads"),
+            )
+        )
+        rows.append(
+            Row(
+                model,
+                "same_tokens",
                 "wall s",
                 _workload(up, "same_tokens").get("wall_s"),
                 _workload(ov, "same_tokens").get("wall_s"),
@@ -1683,12 +1821,12 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
     """Spawn upstream and overlay workers per model, then print the table."""
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_pooled-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(model, mode) for model in args.models for mode in MODES]
+    jobs = worker_jobs(args.models, args.workloads, cfg)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        runs = list(pool.map(lambda job: spawn_worker(*job, args, cfg, log_dir), jobs))
+        runs = list(pool.map(lambda job: spawn_worker(job, args, cfg, log_dir), jobs))
     total = time.perf_counter() - start
-    by_key = {(r.model, r.mode): r for r in runs}
+    by_key = merge_runs(runs)
     rows: list[Row] = []
     for model in args.models:
         up = by_key[(model, "upstream")].report
@@ -1720,7 +1858,8 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
             "models": args.models,
             "workloads": args.workloads,
             "total_wall_s": total,
-            "runs": [asdict(r) for r in runs],
+            "runs": [asdict(r) for r in by_key.values()],
+            "worker_runs": [asdict(r) for r in runs],
             "table": [{**asdict(row), "ratio": row.ratio} for row in rows],
             "problems": problems,
         }
@@ -1820,6 +1959,14 @@ def build_parser() -> argparse.ArgumentParser:
         "for qwen3_5, 12 for qwen3_next, 16 otherwise)",
     )
     parser.add_argument(
+        "--same-tokens-threads",
+        type=int,
+        default=BenchConfig.same_tokens_threads,
+        help="OpenMP threads of the same_tokens workers, both modes (default: 1, "
+        "which makes CPU attention independent of batch composition; 0 runs "
+        "same_tokens in the main workers with the platform's threads)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="use torch.compile (default: eager; compiling adds ~35 s per engine)",
@@ -1837,6 +1984,12 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.config_json:
         return BenchConfig(**json.loads(args.config_json))
+    cores = os.cpu_count() or 1
+    if not 0 <= args.same_tokens_threads <= cores:
+        raise SystemExit(
+            f"--same-tokens-threads {args.same_tokens_threads}: use 0 (the "
+            f"platform's threads) or 1..{cores} (this machine's cores)"
+        )
     cfg = BenchConfig(
         seed=args.seed,
         preempt_budget_bytes=(
@@ -1849,6 +2002,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         mamba_block_size=args.mamba_block_size,
         budget_bytes=int(args.budget_mib * MIB),
         couple_prefix_caches=not args.no_couple_prefix_caches,
+        same_tokens_threads=args.same_tokens_threads,
     )
     return quick_config(cfg) if args.quick else cfg
 

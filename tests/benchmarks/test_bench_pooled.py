@@ -329,3 +329,84 @@ def test_first_difference_gap_reads_the_gap_where_tokens_first_differ():
     other = [[1, 9, 3], [4, 5, 0], [7, 8]]  # the largest gap over prompts
     assert bench.first_difference_gap(run, other) == "0.7000"
     assert bench.first_difference_gap(run, run["tokens"]) == "-"
+
+
+def test_worker_env_pins_threads_only_when_asked(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    default = bench.worker_env("overlay")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in default
+    assert "OMP_NUM_THREADS" not in default
+    one = bench.worker_env("upstream", 1)
+    assert (one["OMP_NUM_THREADS"], one["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "0")
+    two = bench.worker_env("upstream", 2)
+    assert (two["OMP_NUM_THREADS"], two["VLLM_CPU_OMP_THREADS_BIND"]) == ("2", "0-1")
+
+
+def test_same_tokens_gets_its_own_single_thread_workers():
+    cfg = bench.BenchConfig()
+    jobs = bench.worker_jobs(["m"], ["many_short", "same_tokens"], cfg)
+    assert [(j.mode, j.workloads, j.threads) for j in jobs] == [
+        ("upstream", ("many_short",), 0),
+        ("upstream", ("same_tokens",), 1),
+        ("overlay", ("many_short",), 0),
+        ("overlay", ("same_tokens",), 1),
+    ]
+    assert jobs[1].name == "m-upstream-same_tokens" and jobs[0].name == "m-upstream"
+    # only same_tokens: no empty main worker
+    only = bench.worker_jobs(["m"], ["same_tokens"], cfg)
+    assert [j.threads for j in only] == [1, 1]
+    # threads 0: everything in the main workers, as before
+    shared = bench.worker_jobs(
+        ["m"], ["many_short", "same_tokens"], bench.replace(cfg, same_tokens_threads=0)
+    )
+    assert [(j.workloads, j.threads) for j in shared] == [
+        (("many_short", "same_tokens"), 0)
+    ] * 2
+
+
+def test_merge_runs_joins_the_workers_of_one_model_and_mode():
+    def run(mode, workloads, engines, errors=(), rc=0):
+        report = {
+            "workloads": workloads,
+            "engines": engines,
+            "geometry": None if "same_tokens" in workloads else {"g": 1},
+            "errors": list(errors),
+            "tracebacks": {},
+        }
+        return bench.WorkerRun("m", mode, rc, 2.0, f"{mode}.log", report)
+
+    main = run("overlay", {"many_short": {"x": 1}}, {"main": {"start_s": 1}})
+    same = run(
+        "overlay",
+        {"same_tokens": {"y": 2}},
+        {"main": {"start_s": 9}, "no_pc": {"start_s": 3}},
+        errors=["boom"],
+        rc=1,
+    )
+    merged = bench.merge_runs([main, same])
+    (key,) = merged
+    out = merged[key]
+    assert key == ("m", "overlay")
+    assert set(out.report["workloads"]) == {"many_short", "same_tokens"}
+    # the main worker's description of an engine both opened wins
+    assert out.report["engines"] == {"main": {"start_s": 1}, "no_pc": {"start_s": 3}}
+    assert out.report["geometry"] == {"g": 1}
+    assert out.report["errors"] == ["boom"]
+    assert (out.returncode, out.wall_s) == (1, 4.0)
+    assert bench.merge_runs([main])[key] is main
+
+
+def test_same_tokens_threads_option_is_checked():
+    parse = bench.build_parser().parse_args
+    assert bench.config_from_args(parse([])).same_tokens_threads == 1
+    assert (
+        bench.config_from_args(
+            parse(["--same-tokens-threads", "0"])
+        ).same_tokens_threads
+        == 0
+    )
+    with pytest.raises(SystemExit, match="--same-tokens-threads"):
+        bench.config_from_args(parse(["--same-tokens-threads", "-1"]))
+    with pytest.raises(SystemExit, match="--same-tokens-threads"):
+        bench.config_from_args(parse(["--same-tokens-threads", "4096"]))
