@@ -1,0 +1,85 @@
+"""The benchmark's same_tokens acceptance run, end to end (slow).
+
+``benchmarks/bench_pooled.py --workloads same_tokens`` runs upstream and
+pooled mode in separate single-thread worker processes on the fixed prompt
+set: prefix caching on (cold and repeated), off (batched and each prompt
+alone) and a run forced into preemption. With one OpenMP thread a request's
+bits do not depend on its batch-mates, so every schedule difference pooled
+mode makes (more admitted requests, other preemption points) must leave the
+tokens unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_bench_pooled import bench
+
+pytestmark = pytest.mark.slow
+
+MODELS = ("qwen3_5", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def same_tokens(tiny_model_dir, tmp_path_factory):
+    root = tiny_model_dir(MODELS[0]).parent
+    for kind in MODELS[1:]:
+        tiny_model_dir(kind)
+    out = tmp_path_factory.mktemp("bench") / "same_tokens.json"
+    argv = ["--models", ",".join(MODELS), "--workloads", "same_tokens"]
+    argv += ["--model-dir", str(root), "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    return {
+        (run["model"], run["mode"]): run["report"]["workloads"]["same_tokens"]
+        for run in data["runs"]
+    }
+
+
+def _tokens(result, model, mode, config):
+    return result[(model, mode)]["configs"][config]["tokens"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_workers_compute_with_one_thread(same_tokens, model):
+    for mode in bench.MODES:
+        assert same_tokens[(model, mode)]["omp_threads"] == 1
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("config", ["pc_off", "alone", "preempt"])
+def test_tokens_equal_upstream(same_tokens, model, config):
+    up = _tokens(same_tokens, model, "upstream", config)
+    ov = _tokens(same_tokens, model, "overlay", config)
+    assert len(ov) == 8 and all(len(ids) == 24 for ids in ov)
+    assert ov == up
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_batching_and_preemption_do_not_change_tokens(same_tokens, model):
+    for mode in bench.MODES:
+        reference = _tokens(same_tokens, model, mode, "pc_off")
+        assert _tokens(same_tokens, model, mode, "alone") == reference
+        assert _tokens(same_tokens, model, mode, "preempt") == reference
+        assert same_tokens[(model, mode)]["configs"]["preempt"]["preemptions"] > 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("config", ["pc_on", "pc_on_repeat"])
+def test_prefix_caching_keeps_the_uncached_tokens(same_tokens, model, config):
+    """Pooled mode with prefix caching on gives its (and upstream's) tokens
+    without caching, with more cached tokens than upstream. A prompt may
+    differ from upstream's cached run only where upstream's cached run
+    differs from upstream's own uncached run."""
+    ov_on = _tokens(same_tokens, model, "overlay", config)
+    assert ov_on == _tokens(same_tokens, model, "overlay", "pc_off")
+    up_on = _tokens(same_tokens, model, "upstream", config)
+    up_off = _tokens(same_tokens, model, "upstream", "pc_off")
+    for ov_ids, up_ids, up_ref in zip(ov_on, up_on, up_off, strict=True):
+        assert ov_ids == up_ids or up_ids != up_ref
+    cached = {
+        mode: same_tokens[(model, mode)]["configs"][config]["cached_tokens"]
+        for mode in bench.MODES
+    }
+    assert cached["overlay"] > cached["upstream"] > 0
