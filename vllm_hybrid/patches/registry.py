@@ -510,4 +510,38 @@ SUBCLASSES: list[SubclassEntry] = [
         removal="With the get_kv_cache_coordinator entry.",
         issue=3,
     ),
+    SubclassEntry(
+        base="vllm.v1.core.sched.scheduler:Scheduler",
+        subclass="vllm_hybrid.v1.core.sched.scheduler:PooledScheduler",
+        overrides=(),
+        why=(
+            "Align mode ends prefill chunks on cache_config.block_size edges, "
+            "which upstream makes the state block; pooled mode keeps attention "
+            "at its own block, so a longer --mamba-block-size lost every "
+            "checkpoint a chunk ran past."
+        ),
+        how=(
+            "Selected through scheduler_cls by the engine core's KV planning "
+            "(get_kv_cache_configs) only when the state block is longer than "
+            "the attention block; its constructor gives the scheduler a copy "
+            "of the cache config whose block_size is the state block. A test "
+            "checks that upstream reads that field only in the Mamba split."
+        ),
+        upstream_status="none",
+        removal=(
+            "When upstream's align-mode split reads the state group's block "
+            "size, or with the get_kv_cache_configs entry."
+        ),
+        issue=3,
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.sched.async_scheduler:AsyncScheduler",
+        subclass="vllm_hybrid.v1.core.sched.async_scheduler:PooledAsyncScheduler",
+        overrides=(),
+        why="As PooledScheduler, for engines with async scheduling.",
+        how="The same mixin as PooledScheduler.",
+        upstream_status="none",
+        removal="With the PooledScheduler entry.",
+        issue=3,
+    ),
 ]

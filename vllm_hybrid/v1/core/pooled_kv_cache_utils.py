@@ -137,5 +137,8 @@ def get_kv_cache_configs(
     """Upstream's ``get_kv_cache_configs``, pooled for hybrid models."""
     pooled = plan_pooled_configs(vllm_config, kv_cache_specs, available_memory)
     if pooled is not None:
+        from vllm_hybrid.v1.core.sched.scheduler import select_scheduler
+
+        select_scheduler(vllm_config, pooled[0])
         return pooled
     return upstream(TARGET)(vllm_config, kv_cache_specs, available_memory)

@@ -1,0 +1,109 @@
+"""Pooled mode's scheduler choice: prefill chunks end on state checkpoint edges.
+
+The engine test (``test_pooled_engine.py``, ``mamba-block-256``) checks the
+hits this gives; these tests pin down when the scheduler is swapped, that
+nothing else is, and the upstream fact the swap relies on.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from types import SimpleNamespace
+
+import pytest
+from test_kv_cache_utils import attention_spec, gdn_spec
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
+from vllm_hybrid.v1.core.sched.scheduler import (
+    PooledScheduler,
+    select_scheduler,
+    state_checkpoint_block,
+)
+
+
+def _kv_config(attention_block: int, state_block: int | None):
+    groups = [KVCacheGroupSpec(["attn"], attention_spec(block_size=attention_block))]
+    if state_block is not None:
+        groups.append(KVCacheGroupSpec(["gdn"], gdn_spec(block_size=state_block)))
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def _vllm_config(mode: str = "align", scheduler_cls=None, async_scheduling=False):
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(mamba_cache_mode=mode, block_size=128),
+        scheduler_config=SimpleNamespace(
+            scheduler_cls=scheduler_cls, async_scheduling=async_scheduling
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("attention", "state", "mode", "expected"),
+    [
+        (128, 384, "align", 384),  # interval longer than the attention block
+        (128, 128, "align", None),  # default interval: upstream's split is right
+        (128, 384, "none", None),  # no checkpoints without prefix caching
+        (128, None, "align", None),  # no state group (dense model)
+    ],
+)
+def test_state_checkpoint_block(attention, state, mode, expected):
+    assert state_checkpoint_block(_kv_config(attention, state), mode) == expected
+
+
+def test_select_scheduler_swaps_only_when_checkpoints_are_sparser():
+    config = _vllm_config()
+    select_scheduler(config, _kv_config(128, 128))
+    assert config.scheduler_config.scheduler_cls is None
+    select_scheduler(config, _kv_config(128, 384))
+    assert config.scheduler_config.scheduler_cls is PooledScheduler
+    config = _vllm_config(async_scheduling=True)
+    select_scheduler(config, _kv_config(128, 384))
+    assert config.scheduler_config.scheduler_cls is PooledAsyncScheduler
+    assert issubclass(PooledScheduler, Scheduler)
+    assert issubclass(PooledAsyncScheduler, AsyncScheduler)
+
+
+def test_select_scheduler_keeps_a_user_class_and_says_what_it_misses(caplog):
+    user_cls = "my.module.MyScheduler"
+    config = _vllm_config(scheduler_cls=user_cls)
+    with caplog.at_level("WARNING"):
+        select_scheduler(config, _kv_config(128, 384))
+    assert config.scheduler_config.scheduler_cls == user_cls
+    text = caplog.text
+    assert "--scheduler-cls" in text and "--mamba-block-size" in text
+    assert "every 384 tokens" in text
+
+
+def _block_size_reads(cls: type) -> dict[str, int]:
+    """Methods of ``cls`` (own, not inherited) reading
+    ``self.cache_config.block_size``, with the number of reads."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    reads: dict[str, int] = {}
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "block_size"
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "cache_config"
+                and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"
+            ):
+                reads[func.name] = reads.get(func.name, 0) + 1
+    return reads
+
+
+def test_upstream_scheduler_reads_the_block_only_for_the_mamba_split():
+    """The scheduler's private cache-config copy changes exactly one thing:
+    upstream reads ``self.cache_config.block_size`` after construction only
+    in its Mamba alignment. If a new vLLM reads it elsewhere, this fails and
+    the copy must be revisited."""
+    assert _block_size_reads(Scheduler) == {"_mamba_block_aligned_split": 1}
+    assert _block_size_reads(AsyncScheduler) == {}

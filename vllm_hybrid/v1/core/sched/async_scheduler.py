@@ -1,0 +1,11 @@
+"""Async twin of :class:`~vllm_hybrid.v1.core.sched.scheduler.PooledScheduler`."""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+from vllm_hybrid.v1.core.sched.scheduler import CheckpointAlignedSplitMixin
+
+
+class PooledAsyncScheduler(CheckpointAlignedSplitMixin, AsyncScheduler):
+    """``AsyncScheduler`` whose align-mode prefill chunks end on checkpoint edges."""
