@@ -6,7 +6,10 @@ set: prefix caching on (cold and repeated), off (batched and each prompt
 alone) and a run forced into preemption. With one OpenMP thread a request's
 bits do not depend on its batch-mates, so every schedule difference pooled
 mode makes (more admitted requests, other preemption points) must leave the
-tokens unchanged.
+tokens unchanged. With prefix caching on, the tokens depend on where prefills
+are cut and hits land (state checkpoint positions): pooled mode's default
+checkpoints must give the uncached tokens, and checkpoints at upstream's
+positions must give upstream's cached tokens.
 """
 
 from __future__ import annotations
@@ -83,3 +86,28 @@ def test_prefix_caching_keeps_the_uncached_tokens(same_tokens, model, config):
         for mode in bench.MODES
     }
     assert cached["overlay"] > cached["upstream"] > 0
+
+
+@pytest.fixture(scope="module")
+def same_checkpoints(tiny_model_dir, tmp_path_factory):
+    """qwen3_next with state checkpoints every 384 tokens, upstream's block
+    there: both modes cut prefills and hit the cache at the same positions."""
+    root = tiny_model_dir("qwen3_next").parent
+    out = tmp_path_factory.mktemp("bench") / "same_tokens_384.json"
+    argv = ["--models", "qwen3_next", "--workloads", "same_tokens"]
+    argv += ["--mamba-block-size", "384", "--model-dir", str(root), "--json", str(out)]
+    assert bench.main(argv) == 0
+    data = json.loads(out.read_text())
+    return {
+        run["mode"]: run["report"]["workloads"]["same_tokens"]["configs"]
+        for run in data["runs"]
+    }
+
+
+@pytest.mark.parametrize("config", ["pc_on", "pc_on_repeat"])
+def test_upstream_checkpoint_positions_give_upstream_cached_tokens(
+    same_checkpoints, config
+):
+    up, ov = same_checkpoints["upstream"][config], same_checkpoints["overlay"][config]
+    assert ov["cached_tokens"] == up["cached_tokens"] > 0
+    assert ov["tokens"] == up["tokens"]
