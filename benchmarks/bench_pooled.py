@@ -1743,24 +1743,9 @@ def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]
                 Row(model, where, label, (a or {}).get(key), (b or {}).get(key))
             )
     if cu or co:
-        rows.append(
-            Row(
-                model,
-                "same_tokens",
-                "OpenMP threads",
-                _workload(up, "same_tokens").get("omp_threads"),
-                _workload(ov, "same_tokens").get("omp_threads"),
-            )
-        )
-        rows.append(
-            Row(
-                model,
-                "same_tokens",
-                "wall s",
-                _workload(up, "same_tokens").get("wall_s"),
-                _workload(ov, "same_tokens").get("wall_s"),
-            )
-        )
+        wu, wo = _workload(up, "same_tokens"), _workload(ov, "same_tokens")
+        for key, label in (("omp_threads", "OpenMP threads"), ("wall_s", "wall s")):
+            rows.append(Row(model, "same_tokens", label, wu.get(key), wo.get(key)))
     return rows
 
 
