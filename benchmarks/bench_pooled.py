@@ -1471,14 +1471,14 @@ def worker_jobs(
     """The workers of a run: per model and mode, one for the workloads that
     use the platform's threads and, unless ``same_tokens_threads`` is 0, one
     for same_tokens with that many threads."""
-    alone = "same_tokens" in workloads and cfg.same_tokens_threads > 0
-    rest = tuple(w for w in workloads if not (alone and w == "same_tokens"))
+    separate = "same_tokens" in workloads and cfg.same_tokens_threads > 0
+    rest = tuple(w for w in workloads if not (separate and w == "same_tokens"))
     jobs = []
     for model in models:
         for mode in MODES:
             if rest:
                 jobs.append(WorkerJob(model, mode, rest))
-            if alone:
+            if separate:
                 jobs.append(
                     WorkerJob(model, mode, ("same_tokens",), cfg.same_tokens_threads)
                 )

@@ -24,13 +24,11 @@ pytestmark = pytest.mark.slow
 MODELS = ("qwen3_5", "qwen3_next")
 
 
-@pytest.fixture(scope="module")
-def same_tokens(tiny_model_dir, tmp_path_factory):
-    root = tiny_model_dir(MODELS[0]).parent
-    for kind in MODELS[1:]:
-        tiny_model_dir(kind)
+def _run_same_tokens(tiny_model_dir, tmp_path_factory, models, *extra):
+    """Run the benchmark's same_tokens workload; its result per (model, mode)."""
+    root = [tiny_model_dir(kind) for kind in models][0].parent
     out = tmp_path_factory.mktemp("bench") / "same_tokens.json"
-    argv = ["--models", ",".join(MODELS), "--workloads", "same_tokens"]
+    argv = ["--models", ",".join(models), "--workloads", "same_tokens", *extra]
     argv += ["--model-dir", str(root), "--json", str(out)]
     assert bench.main(argv) == 0
     data = json.loads(out.read_text())
@@ -38,6 +36,11 @@ def same_tokens(tiny_model_dir, tmp_path_factory):
         (run["model"], run["mode"]): run["report"]["workloads"]["same_tokens"]
         for run in data["runs"]
     }
+
+
+@pytest.fixture(scope="module")
+def same_tokens(tiny_model_dir, tmp_path_factory):
+    return _run_same_tokens(tiny_model_dir, tmp_path_factory, MODELS)
 
 
 def _tokens(result, model, mode, config):
@@ -92,16 +95,10 @@ def test_prefix_caching_keeps_the_uncached_tokens(same_tokens, model, config):
 def same_checkpoints(tiny_model_dir, tmp_path_factory):
     """qwen3_next with state checkpoints every 384 tokens, upstream's block
     there: both modes cut prefills and hit the cache at the same positions."""
-    root = tiny_model_dir("qwen3_next").parent
-    out = tmp_path_factory.mktemp("bench") / "same_tokens_384.json"
-    argv = ["--models", "qwen3_next", "--workloads", "same_tokens"]
-    argv += ["--mamba-block-size", "384", "--model-dir", str(root), "--json", str(out)]
-    assert bench.main(argv) == 0
-    data = json.loads(out.read_text())
-    return {
-        run["mode"]: run["report"]["workloads"]["same_tokens"]["configs"]
-        for run in data["runs"]
-    }
+    result = _run_same_tokens(
+        tiny_model_dir, tmp_path_factory, ["qwen3_next"], "--mamba-block-size", "384"
+    )
+    return {mode: result[("qwen3_next", mode)]["configs"] for mode in bench.MODES}
 
 
 @pytest.mark.parametrize("config", ["pc_on", "pc_on_repeat"])
