@@ -64,3 +64,17 @@ def record_preemptions(sched: Any) -> list[tuple[str, int]]:
 
     sched._preempt_request = recording
     return preempted
+
+
+def record_calls(obj: Any, name: str) -> list[tuple]:
+    """Wrap the method ``obj.name``; the returned list gets the positional
+    arguments of every later call."""
+    calls: list[tuple] = []
+    original = getattr(obj, name)
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    setattr(obj, name, recording)
+    return calls

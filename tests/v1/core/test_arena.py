@@ -15,7 +15,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import assume, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -546,7 +546,25 @@ class ArenaMachine(RuleBasedStateMachine):
         for pool in self.pools():
             pool.take_events()
 
+    def cached_keys(self) -> list[tuple[ArenaBlockPool, object]]:
+        return [
+            (pool, k)
+            for pool in self.pools()
+            for k in pool.cached_block_hash_to_block._cache
+        ]
+
+    def held_single_state_blocks(self) -> list[tuple[int, KVCacheBlock]]:
+        return [
+            (r, b)
+            for r, bs in self.requests.items()
+            for b in bs
+            if b.pool is self.arena.state_pool and b.ref_cnt == 1
+        ]
+
     # -- rules --------------------------------------------------------------
+    # Rules that need something to act on say so in a precondition, so every
+    # drawn step is valid: an assume() inside a rule would discard the whole
+    # example, and the health check rejects runs that discard too many.
 
     @rule(data=st.data(), nt=st.integers(0, 12), ns=st.integers(0, 6))
     def allocate(self, data, nt, ns):
@@ -631,14 +649,10 @@ class ArenaMachine(RuleBasedStateMachine):
             hash_key = key(pool, self.next_hash.to_bytes(8, "big"))
         pool._insert_block_hash(hash_key, block, num_tokens=16)
 
+    @precondition(lambda self: bool(self.cached_keys()))
     @rule(data=st.data())
     def prefix_hit(self, data):
-        candidates = [
-            (pool, k)
-            for pool in self.pools()
-            for k in pool.cached_block_hash_to_block._cache
-        ]
-        assume(candidates)
+        candidates = self.cached_keys()
         pool, hash_key = data.draw(st.sampled_from(candidates), label="hit")
         hit = pool.get_cached_block(get_block_hash(hash_key), [get_group_id(hash_key)])
         assert hit is not None
@@ -660,19 +674,13 @@ class ArenaMachine(RuleBasedStateMachine):
         for i in chosen:
             assert pool.blocks[i].block_hash is None
 
-    @precondition(lambda self: any(self.requests.values()))
+    @precondition(lambda self: bool(self.held_single_state_blocks()))
     @rule(data=st.data())
     def advance_state_in_place(self, data):
         """A held state block lent back to its holder (the pooled
         coordinator's in-place crossing): a second reference, out of the
         prefix cache, no free block consumed."""
-        held = [
-            (r, b)
-            for r, bs in self.requests.items()
-            for b in bs
-            if b.pool is self.arena.state_pool and b.ref_cnt == 1
-        ]
-        assume(held)
+        held = self.held_single_state_blocks()
         req, block = data.draw(st.sampled_from(held), label="lent")
         pool = self.arena.state_pool
         free_before = pool.get_num_free_blocks()
@@ -728,9 +736,8 @@ class ArenaMachine(RuleBasedStateMachine):
             assert pool.get_num_free_blocks() == pool.owned_capacity
 
 
-ArenaMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=30, deadline=None
-)
+# Examples, seeds and health checks come from the profile (tests/conftest.py).
+ArenaMachine.TestCase.settings = settings(stateful_step_count=30)
 TestArenaMachine = ArenaMachine.TestCase
 
 

@@ -368,7 +368,6 @@ class CoupledArenaMachine(RuleBasedStateMachine):
             assert pool.get_num_free_blocks() == pool.owned_capacity
 
 
-CoupledArenaMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None
-)
+# Examples, seeds and health checks come from the profile (tests/conftest.py).
+CoupledArenaMachine.TestCase.settings = settings(stateful_step_count=40)
 TestCoupledArenaMachine = CoupledArenaMachine.TestCase
