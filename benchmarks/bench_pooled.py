@@ -28,6 +28,7 @@ import gc
 import json
 import math
 import os
+import queue
 import random
 import subprocess
 import sys
@@ -111,6 +112,12 @@ class BenchConfig:
     #: Steps without any token progress after which a drive counts as stalled.
     stall_steps: int = 64
     enforce_eager: bool = True
+    #: ``--mamba-ssm-cache-dtype`` of every engine, both modes. vLLM's CPU
+    #: platform forces float32 SSM state on AVX512-BF16 hosts and keeps the
+    #: model's bf16 elsewhere, which halves the state pages and changes every
+    #: memory row; pinning float32 gives the same figures on any host.
+    #: "auto" keeps the host's choice.
+    mamba_ssm_cache_dtype: str = "float32"
     #: Pooled mode's coordinated prefix-cache eviction across its pools
     #: (``hybrid_kv.couple_prefix_caches``); upstream ignores the option.
     couple_prefix_caches: bool = True
@@ -531,6 +538,7 @@ class EngineSpec:
     block_size: int | None = None
     mamba_block_size: int | None = None
     couple_prefix_caches: bool = True
+    mamba_ssm_cache_dtype: str = "float32"
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
@@ -547,6 +555,7 @@ class EngineSpec:
             "max_model_len": self.max_model_len,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
+            "mamba_ssm_cache_dtype": self.mamba_ssm_cache_dtype,
         }
 
 
@@ -1158,6 +1167,7 @@ def _engine_specs(
             block,
             cfg.mamba_block_size if block is None else None,
             cfg.couple_prefix_caches,
+            cfg.mamba_ssm_cache_dtype,
         )
 
     specs = {
@@ -1432,11 +1442,12 @@ def parse_result(text: str) -> dict[str, Any] | None:
     return found
 
 
-def worker_env(mode: str, threads: int = 0) -> dict[str, str]:
+def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, str]:
     """Environment of a worker: the overlay switch and in-process engines.
 
     ``threads`` > 0 pins the worker's vLLM CPU worker to that many OpenMP
-    threads on cores ``0..threads-1``; 0 keeps the platform's choice.
+    threads on cores ``first_core..first_core+threads-1``; 0 keeps the
+    platform's choice.
     """
     env = dict(os.environ)
     env["VLLM_HYBRID_KV"] = MODE_SWITCH[mode]
@@ -1445,7 +1456,10 @@ def worker_env(mode: str, threads: int = 0) -> dict[str, str]:
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     if threads > 0:
         env["OMP_NUM_THREADS"] = str(threads)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
+        last = first_core + threads - 1
+        env["VLLM_CPU_OMP_THREADS_BIND"] = (
+            str(first_core) if threads == 1 else f"{first_core}-{last}"
+        )
     return env
 
 
@@ -1523,8 +1537,36 @@ def _merge_reports(a: dict | None, b: dict | None) -> dict | None:
     return out
 
 
+class CoreSlots:
+    """Which cores a worker pinned to a few threads may use while others run.
+
+    With ``--jobs N`` up to N workers run at once; each takes a free slot k
+    and a worker with T threads is pinned to cores ``k*T .. k*T+T-1`` (modulo
+    the machine's cores), so single-thread workers run on separate cores
+    instead of sharing core 0.
+    """
+
+    def __init__(self, jobs: int) -> None:
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for k in range(jobs):
+            self._free.put(k)
+
+    @contextlib.contextmanager
+    def first_core(self, threads: int) -> Iterator[int]:
+        slot = self._free.get()
+        try:
+            cores = os.cpu_count() or 1
+            yield (slot * threads) % cores if threads > 0 else 0
+        finally:
+            self._free.put(slot)
+
+
 def spawn_worker(
-    job: WorkerJob, args: argparse.Namespace, cfg: BenchConfig, log_dir: Path
+    job: WorkerJob,
+    args: argparse.Namespace,
+    cfg: BenchConfig,
+    log_dir: Path,
+    slots: CoreSlots | None = None,
 ) -> WorkerRun:
     """Run one worker subprocess to completion, its output in a log file."""
     model, mode = job.model, job.mode
@@ -1544,10 +1586,13 @@ def spawn_worker(
     ]
     _say(f"{job.name}: worker started, log {log_path}")
     start = time.perf_counter()
-    with open(log_path, "w") as log:
+    with (
+        (slots or CoreSlots(1)).first_core(job.threads) as first_core,
+        open(log_path, "w") as log,
+    ):
         proc = subprocess.run(
             cmd,
-            env=worker_env(mode, job.threads),
+            env=worker_env(mode, job.threads, first_core),
             stdout=log,
             stderr=subprocess.STDOUT,
             check=False,
@@ -1807,9 +1852,12 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_pooled-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     jobs = worker_jobs(args.models, args.workloads, cfg)
+    slots = CoreSlots(max(1, args.jobs))
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        runs = list(pool.map(lambda job: spawn_worker(job, args, cfg, log_dir), jobs))
+        runs = list(
+            pool.map(lambda job: spawn_worker(job, args, cfg, log_dir, slots), jobs)
+        )
     total = time.perf_counter() - start
     by_key = merge_runs(runs)
     rows: list[Row] = []
@@ -1952,6 +2000,14 @@ def build_parser() -> argparse.ArgumentParser:
         "same_tokens in the main workers with the platform's threads)",
     )
     parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default=BenchConfig.mamba_ssm_cache_dtype,
+        help="SSM state dtype of every engine (default: float32, what vLLM "
+        "forces on AVX512-BF16 CPUs, so figures match on any host; auto keeps "
+        "this host's choice)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="use torch.compile (default: eager; compiling adds ~35 s per engine)",
@@ -1988,6 +2044,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         budget_bytes=int(args.budget_mib * MIB),
         couple_prefix_caches=not args.no_couple_prefix_caches,
         same_tokens_threads=args.same_tokens_threads,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
     return quick_config(cfg) if args.quick else cfg
 

@@ -341,6 +341,27 @@ def test_worker_env_pins_threads_only_when_asked(monkeypatch):
     assert (one["OMP_NUM_THREADS"], one["VLLM_CPU_OMP_THREADS_BIND"]) == ("1", "0")
     two = bench.worker_env("upstream", 2)
     assert (two["OMP_NUM_THREADS"], two["VLLM_CPU_OMP_THREADS_BIND"]) == ("2", "0-1")
+    moved = bench.worker_env("upstream", 2, first_core=4)
+    assert moved["VLLM_CPU_OMP_THREADS_BIND"] == "4-5"
+    assert bench.worker_env("upstream", 1, first_core=1)[
+        "VLLM_CPU_OMP_THREADS_BIND"
+    ] == ("1")
+
+
+def test_concurrent_pinned_workers_get_separate_cores(monkeypatch):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 4)
+    slots = bench.CoreSlots(2)
+    with slots.first_core(1) as a, slots.first_core(1) as b:
+        assert sorted([a, b]) == [0, 1]
+    with slots.first_core(2) as a, slots.first_core(2) as b:
+        assert sorted([a, b]) == [0, 2]
+    # a slot is given back when its worker ends
+    for _ in range(3):
+        with slots.first_core(1) as a:
+            assert a in (0, 1)
+    # more cores asked for than the machine has: wrap around
+    with bench.CoreSlots(3).first_core(3) as a:
+        assert a == 0
 
 
 def test_same_tokens_gets_its_own_single_thread_workers():

@@ -15,6 +15,7 @@ positions must give upstream's cached tokens.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from test_bench_pooled import bench
@@ -28,7 +29,11 @@ def _run_same_tokens(tiny_model_dir, tmp_path_factory, models, *extra):
     """Run the benchmark's same_tokens workload; its result per (model, mode)."""
     root = [tiny_model_dir(kind) for kind in models][0].parent
     out = tmp_path_factory.mktemp("bench") / "same_tokens.json"
+    # The workers compute with one thread each: run as many at once as there
+    # are cores (each pinned to its own core; tokens do not depend on it).
+    jobs = str(max(1, os.cpu_count() or 1))
     argv = ["--models", ",".join(models), "--workloads", "same_tokens", *extra]
+    argv += ["--jobs", jobs]
     argv += ["--model-dir", str(root), "--json", str(out)]
     assert bench.main(argv) == 0
     data = json.loads(out.read_text())

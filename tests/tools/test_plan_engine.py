@@ -50,6 +50,9 @@ def _engine_figures(model: str, pooled: bool) -> dict:
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
         seed=0,
+        # the planner predicts what this host's vLLM picks, so the engine
+        # keeps that choice too
+        mamba_ssm_cache_dtype="auto",
     )
     return with_engine(model, pooled, kwargs, figures)
 
