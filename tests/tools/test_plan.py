@@ -149,6 +149,23 @@ def test_qwen3_5_cuda_block_and_padding_match_upstream(tp, kv_cache_dtype):
     assert (plan.attention_layers, plan.state_layers) == (10, 30)
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_ssm_state_dtype_option_sets_the_state_page(device):
+    """Qwen3-Next-80B's GDN layer at TP 1: a 4 x 3 x 4,096 conv state (bf16)
+    plus a 32 x 128 x 128 SSM state in the dtype asked for, on either device
+    and on any host (the CPU platform forces float32 on AVX512-BF16 CPUs
+    only when the option is left at auto)."""
+    conv = 3 * (2 * 16 * 128 + 32 * 128) * 2
+    pages = {
+        dtype: _plan(
+            "qwen3-next-80b-a3b", device=device, mamba_ssm_cache_dtype=dtype
+        ).pooled.state_page_bytes
+        for dtype in ("float32", "bfloat16")
+    }
+    ssm = 32 * 128 * 128
+    assert pages == {"float32": conv + 4 * ssm, "bfloat16": conv + 2 * ssm}
+
+
 def test_turboquant_k8v4_natural_page_is_12416_bytes_at_tp1():
     plan = _plan("qwen3.5-35b-a3b", device="cuda", kv_cache_dtype="turboquant_k8v4")
     assert plan.pooled.attention_block_size == 16

@@ -9,7 +9,7 @@ engine holds after start-up.
 from __future__ import annotations
 
 import pytest
-from engine_utils import with_engine
+from engine_utils import ENGINE_DEFAULTS, with_engine
 
 from vllm_hybrid.tools import plan as planmod
 
@@ -50,9 +50,6 @@ def _engine_figures(model: str, pooled: bool) -> dict:
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
         seed=0,
-        # the planner predicts what this host's vLLM picks, so the engine
-        # keeps that choice too
-        mamba_ssm_cache_dtype="auto",
     )
     return with_engine(model, pooled, kwargs, figures)
 
@@ -66,6 +63,8 @@ def measured(request, tiny_model_dir):
             kv_cache_memory=BUDGET,
             device="cpu",
             max_model_len=MAX_MODEL_LEN,
+            # what the engines below use
+            mamba_ssm_cache_dtype=ENGINE_DEFAULTS["mamba_ssm_cache_dtype"],
         )
     )
     return {

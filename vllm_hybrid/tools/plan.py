@@ -146,6 +146,10 @@ class PlanRequest:
     #: None: vLLM's default for the model (on for these hybrids).
     prefix_caching: bool | None = None
     prompt_lens: tuple[int, ...] = (512, 2048, 8192)
+    #: vLLM's ``--mamba-ssm-cache-dtype``; "auto" lets the model's hooks and
+    #: the platform choose (the CPU platform forces float32 on AVX512-BF16
+    #: hosts only), anything else is what vLLM then uses on every host.
+    mamba_ssm_cache_dtype: str = "auto"
 
 
 def kv_budget_from_gpu(
@@ -245,6 +249,7 @@ def engine_config(request: PlanRequest, model_dir: Path) -> tuple[Any, list[str]
         tensor_parallel_size=request.tensor_parallel_size,
         kv_cache_dtype=request.kv_cache_dtype,
         kv_cache_memory_bytes=request.kv_cache_memory,
+        mamba_ssm_cache_dtype=request.mamba_ssm_cache_dtype,
         hf_overrides=overrides,
     )
     optional = {
@@ -277,16 +282,16 @@ def as_cuda_config(vllm_config: Any, request: PlanRequest) -> Any:
 
     On this host vLLM ran the CPU platform's ``check_and_update_config``
     (block 128, SSM state forced to fp32, no CUDA graphs). A CUDA host keeps
-    ``CacheConfig.DEFAULT_BLOCK_SIZE`` (or ``--block-size``) and whatever
-    SSM dtype the model's own hook picks, so those are reset and the model
-    hooks run again on a copy.
+    ``CacheConfig.DEFAULT_BLOCK_SIZE`` (or ``--block-size``) and the SSM
+    dtype asked for (or, for "auto", whatever the model's own hook picks),
+    so those are reset and the model hooks run again on a copy.
     """
     from vllm.config.cache import CacheConfig
 
     config = copy.deepcopy(vllm_config)
     cache = config.cache_config
     cache.block_size = request.block_size or CacheConfig.DEFAULT_BLOCK_SIZE
-    cache.mamba_ssm_cache_dtype = "auto"
+    cache.mamba_ssm_cache_dtype = request.mamba_ssm_cache_dtype
     cache.mamba_block_size = None
     cache.mamba_page_size_padded = None
     config.model_config.config_updated = False
@@ -1014,6 +1019,13 @@ def build_parser() -> argparse.ArgumentParser:
         "inflate it for hybrid models; pooled mode keeps it)",
     )
     parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="SSM state dtype as for vllm serve (default auto: the model's "
+        "choice; vLLM's CPU platform forces float32 on AVX512-BF16 hosts)",
+    )
+    parser.add_argument(
         "--prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -1073,6 +1085,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         block_size=args.block_size,
         prefix_caching=args.prefix_caching,
         prompt_lens=tuple(args.prompt_lens),
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
 
 
