@@ -700,13 +700,19 @@ class DriveResult:
         return [int(t) for t in self.outputs[key].outputs[0].token_ids]
 
     def top2_gaps(self, key: str) -> list[float | None]:
-        """Per output token: log-probability of the best token minus the
-        second best (needs ``logprobs >= 2``); how close greedy was to a tie."""
-        gaps: list[float | None] = []
-        for position in self.outputs[key].outputs[0].logprobs or []:
-            best = sorted((lp.logprob for lp in position.values()), reverse=True)
-            gaps.append(best[0] - best[1] if len(best) > 1 else None)
-        return gaps
+        """:func:`top2_gaps_of` the request's completion."""
+        return top2_gaps_of(self.outputs[key].outputs[0])
+
+
+def top2_gaps_of(completion: Any) -> list[float | None]:
+    """Per output token of a vLLM ``CompletionOutput``: log-probability of
+    the best token minus the second best (needs ``logprobs >= 2``); how
+    close greedy decoding was to a tie there."""
+    gaps: list[float | None] = []
+    for position in completion.logprobs or []:
+        best = sorted((lp.logprob for lp in position.values()), reverse=True)
+        gaps.append(best[0] - best[1] if len(best) > 1 else None)
+    return gaps
 
 
 @dataclass

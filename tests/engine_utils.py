@@ -7,18 +7,29 @@ one process (``tests/`` is on ``sys.path`` through its ``conftest.py``).
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-#: Engine arguments every engine test uses unless it says otherwise. vLLM's
-#: CPU platform forces the GDN SSM state to float32 on AVX512-BF16 hosts and
-#: keeps the model's bf16 elsewhere: state pages, block sizes, budgets that
-#: force preemption and token capacities would all depend on the machine a
-#: run lands on. float32 is what the figures in docs/ were measured with.
-HOST_INDEPENDENT = {"mamba_ssm_cache_dtype": "float32"}
+#: Engine arguments every engine test uses unless it says otherwise.
+ENGINE_DEFAULTS = {
+    # vLLM's CPU platform forces the GDN SSM state to float32 on AVX512-BF16
+    # hosts and keeps the model's bf16 elsewhere: state pages, block sizes,
+    # budgets that force preemption and token capacities would all depend on
+    # the machine a run lands on. float32 is what docs/ figures were measured
+    # with.
+    "mamba_ssm_cache_dtype": "float32",
+    # torch.compile costs about 35 s per engine start on CPU and changes
+    # nothing the overlay does; the OpenAI server test keeps vLLM's default.
+    "enforce_eager": True,
+}
 
 
 def with_engine(
@@ -26,7 +37,7 @@ def with_engine(
 ) -> T:
     """Build an engine (overlay on or off), run ``work(llm)``, tear it down.
 
-    ``kwargs`` go to ``vllm.LLM`` on top of :data:`HOST_INDEPENDENT`.
+    ``kwargs`` go to ``vllm.LLM`` on top of :data:`ENGINE_DEFAULTS`.
 
     No reference to the engine survives this call, so the next engine in the
     process starts from a clean distributed state; the overlay is active
@@ -45,7 +56,7 @@ def with_engine(
     plugin.deactivate()
     if overlay:
         plugin.register()
-    llm = LLM(model=model, **(HOST_INDEPENDENT | kwargs))
+    llm = LLM(model=model, **(ENGINE_DEFAULTS | kwargs))
     try:
         return work(llm)
     finally:
@@ -87,3 +98,80 @@ def record_calls(obj: Any, name: str) -> list[tuple]:
 
     setattr(obj, name, recording)
     return calls
+
+
+BENCH_POOLED = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pooled.py"
+
+
+def bench_pooled() -> ModuleType:
+    """``benchmarks/bench_pooled.py`` as a module (``benchmarks`` is not a
+    package), loaded once per process."""
+    name = "bench_pooled"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH_POOLED)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        # dataclasses resolve string annotations through sys.modules
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+#: Largest best-minus-second log-probability at which greedy decoding counts
+#: as a near-tie: two bf16 steps of a logit in [1, 2). Logits are bf16, so a
+#: gap this small flips when a kernel sums in another order, which vLLM's CPU
+#: kernels do when the batch around a request changes (with more than one
+#: thread everywhere, and with one thread in the AVX2 fallbacks).
+NEAR_TIE = 2**-6
+
+
+@dataclass
+class Greedy:
+    """Greedy completions of a batch of prompts."""
+
+    tokens: list[list[int]]
+    #: per prompt and output token, the top-2 log-probability gap
+    gaps: list[list[float | None]]
+    #: per prompt, the prompt tokens that were prefix-cache hits
+    cached: list[int] | None = None
+
+
+def generate_greedy(llm: Any, prompts: Sequence[Any], max_tokens: int) -> Greedy:
+    """Greedy decoding of ``prompts`` (EOS ignored), with top-2 gaps."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2
+    )
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    completions = [o.outputs[0] for o in outputs]
+    gaps_of = bench_pooled().top2_gaps_of
+    return Greedy(
+        [list(c.token_ids) for c in completions],
+        [gaps_of(c) for c in completions],
+        [o.num_cached_tokens or 0 for o in outputs],
+    )
+
+
+def near_tie_differences(
+    reference: Greedy, tokens: Sequence[list[int]]
+) -> list[tuple[int, int, float | None]]:
+    """(prompt, first differing position, the reference's top-2 gap there)
+    for every prompt whose ``tokens`` differ from the reference's other than
+    by starting at a near-tie (:data:`NEAR_TIE`). Empty: equal up to bf16
+    rounding. The reference is the run whose behaviour is trusted (upstream,
+    or the uncached run): where it was confident, a different token is a
+    fault, not rounding."""
+    found = []
+    for i, (ref, ids) in enumerate(zip(reference.tokens, tokens, strict=True)):
+        if ref == ids:
+            continue
+        at = next(
+            (k for k, (a, b) in enumerate(zip(ref, ids, strict=False)) if a != b),
+            min(len(ref), len(ids)),
+        )
+        gaps = reference.gaps[i]
+        gap = gaps[at] if at < len(gaps) else None
+        if gap is None or gap > NEAR_TIE:
+            found.append((i, at, gap))
+    return found

@@ -7,32 +7,13 @@ arithmetic on real upstream spec classes, the pool adapter and formatting.
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
+from engine_utils import bench_pooled
 
-BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_pooled.py"
-
-
-def _load_bench() -> ModuleType:
-    """Import the script as a module (``benchmarks`` is not a package)."""
-    name = "bench_pooled_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses resolve string annotations through sys.modules
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = bench_pooled()
 
 VOCAB = bench.allowed_token_ids(951, [0, 1, 2])
 

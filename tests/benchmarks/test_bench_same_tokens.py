@@ -18,6 +18,7 @@ import json
 import os
 
 import pytest
+from engine_utils import Greedy, near_tie_differences
 from test_bench_pooled import bench
 
 pytestmark = pytest.mark.slow
@@ -69,11 +70,17 @@ def test_tokens_equal_upstream(same_tokens, model, config):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_batching_and_preemption_do_not_change_tokens(same_tokens, model):
+    """With one thread, batch-mates and preemption change no token, except
+    at a near-tie where the kernels' summation order depends on the batch:
+    vLLM's AVX512-BF16 CPU kernels give all 8 prompts unchanged, the AVX2
+    fallbacks flip one qwen3_5 token at a 2**-7 gap."""
     for mode in bench.MODES:
-        reference = _tokens(same_tokens, model, mode, "pc_off")
-        assert _tokens(same_tokens, model, mode, "alone") == reference
-        assert _tokens(same_tokens, model, mode, "preempt") == reference
-        assert same_tokens[(model, mode)]["configs"]["preempt"]["preemptions"] > 0
+        configs = same_tokens[(model, mode)]["configs"]
+        reference = Greedy(configs["pc_off"]["tokens"], configs["pc_off"]["top2_gaps"])
+        for config in ("alone", "preempt"):
+            tokens = configs[config]["tokens"]
+            assert near_tie_differences(reference, tokens) == [], (mode, config)
+        assert configs["preempt"]["preemptions"] > 0
 
 
 @pytest.mark.parametrize("model", MODELS)

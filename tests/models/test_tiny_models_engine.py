@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from engine_utils import ENGINE_DEFAULTS
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,7 @@ def test_tiny_model_generates(kind, tiny_model_dir, in_process_engine):
         max_model_len=2048,
         max_num_seqs=4,
         enable_prefix_caching=PREFIX_CACHING[kind],
+        **ENGINE_DEFAULTS,
     )
     try:
         assert plugin.state() is not None and plugin.state().active

@@ -3,10 +3,10 @@
 One in-process engine per (model, mode) with ``--kv-cache-dtype
 turboquant_k8v4`` and the 48 MiB budget of ``benchmarks/bench_pooled.py``,
 whose workload generators are reused at a smaller scale (:func:`_config`):
-the saturation workload (32 requests, prompts of 64-256 tokens, 16 output
+the saturation workload (64 requests, prompts of 64-256 tokens, 16 output
 tokens, more than the budget holds at once) runs twice with a prefix-cache
-reset in between, then the multi-turn prefix-caching workload (4
-conversations, 3 turns, the benchmark's 1200-token system prompt). Pooled and
+reset in between, then the multi-turn prefix-caching workload (3
+conversations, 5 turns, the benchmark's 1200-token system prompt). Pooled and
 single-pool mode must both finish, repeat themselves exactly, and produce
 the same multi-turn conversations.
 
@@ -17,69 +17,58 @@ mid-decode in either mode: such a request has its generated tokens recomputed
 as prefill (from a checkpoint at a block boundary, 128 tokens in pooled mode,
 768 in single-pool mode), which rounds differently from the decode steps that
 first produced them (docs/turboquant-backend.md).
+
+"Agree" means equal up to bf16 near-ties (``engine_utils.near_tie_differences``
+with single-pool mode as the reference): pooled mode runs more requests at
+once, and vLLM's CPU kernels round a request differently when its batch-mates
+change, which flips a token only where the best two were within rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-from engine_utils import record_preemptions, scheduler, with_engine
+from engine_utils import (
+    Greedy,
+    bench_pooled,
+    generate_greedy,
+    near_tie_differences,
+    record_preemptions,
+    scheduler,
+    with_engine,
+)
 
 pytestmark = pytest.mark.slow
 
 MiB = 2**20
 DTYPE = "turboquant_k8v4"
-BENCH_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_pooled.py"
 MODES = ("pooled", "single")
 
 
-def _bench():
-    name = "bench_pooled_for_tq"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_PATH)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def _config():
-    """bench_pooled's settings with fewer and shorter requests: still more
-    than the 48 MiB budget runs at once (the saturation tests check that
-    some waited) and still a long shared system prompt for the multi-turn
-    hits, at a quarter of the tokens."""
+    """bench_pooled's settings with shorter requests and fewer
+    conversations: still more than the 48 MiB budget runs at once (the
+    saturation tests check that some were preempted) and still a long shared
+    system prompt for the multi-turn hits, at about half the tokens."""
     return dataclasses.replace(
-        _bench().BenchConfig(),
-        many_short_requests=32,
+        bench_pooled().BenchConfig(),
         many_short_max_len=256,
         many_short_output=16,
-        multi_turn_conversations=4,
-        multi_turn_turns=3,
+        multi_turn_conversations=3,
         multi_turn_output=16,
     )
 
 
-def _generate(llm, prompts, max_tokens):
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
-    )
-    return [list(o.outputs[0].token_ids) for o in outs], [
-        o.num_cached_tokens or 0 for o in outs
-    ]
+def _generate(llm, prompts, max_tokens) -> Greedy:
+    return generate_greedy(llm, [{"prompt_token_ids": p} for p in prompts], max_tokens)
 
 
 def _saturation(llm, cfg, prompts):
     """The saturation prompts once: outputs, preemptions, and the indices of
     the prompts preempted after they had produced a token."""
     preempted = record_preemptions(scheduler(llm))
-    outs, _ = _generate(llm, prompts, cfg.many_short_output)
+    outs = _generate(llm, prompts, cfg.many_short_output)
     # LLM.generate numbers requests 0, 1, ... in prompt order; the engine
     # appends a random suffix ("7-1a2b3c4d").
     mid_decode = {int(rid.split("-")[0]) for rid, tokens in preempted if tokens > 0}
@@ -87,7 +76,7 @@ def _saturation(llm, cfg, prompts):
 
 
 def _multi_turn(llm, cfg, vocab):
-    bp = _bench()
+    bp = bench_pooled()
     system = bp.multi_turn_system(cfg, vocab)
     histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
     turns, cached, prompt_tokens = [], 0, 0
@@ -96,11 +85,11 @@ def _multi_turn(llm, cfg, vocab):
             h + bp.multi_turn_user(cfg, vocab, conv, turn)
             for conv, h in enumerate(histories)
         ]
-        outs, hits = _generate(llm, prompts, cfg.multi_turn_output)
+        outs = _generate(llm, prompts, cfg.multi_turn_output)
         turns.append(outs)
-        cached += sum(hits)
+        cached += sum(outs.cached)
         prompt_tokens += sum(len(p) for p in prompts)
-        histories = [p + o for p, o in zip(prompts, outs, strict=True)]
+        histories = [p + o for p, o in zip(prompts, outs.tokens, strict=True)]
     return turns, cached / prompt_tokens
 
 
@@ -121,7 +110,7 @@ def _kwargs(mode: str, prefix_caching: bool) -> dict:
 def _run_no_prefix_caching(model: str, mode: str) -> dict:
     def work(llm) -> dict:
         cfg = _config()
-        prompts = _bench().many_short_prompts(cfg, _bench().llm_vocab(llm))
+        prompts = bench_pooled().many_short_prompts(cfg, bench_pooled().llm_vocab(llm))
         outs, preemptions, _ = _saturation(llm, cfg, prompts)
         return {"saturation": outs, "preemptions": preemptions}
 
@@ -134,11 +123,11 @@ def _run(model: str, mode: str) -> dict:
 
     def work(llm) -> dict:
         core = llm.llm_engine.engine_core.engine_core
-        vocab = _bench().llm_vocab(llm)
-        prompts = _bench().many_short_prompts(cfg, vocab)
+        vocab = bench_pooled().llm_vocab(llm)
+        prompts = bench_pooled().many_short_prompts(cfg, vocab)
         first, preemptions, mid_decode = _saturation(llm, cfg, prompts)
         llm.reset_prefix_cache()
-        second, _ = _generate(llm, prompts, cfg.many_short_output)
+        second = _generate(llm, prompts, cfg.many_short_output)
         llm.reset_prefix_cache()
         turns, hit_rate = _multi_turn(llm, cfg, vocab)
         context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
@@ -187,16 +176,18 @@ def test_both_modes_run_the_cpu_turboquant_backend(runs):
 def test_saturation_completes_and_repeats_exactly(runs):
     cfg = _config()
     for mode in MODES:
-        first = runs[mode]["saturation"]
+        first = runs[mode]["saturation"].tokens
         assert len(first) == cfg.many_short_requests
         assert all(len(ids) == cfg.many_short_output for ids in first)
-        assert runs[mode]["saturation_repeat"] == first, mode
+        # the same prompts after a prefix-cache reset: the same schedule
+        assert runs[mode]["saturation_repeat"].tokens == first, mode
 
 
 def test_saturation_identical_between_modes_without_prefix_caching(runs):
     pooled, single = runs["pooled_no_pc"], runs["single_no_pc"]
-    assert len(pooled["saturation"]) == _config().many_short_requests
-    assert pooled["saturation"] == single["saturation"]
+    assert len(pooled["saturation"].tokens) == _config().many_short_requests
+    reference = single["saturation"]
+    assert near_tie_differences(reference, pooled["saturation"].tokens) == []
     # It is a saturation run: some requests had to wait for memory.
     assert pooled["preemptions"] + single["preemptions"] > 0
 
@@ -205,10 +196,9 @@ def test_saturation_with_prefix_caching_differs_only_where_recomputed(runs):
     pooled, single = runs["pooled"], runs["single"]
     differ = {
         i
-        for i, (a, b) in enumerate(
-            zip(pooled["saturation"], single["saturation"], strict=True)
+        for i, _, _ in near_tie_differences(
+            single["saturation"], pooled["saturation"].tokens
         )
-        if a != b
     }
     recomputed = pooled["saturation_mid_decode"] | single["saturation_mid_decode"]
     assert differ <= recomputed, (sorted(differ), sorted(recomputed))
@@ -216,8 +206,22 @@ def test_saturation_with_prefix_caching_differs_only_where_recomputed(runs):
 
 
 def test_multi_turn_identical_between_pooled_and_single_pool(runs):
+    """Turn by turn, every conversation whose history is still the same in
+    both modes gets the same answer up to near-ties (after a near-tie flip
+    the two histories differ and that conversation is compared no further)."""
     pooled, single = runs["pooled"], runs["single"]
-    assert pooled["multi_turn"] == single["multi_turn"]
+    same_history = set(range(_config().multi_turn_conversations))
+    compared = 0
+    for mine, reference in zip(pooled["multi_turn"], single["multi_turn"], strict=True):
+        faults = near_tie_differences(reference, mine.tokens)
+        assert [f for f in faults if f[0] in same_history] == []
+        compared += len(same_history)
+        same_history &= {
+            c
+            for c, (a, b) in enumerate(zip(mine.tokens, reference.tokens, strict=True))
+            if a == b
+        }
+    assert compared >= _config().multi_turn_conversations + 1
     # The shared 1200-token system prompt and the histories hit the cache.
     for mode in MODES:
         assert runs[mode]["hit_rate"] > 0.5, (mode, runs[mode]["hit_rate"])

@@ -2,7 +2,10 @@
 
 Each configuration runs twice in this process: once with the overlay active
 (pooled mode) and once with every patch reverted (upstream), with the same
-KV byte budget and prompts. Greedy outputs must be token-identical.
+KV byte budget and prompts. Greedy outputs must be equal up to bf16 near-ties
+(``engine_utils.near_tie_differences``, upstream as the reference): pooled
+mode admits and preempts other requests than upstream, and vLLM's CPU kernels
+round a request differently when its batch-mates change.
 """
 
 from __future__ import annotations
@@ -10,7 +13,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_utils import record_preemptions, scheduler, with_engine
+from engine_utils import (
+    generate_greedy,
+    near_tie_differences,
+    record_preemptions,
+    scheduler,
+    with_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +35,6 @@ def _prompts(n: int = 6, seed: int = 7) -> list[dict]:
         ids = (shared + tail) if i % 2 else tail
         prompts.append({"prompt_token_ids": ids})
     return prompts
-
-
-def _generate(llm, prompts, max_tokens: int = 16) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
 CONFIGS = {
@@ -87,12 +89,9 @@ REPEATED = ("prefix-caching-on", "mamba-block-256")
 def _measure(llm, mode: str, repeat: bool) -> dict:
     sched = scheduler(llm)
     preempted = record_preemptions(sched)
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate(_prompts(), params)
-    out = {mode: [list(o.outputs[0].token_ids) for o in outputs]}
-    out[f"{mode}_hit_tokens"] = sum(o.num_cached_tokens or 0 for o in outputs)
+    first = generate_greedy(llm, _prompts(), 16)
+    out = {mode: first}
+    out[f"{mode}_hit_tokens"] = sum(first.cached)
     out[f"{mode}_preemptions"] = len(preempted)
     out[f"{mode}_coordinator"] = type(sched.kv_cache_manager.coordinator).__name__
     out[f"{mode}_block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
@@ -101,9 +100,9 @@ def _measure(llm, mode: str, repeat: bool) -> dict:
         coord = sched.kv_cache_manager.coordinator
         out["config"] = sched.kv_cache_config
         if repeat:
-            again = llm.generate(_prompts(), params)
-            out["repeat_tokens"] = [list(o.outputs[0].token_ids) for o in again]
-            out["repeat_hits"] = [o.num_cached_tokens or 0 for o in again]
+            again = generate_greedy(llm, _prompts(), 16)
+            out["repeat_tokens"] = again.tokens
+            out["repeat_hits"] = again.cached
         links = coord.arena.links
         out["links"] = None
         if links is not None:
@@ -121,8 +120,8 @@ def _measure(llm, mode: str, repeat: bool) -> dict:
 def test_greedy_outputs_equal_upstream(runs):
     assert runs["pooled_coordinator"].startswith("Pooled"), runs["pooled_coordinator"]
     assert not runs["upstream_coordinator"].startswith("Pooled")
-    assert runs["pooled"] == runs["upstream"]
-    assert all(len(ids) == 16 for ids in runs["pooled"])
+    assert near_tie_differences(runs["upstream"], runs["pooled"].tokens) == []
+    assert all(len(ids) == 16 for ids in runs["pooled"].tokens)
 
 
 def test_forced_preemption_run_preempts(runs):
@@ -194,4 +193,4 @@ def test_repeated_prompts_hit_every_checkpoint_and_keep_their_tokens(runs):
     assert interval == (256 if runs["name"] == "mamba-block-256" else 128)
     lengths = [len(p["prompt_token_ids"]) for p in _prompts()]
     assert runs["repeat_hits"] == [(n - 1) // interval * interval for n in lengths]
-    assert runs["repeat_tokens"] == runs["pooled"]
+    assert near_tie_differences(runs["pooled"], runs["repeat_tokens"]) == []

@@ -5,7 +5,8 @@ and copies the running state into it, so a request holds two state blocks for
 a step. When the arena cannot serve that, the pooled coordinator advances the
 state in the block the request owns. The request must then produce exactly
 the tokens of a roomy reference engine, also when run again over whatever
-stayed in the prefix cache.
+stayed in the prefix cache (up to bf16 near-ties: the two engines cut the
+prefill into other chunks).
 """
 
 from __future__ import annotations
@@ -13,8 +14,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_utils import record_calls, record_preemptions, scheduler, with_engine
-from test_pooled_engine import _generate
+from engine_utils import (
+    generate_greedy,
+    near_tie_differences,
+    record_calls,
+    record_preemptions,
+    scheduler,
+    with_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +51,15 @@ def runs(tiny_model_dir):
         max_len = llm.llm_engine.vllm_config.model_config.max_model_len
         prompt = _long_prompt(max_len - OUTPUT)
         preempted = record_preemptions(sched)
-        first = _generate(llm, [prompt], OUTPUT)
+        first = generate_greedy(llm, [prompt], OUTPUT).tokens
         counts = dict(coord.short_memory_counts)
-        again = _generate(llm, [prompt], OUTPUT)  # may hit what stayed cached
+        again = generate_greedy(llm, [prompt], OUTPUT).tokens  # may hit the cache
         # a prompt that can never fit (max_model_len is auto-fitted to the
         # budget) is refused at once instead of waiting forever: refused
         # before it reaches the scheduler, so no step ever waits on it
         admitted = record_calls(sched, "add_request")
         try:
-            _generate(llm, [_long_prompt(max_len + 1)], OUTPUT)
+            generate_greedy(llm, [_long_prompt(max_len + 1)], OUTPUT)
             refusal = None
         except Exception as exc:  # vLLM raises a ValueError subclass
             refusal = f"{type(exc).__name__}: {exc}"
@@ -80,7 +87,10 @@ def runs(tiny_model_dir):
         kv_cache_memory_bytes=48 * MiB, enable_prefix_caching=False, max_model_len=2048
     )
     result["reference"] = with_engine(
-        model, False, roomy, lambda llm: _generate(llm, [result["prompt"]], OUTPUT)
+        model,
+        False,
+        roomy,
+        lambda llm: generate_greedy(llm, [result["prompt"]], OUTPUT),
     )
     return result
 
@@ -98,8 +108,8 @@ def test_short_memory_paths_taken(runs):
 
 
 def test_tokens_equal_roomy_reference(runs):
-    assert runs["first"] == runs["reference"]
-    assert runs["again"] == runs["reference"]
+    assert near_tie_differences(runs["reference"], runs["first"]) == []
+    assert near_tie_differences(runs["reference"], runs["again"]) == []
     assert len(runs["first"][0]) == OUTPUT
 
 

@@ -1,0 +1,23 @@
+"""The comparison rule the engine tests share (no engine needed)."""
+
+from __future__ import annotations
+
+from engine_utils import NEAR_TIE, Greedy, near_tie_differences
+
+
+def test_differences_that_start_at_a_near_tie_are_rounding():
+    ref = Greedy([[1, 2, 3], [4, 5, 6]], [[0.5, NEAR_TIE, 0.3], [0.5, 0.2, 0.0]])
+    assert near_tie_differences(ref, [[1, 2, 3], [4, 5, 6]]) == []
+    # the second token was a near-tie: whatever follows may differ
+    assert near_tie_differences(ref, [[1, 9, 9], [4, 5, 7]]) == []
+
+
+def test_differences_where_the_reference_was_confident_are_reported():
+    ref = Greedy([[1, 2, 3], [4, 5, 6]], [[0.5, 2 * NEAR_TIE, 0.3], [0.5, 0.2, 0.0]])
+    assert near_tie_differences(ref, [[1, 9, 3], [7, 5, 6]]) == [
+        (0, 1, 2 * NEAR_TIE),
+        (1, 0, 0.5),
+    ]
+    # a shorter completion differs where it ends; no gap: not a tie
+    ref = Greedy([[1, 2]], [[0.5, None]])
+    assert near_tie_differences(ref, [[1]]) == [(0, 1, None)]
