@@ -107,6 +107,9 @@ class BenchConfig:
     #: bf16 bits depend on which requests it runs with; one thread removes
     #: that, which is what a token-for-token comparison needs.
     same_tokens_threads: int = 1
+    #: Also run same_tokens without prefix caching (pc_off, alone) and in
+    #: forced preemption; off runs only the cached passes (pc_on, repeat).
+    same_tokens_uncached: bool = True
     #: Wall-clock cap of one engine drive; a stuck run ends as "time_limit".
     drive_time_limit_s: float = 1800.0
     #: Steps without any token progress after which a drive counts as stalled.
@@ -1402,11 +1405,12 @@ def run_worker(model: str, model_dir: Path, workloads: list[str], cfg: BenchConf
                 specs["main"],
                 lambda e: _run_main_engine(report, e, cfg, selected),
             )
-        if "same_tokens" in selected:
+        if "same_tokens" in selected and cfg.same_tokens_uncached:
             for name, config in (("no_pc", "pc_off"), ("preempt", "preempt")):
                 _with_engine(
                     report, name, specs[name], _same_tokens_body(report, cfg, config)
                 )
+        if "same_tokens" in selected:
             report.workloads.setdefault("same_tokens", {})["omp_threads"] = (
                 omp_threads()
             )
@@ -2006,6 +2010,12 @@ def build_parser() -> argparse.ArgumentParser:
         "same_tokens in the main workers with the platform's threads)",
     )
     parser.add_argument(
+        "--same-tokens-cached-only",
+        action="store_true",
+        help="same_tokens runs only its prefix-caching passes (pc_on, "
+        "pc_on_repeat), not pc_off, alone and the forced preemption",
+    )
+    parser.add_argument(
         "--mamba-ssm-cache-dtype",
         choices=("float32", "bfloat16", "auto"),
         default=BenchConfig.mamba_ssm_cache_dtype,
@@ -2051,6 +2061,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         couple_prefix_caches=not args.no_couple_prefix_caches,
         same_tokens_threads=args.same_tokens_threads,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        same_tokens_uncached=not args.same_tokens_cached_only,
     )
     return quick_config(cfg) if args.quick else cfg
 

@@ -300,6 +300,20 @@ def test_quick_config_and_cli_round_trip():
         bench.build_parser().parse_args(["--workloads", "nope"])
 
 
+def test_host_independent_state_dtype_and_cached_only_options():
+    parse = bench.build_parser().parse_args
+    cfg = bench.config_from_args(parse([]))
+    assert (cfg.mamba_ssm_cache_dtype, cfg.same_tokens_uncached) == ("float32", True)
+    spec = bench._engine_specs("m", "qwen3_5", cfg)["main"]
+    assert spec.llm_kwargs()["mamba_ssm_cache_dtype"] == "float32"
+    cfg = bench.config_from_args(
+        parse(["--mamba-ssm-cache-dtype", "auto", "--same-tokens-cached-only"])
+    )
+    assert (cfg.mamba_ssm_cache_dtype, cfg.same_tokens_uncached) == ("auto", False)
+    with pytest.raises(SystemExit):
+        parse(["--mamba-ssm-cache-dtype", "int8"])
+
+
 def test_first_difference_gap_reads_the_gap_where_tokens_first_differ():
     run = {
         "tokens": [[1, 2, 3], [4, 5, 6], [7, 8]],
