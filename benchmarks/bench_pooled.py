@@ -1734,6 +1734,17 @@ def tokens_verdict(upstream: Sequence[list[int]], overlay: Sequence[list[int]]) 
     return f"{same}/{n} prompts equal"
 
 
+def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int | None:
+    """Index of the first token where two completions differ (the shorter
+    one's length if one is a prefix of the other); None if they are equal."""
+    if list(mine) == list(theirs):
+        return None
+    return next(
+        (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
+        min(len(mine), len(theirs)),
+    )
+
+
 def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str:
     """Largest, over the prompts whose tokens differ from ``other``'s, of this
     run's best-minus-second log-probability at the first differing token: a
@@ -1743,12 +1754,9 @@ def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str
     for mine, theirs, gaps in zip(
         run["tokens"], other, run.get("top2_gaps", []), strict=False
     ):
-        if mine == theirs:
+        at = first_difference(mine, theirs)
+        if at is None:
             continue
-        at = next(
-            (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
-            min(len(mine), len(theirs)),
-        )
         gap = gaps[at] if at < len(gaps) else None
         if gap is not None:
             worst = gap if worst is None else max(worst, gap)

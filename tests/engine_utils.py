@@ -162,14 +162,12 @@ def near_tie_differences(
     rounding. The reference is the run whose behaviour is trusted (upstream,
     or the uncached run): where it was confident, a different token is a
     fault, not rounding."""
+    first_difference = bench_pooled().first_difference
     found = []
     for i, (ref, ids) in enumerate(zip(reference.tokens, tokens, strict=True)):
-        if ref == ids:
+        at = first_difference(ref, ids)
+        if at is None:
             continue
-        at = next(
-            (k for k, (a, b) in enumerate(zip(ref, ids, strict=False)) if a != b),
-            min(len(ref), len(ids)),
-        )
         gaps = reference.gaps[i]
         gap = gaps[at] if at < len(gaps) else None
         if gap is None or gap > NEAR_TIE:
