@@ -118,11 +118,14 @@ def bench_pooled() -> ModuleType:
 
 
 #: Largest best-minus-second log-probability at which greedy decoding counts
-#: as a near-tie: two bf16 steps of a logit in [1, 2). Logits are bf16, so a
-#: gap this small flips when a kernel sums in another order, which vLLM's CPU
-#: kernels do when the batch around a request changes (with more than one
-#: thread everywhere, and with one thread in the AVX2 fallbacks).
-NEAR_TIE = 2**-6
+#: as a near-tie: one bf16 step of a logit in [4, 8) (four in [1, 2)).
+#: Logits are bf16, so a gap this small flips when a kernel sums in another
+#: order, which vLLM's CPU kernels do when the batch around a request
+#: changes (with more than one thread everywhere, and with one thread in the
+#: AVX2 fallbacks). Flips measured on an AVX2 host: at gaps of 2**-7 (bf16
+#: KV cache) and 3 * 2**-7 (TurboQuant k8v4, whose dequantized keys pass
+#: through more bf16 roundings).
+NEAR_TIE = 2**-5
 
 
 @dataclass
