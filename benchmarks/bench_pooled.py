@@ -541,7 +541,7 @@ class EngineSpec:
     block_size: int | None = None
     mamba_block_size: int | None = None
     couple_prefix_caches: bool = True
-    mamba_ssm_cache_dtype: str = "float32"
+    mamba_ssm_cache_dtype: str = BenchConfig.mamba_ssm_cache_dtype
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
