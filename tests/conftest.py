@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 # The only suppressed health check is the one that depends on wall-clock
 # time (a loaded machine generates slowly); filtering and data-size checks
 # stay on and are as deterministic as the examples.
-# "fuzz": random seeds, ten times the examples, the local example database
+# "fuzz": random seeds, five times the examples, the local example database
 # (failures are replayed first next time). For local bug hunting:
 #   python -m pytest --hypothesis-profile=fuzz tests/v1/core/test_arena.py
 settings.register_profile(
