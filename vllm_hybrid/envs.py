@@ -8,6 +8,7 @@ what A/B benchmarks rely on.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 SWITCH_VAR = "VLLM_HYBRID_KV"
 
@@ -57,13 +58,38 @@ def tq_native_enabled(environ: dict[str, str] | None = None) -> bool:
     )
 
 
+#: Page-unification limits of the single shared pool, used where
+#: ``--additional-config '{"hybrid_kv": {...}}'`` does not set them
+#: (:mod:`vllm_hybrid.config.hybrid_kv` parses them).
+MAX_PAGE_PADDING_PCT_VAR = "VLLM_HYBRID_MAX_PAGE_PADDING_PCT"
+MAX_PAGE_GROWTH_VAR = "VLLM_HYBRID_MAX_PAGE_GROWTH"
+#: Directory of the per-pool usage snapshots an engine core writes and its
+#: frontend's stat logger reads (:mod:`vllm_hybrid.v1.core.pooled.usage`).
+STATS_DIR_VAR = "VLLM_HYBRID_STATS_DIR"
+#: Build time only (setup.py skips the native kernel); harmless when set later.
+SKIP_NATIVE_VAR = "VLLM_HYBRID_SKIP_NATIVE"
+
+
+def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of one of :data:`OVERLAY_ENV_VARS`, stripped; None if unset
+    or empty. The modules that interpret a variable read it through here."""
+    if name not in OVERLAY_ENV_VARS:
+        raise KeyError(f"{name} is not declared in vllm_hybrid.envs")
+    value = (os.environ if environ is None else environ).get(name)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
 #: Every variable the overlay reads. vLLM warns about (or, with hard failing
 #: enabled, rejects) ``VLLM_*`` variables it does not know.
 OVERLAY_ENV_VARS = (
     SWITCH_VAR,
     TQ_NATIVE_VAR,
-    "VLLM_HYBRID_STATS_DIR",  # per-pool metrics (vllm_hybrid.v1.metrics)
-    "VLLM_HYBRID_SKIP_NATIVE",  # build time only (setup.py), harmless when set later
+    MAX_PAGE_PADDING_PCT_VAR,
+    MAX_PAGE_GROWTH_VAR,
+    STATS_DIR_VAR,
+    SKIP_NATIVE_VAR,
 )
 
 

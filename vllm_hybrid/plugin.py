@@ -109,7 +109,7 @@ def register() -> None:
     register_backend()
     # Name the per-pool metrics directory before any engine process starts,
     # so the frontend and its engine cores agree on it.
-    from vllm_hybrid.v1.metrics.pool_stats import stats_dir
+    from vllm_hybrid.v1.core.pooled.usage import stats_dir
 
     stats_dir()
     _state = ActivationState(True, "active", version, os.getpid())

@@ -15,17 +15,21 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import vllm
 
 from vllm_hybrid import plugin
+from vllm_hybrid.patches.entry import PrivateAttribute, SubclassEntry
 from vllm_hybrid.patches.registry import (
+    CLI_PATCHES,
+    INSTANCE_REWRITES,
     PATCHES,
+    PRIVATE_ATTRIBUTES,
     SUBCLASSES,
     PatchEntry,
-    SubclassEntry,
     load_object,
     upstream,
 )
@@ -92,7 +96,6 @@ def test_registry_is_not_empty_and_documented():
         assert status.startswith("none") or "github.com/vllm-project" in status, (
             entry.target
         )
-        assert entry.issue > 0, entry.target
         assert entry.target.startswith("vllm."), entry.target
         assert entry.replacement.startswith("vllm_hybrid."), entry.replacement
         assert upstream(entry.target) is not load_object(entry.replacement)
@@ -177,7 +180,7 @@ def test_subclass_overrides_match_installed_upstream(entry: SubclassEntry):
     assert issubclass(sub, base)
     for field in ("why", "how", "removal"):
         assert len(getattr(entry, field).strip()) >= 10, (entry.subclass, field)
-    assert entry.upstream_status.startswith("none") and entry.issue > 0
+    assert entry.upstream_status.startswith("none")
     own = {
         name
         for klass in sub.__mro__[: sub.__mro__.index(base)]
@@ -192,3 +195,121 @@ def test_subclass_overrides_match_installed_upstream(entry: SubclassEntry):
         if inspect.Parameter.VAR_POSITIONAL in kinds:
             continue  # forwards everything to upstream's method
         assert list(ours) == list(theirs), (name, list(ours), list(theirs))
+
+
+PACKAGE = Path(__file__).resolve().parents[2] / "vllm_hybrid"
+REGISTRY_FILE = PACKAGE / "patches" / "entries.py"
+
+
+def _string_constants(path: Path) -> list[str]:
+    """String constants of a module's code (docstrings, which may name a
+    function in prose, excluded)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+    ]
+
+
+def test_targets_are_written_only_in_the_registry():
+    """A target path (or its ``module.attr`` spelling) in any other module of
+    the package would be a second source of truth for it."""
+    spellings = {
+        spelling: entry.target
+        for entry in (*PATCHES, *CLI_PATCHES)
+        for spelling in (entry.target, entry.target.replace(":", "."))
+    }
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == REGISTRY_FILE:
+            continue
+        for text in _string_constants(path):
+            found += [
+                (str(path.relative_to(PACKAGE)), target)
+                for spelling, target in spellings.items()
+                if spelling in text
+            ]
+    assert found == []
+
+
+def test_target_check_sees_a_constant_outside_the_registry(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text(f"TARGET = {PATCHES[0].target!r}\n")
+    assert PATCHES[0].target in _string_constants(source)
+
+
+def test_cli_patch_is_documented_and_resolves():
+    (entry,) = CLI_PATCHES
+    for field in ("why", "how", "removal"):
+        assert len(getattr(entry, field).strip()) >= 10
+    assert load_object(entry.target) is not load_object(entry.replacement)
+
+
+def _has_private_attribute(entry: PrivateAttribute, module_source=None) -> bool:
+    """Whether the installed vLLM still has it: as a module or class
+    attribute, or as ``self.<name> =`` in the class's own source."""
+    owner = load_object(entry.owner) if ":" in entry.owner else None
+    if owner is None:
+        return hasattr(importlib.import_module(entry.owner), entry.name)
+    if hasattr(owner, entry.name):
+        return True
+    for klass in owner.__mro__:
+        if klass is object:
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == entry.name
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "entry", PRIVATE_ATTRIBUTES, ids=lambda e: f"{e.owner}.{e.name}"
+)
+def test_private_upstream_attributes_still_exist(entry: PrivateAttribute):
+    assert entry.name.startswith("_") and entry.where
+    assert _has_private_attribute(entry), f"{entry.owner}.{entry.name} is gone"
+
+
+def test_private_attribute_check_fails_for_a_missing_one():
+    gone = PrivateAttribute(
+        "vllm.v1.core.block_pool:BlockHashToBlockMap", "_no_such_cache", "test"
+    )
+    assert not _has_private_attribute(gone)
+    gone = PrivateAttribute("vllm.v1.core.kv_cache_utils", "_no_such", "test")
+    assert not _has_private_attribute(gone)
+
+
+def test_private_upstream_reads_in_the_package_are_registered():
+    """Every ``x._name`` read on a name the registry lists is registered, and
+    every registered name is still read somewhere (no stale entries)."""
+    registered = {entry.name for entry in PRIVATE_ATTRIBUTES}
+    read = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in registered:
+                read.add(node.attr)
+            elif isinstance(node, ast.ImportFrom):
+                read |= {a.name for a in node.names if a.name in registered}
+    assert read == registered
+
+
+@pytest.mark.parametrize("entry", INSTANCE_REWRITES, ids=lambda e: e.cls)
+def test_instance_rewrites_name_attributes_upstream_sets(entry):
+    for name in entry.attributes:
+        probe = PrivateAttribute(entry.cls, name, entry.where)
+        assert _has_private_attribute(probe), f"{entry.cls} no longer sets {name}"

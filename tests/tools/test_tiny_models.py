@@ -16,7 +16,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vllm_hybrid.tools import tiny_models  # noqa: E402
+from vllm_hybrid.tools import tiny_models, tiny_tokenizer  # noqa: E402
 from vllm_hybrid.tools.tiny_models import KINDS, build_tiny_model  # noqa: E402
 
 
@@ -125,11 +125,11 @@ def test_vocab_covers_tokenizer_and_special_ids(
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     assert 900 <= len(tokenizer) <= 2048
     assert config["vocab_size"] >= len(tokenizer)
-    assert config["vocab_size"] % tiny_models.VOCAB_MULTIPLE == 0
+    assert config["vocab_size"] % tiny_tokenizer.VOCAB_MULTIPLE == 0
     assert config["eos_token_id"] == tokenizer.eos_token_id
     assert config["pad_token_id"] == tokenizer.pad_token_id
-    assert tokenizer.eos_token == tiny_models.IM_END
-    assert tokenizer.pad_token == tiny_models.ENDOFTEXT
+    assert tokenizer.eos_token == tiny_tokenizer.IM_END
+    assert tokenizer.pad_token == tiny_tokenizer.ENDOFTEXT
 
 
 def test_tokenizer_round_trip_and_chat_template(builds: dict[str, Path]) -> None:
@@ -147,7 +147,7 @@ def test_tokenizer_round_trip_and_chat_template(builds: dict[str, Path]) -> None
     assert len(tokenizer.encode("the careful engineer")) <= 6
 
     # Special tokens are single, atomic ids.
-    for special in tiny_models.SPECIAL_TOKENS:
+    for special in tiny_tokenizer.SPECIAL_TOKENS:
         assert len(tokenizer.encode(special, add_special_tokens=False)) == 1
 
     assert tokenizer.chat_template

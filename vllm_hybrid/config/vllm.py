@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_hybrid.patches.registry import upstream
-from vllm_hybrid.v1.core.pooled_config import pooled_mode_decision
-
-TARGET = "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
+from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 
 #: How pooled mode appears in vLLM's "Model Runner V2 does not yet support"
 #: log line.
@@ -21,7 +19,9 @@ FEATURE_NAME = "vllm-hybrid pooled KV mode"
 
 
 def _v2_unsupported_features(self: Any) -> list[str]:
-    unsupported = list(upstream(TARGET)(self))
+    unsupported = list(
+        upstream_of(__name__, "get_v2_model_runner_unsupported_features")(self)
+    )
     if pooled_mode_decision(self).enabled:
         unsupported.append(FEATURE_NAME)
     return unsupported

@@ -14,15 +14,13 @@ from typing import Any
 from vllm.v1.attention.backend import AttentionType
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.patches.registry import upstream
+from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.attention.backends.cpu_turboquant_attn import (
     BACKEND_NAME,
     is_turboquant_dtype,
 )
 
 logger = init_logger(__name__)
-
-TARGET = "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls"
 
 #: Class path registered under :data:`BACKEND_NAME`.
 BACKEND_PATH = (
@@ -84,7 +82,7 @@ def _get_attn_backend_cls(
             attn_selector_config.kv_cache_dtype,
         )
         return BACKEND_PATH
-    return upstream(TARGET).__func__(
+    return upstream_of(__name__, "get_attn_backend_cls").__func__(
         cls, selected_backend, attn_selector_config, num_heads
     )
 

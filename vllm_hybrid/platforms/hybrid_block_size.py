@@ -12,18 +12,18 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.patches.registry import upstream
-from vllm_hybrid.v1.core.pooled_config import pooled_mode_decision
+from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 
 logger = init_logger(__name__)
-
-TARGET = "vllm.platforms.interface:Platform._align_hybrid_block_size"
 
 
 def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
     decision = pooled_mode_decision(vllm_config)
     if not decision.enabled:
-        upstream(TARGET).__func__(cls, vllm_config, backend_cls)
+        upstream_of(__name__, "align_hybrid_block_size").__func__(
+            cls, vllm_config, backend_cls
+        )
         return
     cache_config = vllm_config.cache_config
     if cache_config.mamba_cache_mode == "align":

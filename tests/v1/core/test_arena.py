@@ -34,13 +34,10 @@ from vllm.v1.core.kv_cache_utils import (
     maybe_convert_block_hash,
 )
 
-from vllm_hybrid.v1.core.arena import (
-    ArenaBlockPool,
-    ArenaFreeBlockQueue,
-    ArenaLayout,
-    ArenaSide,
-    KVArena,
-)
+from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
+from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
 SMALL = ArenaLayout(
     arena_bytes=100,
@@ -50,7 +47,7 @@ SMALL = ArenaLayout(
     min_state_blocks=2,
     initial_boundary=50,
 )
-GROUP = {ArenaSide.TOKEN: 0, ArenaSide.STATE: 1}
+GROUP = {PoolKind.TOKEN: 0, PoolKind.STATE: 1}
 
 
 def make_arena(layout: ArenaLayout = SMALL, events: bool = False) -> KVArena:
@@ -276,7 +273,7 @@ def test_token_pool_grows_on_demand():
     assert arena.state_pool.owned_ids == range(7, 10)
     (move,) = arena.take_boundary_moves()
     assert (move.old_boundary, move.new_boundary) == (50, 70)
-    assert move.grown is ArenaSide.TOKEN
+    assert move.grown is PoolKind.TOKEN
     assert (move.gained_ids, move.lost_ids) == (range(12, 17), range(5, 7))
     assert arena.take_boundary_moves() == []
     arena.check_invariants()
@@ -293,8 +290,8 @@ def test_state_pool_grows_on_demand_and_back():
     assert arena.boundary_bytes == 50
     assert arena.token_pool.owned_ids == range(3, 12)
     assert [m.grown for m in arena.take_boundary_moves()] == [
-        ArenaSide.STATE,
-        ArenaSide.TOKEN,
+        PoolKind.STATE,
+        PoolKind.TOKEN,
     ]
     arena.check_invariants()
 
@@ -608,11 +605,11 @@ class ArenaMachine(RuleBasedStateMachine):
             assert all(b.ref_cnt == 1 and b.block_hash is None for b in got)
             self.requests[req].extend(got)
 
-    @rule(data=st.data(), side=st.sampled_from(ArenaSide), n=st.integers(1, 12))
+    @rule(data=st.data(), side=st.sampled_from(PoolKind), n=st.integers(1, 12))
     def get_new_blocks_directly(self, data, side, n):
         arena = self.arena
         pool = arena.pool(side)
-        need = (n, 0) if side is ArenaSide.TOKEN else (0, n)
+        need = (n, 0) if side is PoolKind.TOKEN else (0, n)
         feasible = bool(oracle_floors(arena, *need))
         before = snapshot(arena)
         if not feasible:
@@ -662,7 +659,7 @@ class ArenaMachine(RuleBasedStateMachine):
         assert pool.get_num_free_blocks() == free_before - was_free
         self.requests[self.pick_request(data, True)].extend(hit)
 
-    @rule(side=st.sampled_from(ArenaSide), data=st.data())
+    @rule(side=st.sampled_from(PoolKind), data=st.data())
     def evict_by_id(self, side, data):
         pool = self.arena.pool(side)
         chosen = data.draw(
@@ -697,7 +694,7 @@ class ArenaMachine(RuleBasedStateMachine):
         blocks = self.requests.pop(req)
         self.pools()[0].free_blocks(reversed(blocks))
 
-    @rule(whole=st.booleans(), side=st.sampled_from(ArenaSide))
+    @rule(whole=st.booleans(), side=st.sampled_from(PoolKind))
     def reset_prefix_cache(self, whole, side):
         pools = self.pools() if whole else (self.arena.pool(side),)
         all_free = all(p.get_num_free_blocks() == p.owned_capacity for p in pools)

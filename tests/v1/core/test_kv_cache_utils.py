@@ -41,7 +41,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request
 
 import vllm_hybrid.v1.core.kv_cache_utils as hybrid
+from vllm_hybrid import envs
+from vllm_hybrid.config.hybrid_kv import HybridKVOptions, PageUnificationLimits
 from vllm_hybrid.patches import registry
+from vllm_hybrid.v1.core import page_unification, token_capacity
+from vllm_hybrid.v1.worker import routed_experts
 
 UPSTREAM = "vllm.v1.core.kv_cache_utils"
 GiB = 1 << 30
@@ -133,8 +137,8 @@ def assert_kernel_split_legal(spec: KVCacheSpec, kernel_block_size: int) -> None
 
 @pytest.fixture(autouse=True)
 def _no_limit_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(hybrid.MAX_PAGE_PADDING_PCT_ENV, raising=False)
-    monkeypatch.delenv(hybrid.MAX_PAGE_GROWTH_ENV, raising=False)
+    monkeypatch.delenv(envs.MAX_PAGE_PADDING_PCT_VAR, raising=False)
+    monkeypatch.delenv(envs.MAX_PAGE_GROWTH_VAR, raising=False)
 
 
 @pytest.fixture
@@ -269,7 +273,7 @@ def test_turboquant_next_to_gdn_state(unify) -> None:
 
 
 def test_turboquant_plan_padding_is_below_one_percent() -> None:
-    plan = hybrid.plan_page_size_unification(
+    plan = page_unification.plan_page_size_unification(
         hybrid_layers(turboquant_spec(), gdn_spec())
     )
     assert plan.scalable_lcm == 12_416
@@ -291,7 +295,7 @@ def test_bf16_skip_layers_next_to_turboquant(
     unify, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Skip layers keep bf16 pages: lcm(12,416, 32,768) = 3,178,496 B (97x)."""
-    monkeypatch.setenv(hybrid.MAX_PAGE_GROWTH_ENV, "100")
+    monkeypatch.setenv(envs.MAX_PAGE_GROWTH_VAR, "100")
     specs = {
         "model.layers.0.self_attn.attn": attention_spec(),
         "model.layers.1.self_attn.attn": turboquant_spec(),
@@ -316,7 +320,7 @@ def test_bf16_skip_layers_over_default_growth_fail_with_the_fix() -> None:
         "model.layers.0.self_attn.attn": attention_spec(),
         "model.layers.1.self_attn.attn": turboquant_spec(),
     }
-    with pytest.raises(hybrid.PageSizeUnificationError) as info:
+    with pytest.raises(page_unification.PageSizeUnificationError) as info:
         overlay_unify(specs)
     message = str(info.value)
     assert "model.layers.0.self_attn.attn" in message
@@ -324,7 +328,7 @@ def test_bf16_skip_layers_over_default_growth_fail_with_the_fix() -> None:
     assert "12,416 B" in message and "32,768 B" in message
     assert "97.00x" in message
     assert '"max_page_growth": 97' in message
-    assert f"{hybrid.MAX_PAGE_GROWTH_ENV}=97" in message
+    assert f"{envs.MAX_PAGE_GROWTH_VAR}=97" in message
 
 
 def test_skip_and_turboquant_next_to_gdn_fail_on_padding() -> None:
@@ -334,18 +338,18 @@ def test_skip_and_turboquant_next_to_gdn_fail_on_padding() -> None:
         "model.layers.1.self_attn.attn": attention_spec(),
         "model.layers.2.self_attn.attn": turboquant_spec(),
     }
-    with pytest.raises(hybrid.PageSizeUnificationError) as info:
+    with pytest.raises(page_unification.PageSizeUnificationError) as info:
         overlay_unify(specs)
     message = str(info.value)
     assert "1,097,728 B per page, MambaSpec x1: model.layers.0.linear_attn" in message
     assert "65.46%" in message
     assert '"max_page_padding_pct": 65.47' in message
-    assert f"{hybrid.MAX_PAGE_PADDING_PCT_ENV}=65.47" in message
+    assert f"{envs.MAX_PAGE_PADDING_PCT_VAR}=65.47" in message
     # Growth stays within the default: 3,178,496 / 1,097,728 = 2.9x.
     assert "max_page_growth" not in message
 
     accepted = hybrid.unify_kv_cache_spec_page_size(
-        specs, hybrid.PageUnificationLimits(max_page_padding_pct=65.47)
+        specs, PageUnificationLimits(max_page_padding_pct=65.47)
     )
     assert {s.page_size_bytes for s in accepted.values()} == {3_178_496}
 
@@ -403,7 +407,7 @@ def test_absurd_lcm_fails_at_start_up_with_the_option() -> None:
         "model.layers.0.self_attn.attn": attention_spec(num_kv_heads=1, head_size=97),
         "model.layers.1.self_attn.attn": attention_spec(num_kv_heads=1, head_size=101),
     }
-    with pytest.raises(hybrid.PageSizeUnificationError) as info:
+    with pytest.raises(page_unification.PageSizeUnificationError) as info:
         overlay_unify(specs)
     message = str(info.value)
     assert "6,208 B" in message and "6,464 B" in message
@@ -418,8 +422,8 @@ def test_absurd_lcm_with_state_page_names_both_options() -> None:
         "model.layers.1.self_attn.attn": attention_spec(num_kv_heads=1, head_size=97),
         "model.layers.2.self_attn.attn": attention_spec(num_kv_heads=1, head_size=101),
     }
-    limits = hybrid.PageUnificationLimits(max_page_padding_pct=1, max_page_growth=1)
-    with pytest.raises(hybrid.PageSizeUnificationError) as info:
+    limits = PageUnificationLimits(max_page_padding_pct=1, max_page_growth=1)
+    with pytest.raises(page_unification.PageSizeUnificationError) as info:
         hybrid.unify_kv_cache_spec_page_size(specs, limits)
     message = str(info.value)
     # 2 x 627,008 = 1,254,016 B; GDN padding 156,288 B = 12.46%; growth 1.14x.
@@ -430,7 +434,7 @@ def test_absurd_lcm_with_state_page_names_both_options() -> None:
 
 def test_unification_error_keeps_upstream_fallback_contract() -> None:
     """get_kv_cache_groups catches NotImplementedError to try its fallback."""
-    assert issubclass(hybrid.PageSizeUnificationError, NotImplementedError)
+    assert issubclass(page_unification.PageSizeUnificationError, NotImplementedError)
 
 
 def test_padding_is_logged_once_at_info(vllm_log: pytest.LogCaptureFixture) -> None:
@@ -449,17 +453,17 @@ def test_padding_is_logged_once_at_info(vllm_log: pytest.LogCaptureFixture) -> N
 
 
 def test_limits_default_env_and_additional_config() -> None:
-    assert hybrid.resolve_page_unification_limits(None, {}) == (
-        hybrid.PageUnificationLimits(2.0, 16.0)
+    assert HybridKVOptions.from_vllm_config(None, {}).page_limits == (
+        PageUnificationLimits(2.0, 16.0)
     )
-    env = {hybrid.MAX_PAGE_PADDING_PCT_ENV: "7.5", hybrid.MAX_PAGE_GROWTH_ENV: "64"}
-    assert hybrid.resolve_page_unification_limits(None, env) == (
-        hybrid.PageUnificationLimits(7.5, 64.0)
+    env = {envs.MAX_PAGE_PADDING_PCT_VAR: "7.5", envs.MAX_PAGE_GROWTH_VAR: "64"}
+    assert HybridKVOptions.from_vllm_config(None, env).page_limits == (
+        PageUnificationLimits(7.5, 64.0)
     )
     config = VllmConfig(additional_config={"hybrid_kv": {"max_page_padding_pct": 3}})
     # --additional-config wins over the environment, key by key.
-    assert hybrid.resolve_page_unification_limits(config, env) == (
-        hybrid.PageUnificationLimits(3.0, 64.0)
+    assert HybridKVOptions.from_vllm_config(config, env).page_limits == (
+        PageUnificationLimits(3.0, 64.0)
     )
 
 
@@ -470,7 +474,7 @@ def test_limits_default_env_and_additional_config() -> None:
         ({"max_page_growth": 0.5}, {}, "hybrid_kv.max_page_growth=0.5"),
         (
             {},
-            {hybrid.MAX_PAGE_GROWTH_ENV: "lots"},
+            {envs.MAX_PAGE_GROWTH_VAR: "lots"},
             "VLLM_HYBRID_MAX_PAGE_GROWTH='lots'",
         ),
     ],
@@ -478,7 +482,7 @@ def test_limits_default_env_and_additional_config() -> None:
 def test_invalid_limits_name_their_source(options, env, needle) -> None:
     config = VllmConfig(additional_config={"hybrid_kv": options})
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
-        hybrid.resolve_page_unification_limits(config, env)
+        HybridKVOptions.from_vllm_config(config, env)
 
 
 def test_additional_config_reaches_unification_through_get_kv_cache_groups(
@@ -499,7 +503,7 @@ def test_additional_config_reaches_unification_through_get_kv_cache_groups(
         return config
 
     strict = planning_config()
-    with pytest.raises(hybrid.PageSizeUnificationError, match="65.46%"):
+    with pytest.raises(page_unification.PageSizeUnificationError, match="65.46%"):
         kv_cache_utils.get_kv_cache_groups(strict, dict(specs))
 
     relaxed = planning_config(hybrid_kv={"max_page_padding_pct": 65.47})
@@ -596,7 +600,7 @@ def test_token_capacity_kv_cache_groups(
     dense_config: VllmConfig, specs, expected: list[int]
 ) -> None:
     config = kv_config(100, *specs)
-    groups = hybrid.token_capacity_kv_cache_groups(dense_config, config)
+    groups = token_capacity.token_capacity_kv_cache_groups(dense_config, config)
     assert [config.kv_cache_groups.index(g) for g in groups] == expected
 
 
@@ -604,8 +608,8 @@ def test_uniform_type_group_is_classified_by_its_layers() -> None:
     uniform = UniformTypeKVCacheSpecs(
         block_size=16, kv_cache_specs={"a": attention_spec(), "b": attention_spec()}
     )
-    assert hybrid.is_token_capacity_spec(uniform)
-    assert not hybrid.is_token_capacity_spec(
+    assert token_capacity.is_token_capacity_spec(uniform)
+    assert not token_capacity.is_token_capacity_spec(
         UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={})
     )
 
@@ -744,7 +748,7 @@ def test_models_without_state_groups_keep_upstream_capacity(
 
 def test_empty_config_has_no_capacity(dense_config: VllmConfig) -> None:
     config = kv_config(10)
-    assert hybrid.token_capacity_kv_cache_groups(dense_config, config) == []
+    assert token_capacity.token_capacity_kv_cache_groups(dense_config, config) == []
     assert hybrid.kv_cache_token_capacity(dense_config, config) == 0
 
 
@@ -805,7 +809,10 @@ def store_config(moe_config: VllmConfig, monkeypatch: pytest.MonkeyPatch) -> Vll
 
 
 def test_routing_bytes_per_token(moe_config: VllmConfig) -> None:
-    assert hybrid.routed_experts_bytes_per_token(moe_config) == ROUTING_BYTES_PER_TOKEN
+    assert (
+        routed_experts.routed_experts_bytes_per_token(moe_config)
+        == ROUTING_BYTES_PER_TOKEN
+    )
 
 
 @pytest.mark.parametrize(
@@ -820,12 +827,12 @@ def test_store_matches_upstream_when_block_sizes_agree(
 ) -> None:
     config = kv_config(100, *specs)
     expected = 100 * 256 * ROUTING_BYTES_PER_TOKEN
-    assert hybrid.routed_experts_store_bytes(store_config, config) == expected
+    assert routed_experts.routed_experts_store_bytes(store_config, config) == expected
     assert upstream_default_store_bytes(store_config, config) == expected
 
 
 STORE_FNS = [
-    pytest.param(hybrid.routed_experts_store_bytes, id="overlay"),
+    pytest.param(routed_experts.routed_experts_store_bytes, id="overlay"),
     pytest.param(
         upstream_default_store_bytes,
         id="upstream",
@@ -869,16 +876,20 @@ def test_apply_store_bytes_only_when_enabled_and_unset(
 ) -> None:
     aux = store_config.aux_output_config
     config = kv_config(100, ATTN, ALIGN_STATE)
-    assert hybrid.apply_routed_experts_store_bytes(store_config, config) is None
+    assert routed_experts.apply_routed_experts_store_bytes(store_config, config) is None
     assert aux.max_bytes is None
 
     monkeypatch.setattr(aux, "enable_return_routed_experts", True)
     monkeypatch.setattr(aux, "max_bytes", None)
-    assert hybrid.apply_routed_experts_store_bytes(store_config, config) == 409_600
+    assert (
+        routed_experts.apply_routed_experts_store_bytes(store_config, config) == 409_600
+    )
     assert aux.max_bytes == 409_600
 
     monkeypatch.setattr(aux, "max_bytes", 12_345)
-    assert hybrid.apply_routed_experts_store_bytes(store_config, config) == 12_345
+    assert (
+        routed_experts.apply_routed_experts_store_bytes(store_config, config) == 12_345
+    )
     assert aux.max_bytes == 12_345
 
 
@@ -937,9 +948,14 @@ def test_cpu_rejects_routed_experts_without_model_runner_v2(
 # ---------------------------------------------------------------------------
 
 
-def test_registry_entries_of_issue_4() -> None:
-    entries = {e.target: e for e in registry.PATCHES if e.issue == 4}
+def test_registry_entries_of_kv_cache_utils() -> None:
+    entries = {
+        e.target: e
+        for e in registry.PATCHES
+        if e.replacement.startswith(f"{hybrid.__name__}:")
+    }
     assert set(entries) == {
+        f"{UPSTREAM}:get_kv_cache_configs",
         f"{UPSTREAM}:unify_kv_cache_spec_page_size",
         f"{UPSTREAM}:get_kv_cache_groups",
         f"{UPSTREAM}:get_kv_cache_capacity",

@@ -103,10 +103,11 @@ def _measure(llm, mode: str, repeat: bool) -> dict:
             again = generate_greedy(llm, _prompts(), 16)
             out["repeat_tokens"] = again.tokens
             out["repeat_hits"] = again.cached
-        links = coord.arena.links
+        coupling = coord.arena.coupling
         out["links"] = None
-        if links is not None:
-            out["links"] = {"linked": len(links.needs), **links.evictions}
+        if coupling is not None:
+            evictions = {k.value: n for k, n in coupling.evictions.items()}
+            out["links"] = {"linked": len(coupling.links.needs), **evictions}
         coord.arena.check_invariants()
         llm.reset_prefix_cache()
         out["free_after"] = {

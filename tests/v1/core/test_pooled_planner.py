@@ -6,17 +6,17 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-from vllm_hybrid.v1.core.pooled_config import PooledKVCacheConfig
-from vllm_hybrid.v1.core.pooled_planner import (
+from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     PooledPlanError,
     describe_plan,
+    max_state_blocks_per_request,
     min_state_blocks_per_request,
     plan_pooled_kv_cache,
     pooled_capacity,
     split_layers,
-    state_blocks_per_request,
 )
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
 MiB = 2**20
 
@@ -78,7 +78,7 @@ def test_plan_has_zero_padding_and_natural_block(mode, per_req):
     token, state = config.pool_by_kind("token"), config.pool_by_kind("state")
     assert token.num_blocks == 48 * MiB // (2 * 262_144) == 96
     assert state.num_blocks == 48 * MiB // (6 * 268_288) == 31
-    assert config.state_blocks_per_request == per_req
+    assert config.max_state_blocks_per_request == per_req
     # no padding anywhere: every layer stride is the exact page
     for tensor in config.kv_cache_tensors:
         assert tensor.size == 48 * MiB
@@ -107,17 +107,20 @@ def test_capacity_counts_token_pool_after_one_request_state():
     assert cap.token_capacity == (token_limit - first_token) * 128 == 1024
     assert config.arena.min_state_blocks == 1
     # concurrency still counts align mode's two state blocks per request
-    assert config.state_blocks_per_request == 2
+    assert config.max_state_blocks_per_request == 2
 
 
 def test_lone_request_state_blocks():
     align = split_layers(qwen3_5_specs("align")).state.spec
     none = split_layers(qwen3_5_specs("none")).state.spec
-    assert (state_blocks_per_request(align), min_state_blocks_per_request(align)) == (
+    assert (
+        max_state_blocks_per_request(align),
+        min_state_blocks_per_request(align),
+    ) == (
         2,
         1,
     )
-    assert (state_blocks_per_request(none), min_state_blocks_per_request(none)) == (
+    assert (max_state_blocks_per_request(none), min_state_blocks_per_request(none)) == (
         1,
         1,
     )
@@ -159,7 +162,7 @@ def test_overlapping_null_blocks_free_a_whole_state_block():
 def test_every_rank_gets_the_same_plan_from_the_smallest_budget():
     from types import SimpleNamespace
 
-    from vllm_hybrid.v1.core import pooled_kv_cache_utils as glue
+    from vllm_hybrid.v1.core.pooled import engine as glue
 
     config = SimpleNamespace(
         model_config=SimpleNamespace(is_hybrid=True, max_model_len=2048),

@@ -18,10 +18,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
+from vllm_hybrid.v1.core.pooled.engine import select_scheduler
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
 from vllm_hybrid.v1.core.sched.scheduler import (
     PooledScheduler,
-    select_scheduler,
     state_checkpoint_block,
 )
 
@@ -55,10 +55,11 @@ def test_state_checkpoint_block(attention, state, mode, expected):
     assert state_checkpoint_block(_kv_config(attention, state), mode) == expected
 
 
-def test_select_scheduler_swaps_only_when_checkpoints_are_sparser():
+def test_select_scheduler_picks_the_pooled_scheduler_for_every_pooled_plan():
     config = _vllm_config()
     select_scheduler(config, _kv_config(128, 128))
-    assert config.scheduler_config.scheduler_cls is None
+    assert config.scheduler_config.scheduler_cls is PooledScheduler
+    config = _vllm_config()
     select_scheduler(config, _kv_config(128, 384))
     assert config.scheduler_config.scheduler_cls is PooledScheduler
     config = _vllm_config(async_scheduling=True)

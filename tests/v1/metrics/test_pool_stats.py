@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
-from vllm_hybrid.v1.core.arena import ArenaLayout, KVArena
-from vllm_hybrid.v1.metrics.pool_stats import (
-    STATS_DIR_VAR,
+from vllm_hybrid.envs import STATS_DIR_VAR
+from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
+from vllm_hybrid.v1.core.pooled.usage import (
     PoolStatsPublisher,
-    arena_usage,
     read_snapshot,
     stats_dir,
 )
+from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
 
 def _arena() -> KVArena:
@@ -30,7 +32,7 @@ def test_snapshot_counts_blocks_and_bytes_per_pool():
     arena = _arena()
     arena.token_pool.get_new_blocks(5)
     arena.state_pool.get_new_blocks(2)
-    usage = arena_usage(arena)
+    usage = arena.usage()
     token, state = usage.pools
     assert (token.pool, token.used_blocks, token.used_bytes) == ("token", 5, 5 * 4096)
     assert (state.pool, state.used_blocks, state.used_bytes) == ("state", 2, 6 * 4096)
@@ -46,26 +48,64 @@ def test_publisher_writes_only_for_a_reader_and_only_changes(tmp_path):
     directory = tmp_path / "stats"
     publisher = PoolStatsPublisher(3, str(directory))
     # no frontend created the directory: nothing is written
-    assert not publisher.publish(arena_usage(arena))
+    assert not publisher.publish(arena.usage())
     assert not directory.exists()
     directory.mkdir()
-    assert publisher.publish(arena_usage(arena))
-    assert not publisher.publish(arena_usage(arena))  # unchanged
+    assert publisher.publish(arena.usage())
+    assert not publisher.publish(arena.usage())  # unchanged
     arena.state_pool.get_new_blocks(1)
-    assert publisher.publish(arena_usage(arena))
+    assert publisher.publish(arena.usage())
     read = read_snapshot(str(directory), 3)
-    assert read == arena_usage(arena)
+    assert read == arena.usage()
     assert read_snapshot(str(directory), 0) is None
     assert os.listdir(directory) == ["engine-3.json"]
 
 
-def test_token_pool_usage_read_publishes(tmp_path):
+class _UpstreamScheduler:
+    """The attributes of upstream's Scheduler the pooled mixin uses."""
+
+    def __init__(self, arena: KVArena, log_stats: bool) -> None:
+        self.vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_index=2)
+        )
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[])
+        self.cache_config = SimpleNamespace(mamba_cache_mode="align", block_size=16)
+        self.kv_cache_manager = SimpleNamespace(
+            coordinator=SimpleNamespace(arena=arena)
+        )
+        self.log_stats = log_stats
+        self.stats_calls = 0
+
+    def make_stats(self, *args, **kwargs):
+        self.stats_calls += 1
+        return {"step": self.stats_calls} if self.log_stats else None
+
+
+class _Scheduler(PooledSchedulerMixin, _UpstreamScheduler):
+    pass
+
+
+def test_usage_is_published_by_the_stats_step_not_by_usage_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv(STATS_DIR_VAR, str(tmp_path))
     arena = _arena()
-    seen = []
-    arena.token_pool.on_usage = lambda: seen.append(arena_usage(arena))
+    scheduler = _Scheduler(arena, log_stats=True)
     arena.token_pool.get_new_blocks(2)
+    # reading usage (what upstream's scheduler does for its stats) writes nothing
     assert arena.token_pool.get_usage() == 2 / arena.token_capacity
-    assert len(seen) == 1 and seen[0].pools[0].used_blocks == 2
+    assert os.listdir(tmp_path) == []
+    assert scheduler.make_stats() == {"step": 1}
+    assert os.listdir(tmp_path) == ["engine-2.json"]
+    assert read_snapshot(str(tmp_path), 2).pools[0].used_blocks == 2
+    arena.state_pool.get_new_blocks(1)
+    scheduler.make_stats()
+    assert read_snapshot(str(tmp_path), 2) == arena.usage()
+
+
+def test_no_stats_no_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv(STATS_DIR_VAR, str(tmp_path))
+    scheduler = _Scheduler(_arena(), log_stats=False)
+    assert scheduler.make_stats() is None
+    assert os.listdir(tmp_path) == []
 
 
 def test_stats_dir_is_named_once_per_process_tree():

@@ -14,11 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.patches.registry import upstream
+from vllm_hybrid.patches.registry import upstream_of
 
 logger = init_logger(__name__)
-
-TARGET = "vllm.v1.attention.selector:_cached_get_attn_backend"
 
 
 class UnsupportedKVCacheDtypeError(ValueError):
@@ -74,7 +72,7 @@ def _cached_get_attn_backend(
     *,
     _run_kv_cache_dtype: Any = None,
 ) -> Any:
-    selected = upstream(TARGET)(
+    selected = upstream_of(__name__, "cached_get_attn_backend")(
         backend,
         attn_selector_config,
         num_heads,
@@ -85,7 +83,7 @@ def _cached_get_attn_backend(
 
 
 def _cache_clear() -> None:
-    upstream(TARGET).cache_clear()
+    upstream_of(__name__, "cached_get_attn_backend").cache_clear()
 
 
 # Upstream's function is functools.cache'd; keep its cache handle reachable.

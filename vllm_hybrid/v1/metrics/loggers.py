@@ -26,7 +26,7 @@ from typing import Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.metrics.pool_stats import (
+from vllm_hybrid.v1.core.pooled.usage import (
     ArenaUsage,
     read_snapshot,
     snapshot_path,
@@ -85,10 +85,9 @@ def _remove_at_exit(directory: str) -> None:
 
 
 def _overlay_active() -> bool:
-    from vllm_hybrid.plugin import state
+    from vllm_hybrid.patches.registry import applied
 
-    activation = state()
-    return activation is not None and activation.active
+    return bool(applied())
 
 
 class HybridPoolStatLogger(StatLoggerBase):

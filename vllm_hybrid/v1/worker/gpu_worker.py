@@ -1,9 +1,9 @@
-"""GPU worker of the overlay: sizes the routed-experts store (issue 4, F3).
+"""GPU worker of the overlay: sizes the routed-experts store.
 
 vLLM reads ``aux_output_config.max_bytes`` when the model runner builds the
 AuxOutput connector inside ``initialize_from_config``, and only when it is
 unset derives a default from the scheduler block size. Setting it first, from
-the attention pool (:func:`~vllm_hybrid.v1.core.kv_cache_utils.
+the attention pool (:func:`~vllm_hybrid.v1.worker.routed_experts.
 routed_experts_store_bytes`), needs no patch: select this worker with
 ``--worker-cls vllm_hybrid.v1.worker.gpu_worker.HybridWorker``. A value the
 user sets (``--aux-output-config '{"max_bytes": N}'``) is left alone.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_hybrid.v1.core.kv_cache_utils import apply_routed_experts_store_bytes
+from vllm_hybrid.v1.worker.routed_experts import apply_routed_experts_store_bytes
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig

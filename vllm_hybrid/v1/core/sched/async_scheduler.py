@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-from vllm_hybrid.v1.core.sched.scheduler import CheckpointAlignedSplitMixin
+from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
 
-class PooledAsyncScheduler(CheckpointAlignedSplitMixin, AsyncScheduler):
-    """``AsyncScheduler`` whose align-mode prefill chunks end on checkpoint edges."""
+class PooledAsyncScheduler(PooledSchedulerMixin, AsyncScheduler):
+    """Upstream's ``AsyncScheduler`` for pooled plans (see the mixin)."""

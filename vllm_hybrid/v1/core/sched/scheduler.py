@@ -1,4 +1,7 @@
-"""Scheduler of pooled mode when state checkpoints are sparser than attention blocks.
+"""Scheduler of pooled mode: per-pool usage each step, checkpoint-aligned chunks.
+
+Every pooled engine's scheduler publishes the arena's per-pool usage once per
+step, from its stats path (``make_stats``), for the frontend's ``/metrics``.
 
 In align mode vLLM's scheduler ends every prefill chunk on a "block" edge,
 because a Mamba/GDN state is written to its block only at chunk ends: block
@@ -24,6 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.usage import PoolStatsPublisher
 
 logger = init_logger(__name__)
 
@@ -47,18 +51,24 @@ def state_checkpoint_block(kv_cache_config: Any, mamba_cache_mode: str) -> int |
     return block if block > min(token) else None
 
 
-class CheckpointAlignedSplitMixin:
-    """Ends align-mode prefill chunks on state checkpoint edges.
+class PooledSchedulerMixin:
+    """What a pooled engine's scheduler adds to upstream's.
 
-    Upstream's ``Scheduler`` reads ``cache_config.block_size`` after its
-    constructor only in ``_mamba_block_aligned_split`` (a test checks this
-    against the installed vLLM). The scheduler therefore keeps its own copy
-    of the cache config whose ``block_size`` is the state block; the workers'
-    config, and with it the attention block, is untouched.
+    * Align-mode prefill chunks end on state checkpoint edges. Upstream's
+      ``Scheduler`` reads ``cache_config.block_size`` after its constructor
+      only in ``_mamba_block_aligned_split`` (a test checks this against the
+      installed vLLM), so the scheduler keeps its own copy of the cache config
+      whose ``block_size`` is the state block; the workers' config, and with
+      it the attention block, is untouched.
+    * Per-pool usage is published once per step, after upstream's stats.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        parallel = self.vllm_config.parallel_config
+        self._pool_stats = PoolStatsPublisher(
+            int(getattr(parallel, "data_parallel_index", 0) or 0)
+        )
         block = state_checkpoint_block(
             self.kv_cache_config, self.cache_config.mamba_cache_mode
         )
@@ -75,43 +85,13 @@ class CheckpointAlignedSplitMixin:
             attention_block,
         )
 
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = super().make_stats(*args, **kwargs)
+        arena = getattr(self.kv_cache_manager.coordinator, "arena", None)
+        if stats is not None and arena is not None:
+            self._pool_stats.publish(arena.usage())
+        return stats
 
-class PooledScheduler(CheckpointAlignedSplitMixin, Scheduler):
-    """``Scheduler`` whose align-mode prefill chunks end on checkpoint edges."""
 
-
-def select_scheduler(vllm_config: Any, kv_cache_config: Any) -> None:
-    """Make the engine core build :class:`PooledScheduler` (or its async
-    twin) when the pooled plan's state block is longer than the attention
-    block; leave every other engine's scheduler alone.
-
-    Runs in the engine-core process after KV planning, before the scheduler
-    class is resolved. A scheduler class the user chose is kept, with one
-    warning saying what it misses.
-    """
-    block = state_checkpoint_block(
-        kv_cache_config, vllm_config.cache_config.mamba_cache_mode
-    )
-    if block is None:
-        return
-    scheduler_config = vllm_config.scheduler_config
-    if scheduler_config.scheduler_cls is None:
-        if scheduler_config.async_scheduling:
-            from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
-
-            scheduler_config.scheduler_cls = PooledAsyncScheduler
-        else:
-            scheduler_config.scheduler_cls = PooledScheduler
-        return
-    chosen = scheduler_config.scheduler_cls
-    if isinstance(chosen, type) and issubclass(chosen, CheckpointAlignedSplitMixin):
-        return
-    logger.warning(
-        "vllm-hybrid pooled KV mode: --scheduler-cls %s ends prefill chunks on "
-        "attention block edges, so state checkpoints every %d tokens "
-        "(--mamba-block-size) are written only where a chunk happens to end "
-        "and prefix hits are lost; leave --scheduler-cls unset, or set "
-        "--mamba-block-size to the attention block",
-        chosen,
-        block,
-    )
+class PooledScheduler(PooledSchedulerMixin, Scheduler):
+    """Upstream's ``Scheduler`` for pooled plans (see the mixin)."""

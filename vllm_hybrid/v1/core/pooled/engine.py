@@ -1,9 +1,11 @@
-"""Engine glue of pooled mode in upstream's ``kv_cache_utils`` entry points.
+"""Engine glue of pooled mode: configs, capacity and the scheduler choice.
 
-``get_kv_cache_configs`` is where the engine core turns the workers' layer
-specs and memory into per-worker ``KVCacheConfig`` objects. For hybrid models
-in pooled mode it returns :class:`PooledKVCacheConfig` objects from the pure
-planner; everything else goes to upstream unchanged.
+The engine core turns the workers' layer specs and memory into per-worker
+``KVCacheConfig`` objects in upstream's ``get_kv_cache_configs``; its
+replacement (:mod:`vllm_hybrid.v1.core.kv_cache_utils`) asks
+:func:`plan_pooled_configs` first and falls back to upstream when it returns
+None. The capacity the engine logs and the scheduler class it builds for a
+pooled plan are decided here too.
 """
 
 from __future__ import annotations
@@ -14,25 +16,27 @@ from typing import Any
 
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
+from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.patches.registry import upstream
-from vllm_hybrid.v1.core.pooled_config import (
-    HybridKVOptions,
-    PooledKVCacheConfig,
-    pooled_mode_decision,
-)
-from vllm_hybrid.v1.core.pooled_planner import (
+from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     PooledPlanError,
     auto_fit_max_model_len,
     describe_plan,
     plan_pooled_kv_cache,
+    pooled_capacity,
     split_layers,
+)
+from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
+from vllm_hybrid.v1.core.sched.scheduler import (
+    PooledScheduler,
+    PooledSchedulerMixin,
+    state_checkpoint_block,
 )
 
 logger = init_logger(__name__)
-
-TARGET = "vllm.v1.core.kv_cache_utils:get_kv_cache_configs"
 
 
 def _merge_specs(
@@ -129,16 +133,57 @@ def plan_pooled_configs(
     return [copy.deepcopy(config) for _ in kv_cache_specs]
 
 
-def get_kv_cache_configs(
-    vllm_config: Any,
-    kv_cache_specs: list[dict[str, KVCacheSpec]],
-    available_memory: list[int],
-):
-    """Upstream's ``get_kv_cache_configs``, pooled for hybrid models."""
-    pooled = plan_pooled_configs(vllm_config, kv_cache_specs, available_memory)
-    if pooled is not None:
-        from vllm_hybrid.v1.core.sched.scheduler import select_scheduler
+def select_scheduler(vllm_config: Any, kv_cache_config: PooledKVCacheConfig) -> None:
+    """Make the engine core build :class:`PooledScheduler` (or its async twin)
+    for a pooled plan: it publishes per-pool usage once per step and, when the
+    state block is longer than the attention block, ends prefill chunks on
+    state checkpoint edges.
 
-        select_scheduler(vllm_config, pooled[0])
-        return pooled
-    return upstream(TARGET)(vllm_config, kv_cache_specs, available_memory)
+    Runs in the engine-core process after KV planning, before the scheduler
+    class is resolved. A scheduler class the user chose is kept; one warning
+    says what it misses when checkpoints need the aligned split.
+    """
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls is None:
+        scheduler_config.scheduler_cls = (
+            PooledAsyncScheduler
+            if scheduler_config.async_scheduling
+            else PooledScheduler
+        )
+        return
+    chosen = scheduler_config.scheduler_cls
+    if isinstance(chosen, type) and issubclass(chosen, PooledSchedulerMixin):
+        return
+    block = state_checkpoint_block(
+        kv_cache_config, vllm_config.cache_config.mamba_cache_mode
+    )
+    if block is None:
+        return
+    logger.warning(
+        "vllm-hybrid pooled KV mode: --scheduler-cls %s ends prefill chunks on "
+        "attention block edges, so state checkpoints every %d tokens "
+        "(--mamba-block-size) are written only where a chunk happens to end "
+        "and prefix hits are lost; leave --scheduler-cls unset, or set "
+        "--mamba-block-size to the attention block",
+        chosen,
+        block,
+    )
+
+
+def update_pooled_capacity(
+    vllm_config: Any, kv_cache_config: PooledKVCacheConfig, device_name: str
+) -> None:
+    """Store and log the capacity of a pooled plan (the engine's one line)."""
+    capacity = pooled_capacity(kv_cache_config, vllm_config.model_config.max_model_len)
+    cache_config = vllm_config.cache_config
+    cache_config.kv_cache_size_tokens = capacity.token_capacity
+    cache_config.kv_cache_max_concurrency = capacity.max_concurrency
+    logger.info_once(
+        "%s KV cache size: %s tokens (token pool only, after one request's "
+        "state), Maximum concurrency for %s tokens per request: %.2fx (token "
+        "and state pools)",
+        device_name,
+        f"{capacity.token_capacity:,}",
+        f"{vllm_config.model_config.max_model_len:,}",
+        capacity.max_concurrency,
+    )

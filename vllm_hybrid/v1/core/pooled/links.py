@@ -1,31 +1,9 @@
 """Links between state checkpoints and the attention blocks they resume from.
 
-A prefix-cache hit of a hybrid model at ``N`` tokens needs two things: every
-full-attention block of those ``N`` tokens (token pool) and a state
-checkpoint taken at exactly ``N`` (state pool). Upstream's single pool evicts
-both kinds from one LRU list; pooled mode has one list per pool, so without
-coordination each pool could keep entries the other has already made useless:
-
-* an attention block that no cached checkpoint at or after it needs can never
-  be part of a hit (the hit length is capped by the last checkpoint); and
-* a checkpoint whose attention prefix lost a block can never be hit either.
-
 :class:`CheckpointLinks` records, for each cached checkpoint key, the
-full-attention block keys its prefix consists of, and the reverse. The arena
-pools tell it when keys appear and disappear, and evict (make clean, so they
-are reused first) the free blocks the links show to be dead. Entries that can
-still serve a hit are never evicted by this, so it never lowers a hit rate;
-it only makes room for useful entries sooner.
-
-Rules, with ``keys(b)`` the prefix-cache keys a block holds:
-
-* a free token block is dead when it belongs to a full-attention group, holds
-  exactly one full-block key and no cached checkpoint needs that key (this
-  includes the tail of a finished request past its last checkpoint);
-* a free state block is dead when every key it holds is *broken*: a token
-  key its prefix needs has left the token pool's cache.
-
-Blocks in use are left alone; they are checked again when freed.
+full-attention block keys its prefix consists of, and the reverse, so that
+:mod:`.coupling` can tell which cached entries of one pool the other pool has
+made useless. Pure bookkeeping over prefix-cache keys: no pools, no blocks.
 """
 
 from __future__ import annotations
@@ -60,8 +38,6 @@ class CheckpointLinks:
     needed_by: dict[TokenKey, set[StateKey]] = field(default_factory=dict)
     #: checkpoint keys still cached whose attention prefix is incomplete
     broken: set[StateKey] = field(default_factory=set)
-    #: blocks evicted because of the links, per pool
-    evictions: dict[str, int] = field(default_factory=lambda: {"token": 0, "state": 0})
 
     def token_keys(
         self, block_hashes: Sequence[BlockHash], num_tokens: int
@@ -120,11 +96,6 @@ class CheckpointLinks:
         """Whether the key belongs to a full-attention group (the only token
         groups a checkpoint's hit depends on block by block)."""
         return get_group_id(token_key) in self.token_groups
-
-    def clear(self) -> None:
-        self.needs.clear()
-        self.needed_by.clear()
-        self.broken.clear()
 
     def check(self, state_keys: Iterable[StateKey], token_keys: set[TokenKey]) -> None:
         """Raise AssertionError if the links disagree with the caches

@@ -11,7 +11,7 @@ Given the per-layer ``KVCacheSpec`` of a hybrid model at *natural* page sizes
 * both pools view the same ``arena_bytes`` allocation from byte 0. Token ids
   are handed out from the low end and state ids from the high end; the
   scheduler moves the boundary between them at run time (see
-  :mod:`vllm_hybrid.v1.core.arena`). Bytes ``[0, max(token, state block))``
+  :mod:`vllm_hybrid.v1.core.pooled.arena`). Bytes ``[0, max(token, state block))``
   hold the two null blocks.
 
 No engine is needed: tests build specs directly and check the numbers.
@@ -31,8 +31,13 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
 )
 
-from vllm_hybrid.v1.core.arena import ArenaLayout, null_region_bytes
-from vllm_hybrid.v1.core.pooled_config import KVPoolSpec, PooledKVCacheConfig
+from vllm_hybrid.v1.core.pooled.spec import (
+    ArenaLayout,
+    KVPoolSpec,
+    PooledKVCacheConfig,
+    PoolKind,
+    null_region_bytes,
+)
 
 
 class PooledPlanError(ValueError):
@@ -92,7 +97,7 @@ def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
     )
 
 
-def state_blocks_per_request(spec: MambaSpec) -> int:
+def max_state_blocks_per_request(spec: MambaSpec) -> int:
     """State blocks one running request can hold at once.
 
     ``none`` mode: one live state (plus speculative slots). ``align`` mode:
@@ -113,11 +118,11 @@ def min_state_blocks_per_request(spec: MambaSpec) -> int:
     ``PooledCoordinatorMixin._in_place_blocks``), so the copy target is not
     needed; prefill checkpoints and speculative slots still are. This is the
     floor of the state pool and what the longest single request is computed
-    with; concurrency figures keep :func:`state_blocks_per_request`.
+    with; concurrency figures keep :func:`max_state_blocks_per_request`.
     """
     if spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0:
         return 1 + spec.num_prefill_checkpoint_blocks
-    return state_blocks_per_request(spec)
+    return max_state_blocks_per_request(spec)
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     tb, sb = token.block_bytes, state.block_bytes
     block_size = token.spec.block_size
     assert isinstance(state.spec, MambaSpec)
-    per_req = state_blocks_per_request(state.spec)
+    per_req = max_state_blocks_per_request(state.spec)
     lone = min_state_blocks_per_request(state.spec)
     arena = budget.arena_bytes
     # Start with room for max_num_seqs requests' states (at most half the
@@ -171,11 +176,11 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
         kv_cache_tensors=tensors,
         kv_cache_groups=groups,
         pools=[
-            KVPoolSpec("token", (0,), tb, layout.num_token_ids),
-            KVPoolSpec("state", (1,), sb, layout.num_state_ids),
+            KVPoolSpec(PoolKind.TOKEN, (0,), tb, layout.num_token_ids),
+            KVPoolSpec(PoolKind.STATE, (1,), sb, layout.num_state_ids),
         ],
         arena=layout,
-        state_blocks_per_request=per_req,
+        max_state_blocks_per_request=per_req,
     )
 
 
@@ -261,34 +266,49 @@ def max_model_len_that_fits(
 
 @dataclass(frozen=True)
 class PooledCapacity:
-    """Token capacity and concurrency figures of a pooled plan."""
+    """Capacity figures of a pooled plan: what the engine logs and stores in
+    its cache config, and what ``vllm-hybrid plan`` prints."""
 
     #: Tokens the token pool can hold for one request (state of one request
     #: and the null blocks taken out).
     token_capacity: int
     #: Requests of ``max_model_len`` tokens that fit at once.
     max_concurrency: float
+    #: Token blocks one request can use (the state pool at its floor).
+    max_token_blocks: int
+    #: Bytes one request of ``max_model_len`` tokens holds at most: its
+    #: attention blocks and ``max_state_blocks_per_request`` state blocks.
+    bytes_per_request: int
+    #: Bytes no block may use (the null blocks).
+    null_region_bytes: int
 
 
 def pooled_capacity(config: PooledKVCacheConfig, max_model_len: int) -> PooledCapacity:
-    token = config.pool_by_kind("token")
-    state = config.pool_by_kind("state")
+    """The one source of a pooled plan's capacity figures."""
+    token = config.pool_by_kind(PoolKind.TOKEN)
+    state = config.pool_by_kind(PoolKind.STATE)
     block_size = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec.block_size
-    per_req = config.state_blocks_per_request
+    per_req = config.max_state_blocks_per_request
     layout = config.layout
-    tokens = max_token_blocks(layout) * block_size
+    blocks = max_token_blocks(layout)
     usable = layout.arena_bytes - layout.null_region_bytes
     per_request = (
         cdiv(max_model_len, block_size) * token.block_bytes
         + per_req * state.block_bytes
     )
-    return PooledCapacity(tokens, usable / per_request)
+    return PooledCapacity(
+        token_capacity=blocks * block_size,
+        max_concurrency=usable / per_request,
+        max_token_blocks=blocks,
+        bytes_per_request=per_request,
+        null_region_bytes=layout.null_region_bytes,
+    )
 
 
 def describe_plan(config: PooledKVCacheConfig) -> str:
     """One log line: pools, page sizes, block counts, boundary."""
-    token = config.pool_by_kind("token")
-    state = config.pool_by_kind("state")
+    token = config.pool_by_kind(PoolKind.TOKEN)
+    state = config.pool_by_kind(PoolKind.STATE)
     tok_group = config.kv_cache_groups[token.group_ids[0]]
     st_group = config.kv_cache_groups[state.group_ids[0]]
     gcd = math.gcd(token.block_bytes, state.block_bytes)
@@ -300,7 +320,7 @@ def describe_plan(config: PooledKVCacheConfig) -> str:
         f"{token.num_blocks} ids; state pool: {len(st_group.layer_names)} state "
         f"layers, page {st_group.kv_cache_spec.page_size_bytes} B (0 B padding), "
         f"block {state.block_bytes} B, {state.num_blocks} ids, "
-        f"{config.state_blocks_per_request} per request; boundary at "
+        f"{config.max_state_blocks_per_request} per request; boundary at "
         f"{config.initial_boundary / 2**20:.2f} MiB (moves on demand, "
         f"granularity gcd {gcd} B)"
     )

@@ -26,9 +26,10 @@ from vllm.v1.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 
-from vllm_hybrid.v1.core.arena import ArenaLayout, KVArena
-from vllm_hybrid.v1.core.pooled_config import HybridKVOptions
-from vllm_hybrid.v1.core.prefix_cache_view import CheckpointLinks
+from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
+from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
 
 HBS = 16
 LAYOUT = ArenaLayout(
@@ -131,7 +132,7 @@ def test_tail_past_last_checkpoint_is_evicted_on_free():
     assert sorted(tok.free_block_queue.cached_ids()) == sorted(
         b.block_id for b in req.attn[:2]
     )
-    assert arena.links.evictions == {"token": 2, "state": 0}
+    assert arena.coupling.evictions == {"token": 2, "state": 0}
     arena.check_invariants()
 
 
@@ -165,7 +166,7 @@ def test_evicting_an_attention_block_evicts_the_checkpoints_past_it():
     # only it needed. Block 0 and the 16-token checkpoint still make a hit.
     assert cached(sta, [skey(hashes[0]), skey(hashes[3])]) == [True, False]
     assert cached(tok, [tkey(h) for h in hashes]) == [True, False, False, False]
-    assert arena.links.evictions == {"token": 2, "state": 1}
+    assert arena.coupling.evictions == {"token": 2, "state": 1}
     arena.check_invariants()
 
 
@@ -175,7 +176,7 @@ def test_blocks_in_use_are_checked_again_when_freed():
     # Free only the attention blocks; the checkpoint stays held.
     tok.free_blocks(reversed(holder.attn))
     tok.evict_blocks({holder.attn[0].block_id})
-    assert arena.links.broken == {skey(hashes[1])}
+    assert arena.coupling.links.broken == {skey(hashes[1])}
     assert cached(sta, [skey(hashes[1])]) == [True]  # held: not evicted yet
     sta.free_blocks([holder.state[1]])
     assert cached(sta, [skey(hashes[1])]) == [False]
@@ -214,7 +215,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     # The token pool is busy; only the state pool can be reset.
     assert not arena.reset_prefix_cache()
     assert sta.reset_prefix_cache()
-    assert arena.links.needs == {} and arena.links.needed_by == {}
+    assert arena.coupling.links.needs == {} and arena.coupling.links.needed_by == {}
     tok.free_blocks(reversed(req.attn))
     # No checkpoint is left, so no attention block can be hit: all evicted.
     assert tok.free_block_queue.cached_ids() == []
@@ -224,17 +225,17 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     req.compute(3, checkpoints=[2])
     tok.free_blocks(reversed(req.attn))
     assert tok.reset_prefix_cache()
-    assert arena.links.broken == {skey(hashes[2])}
+    assert arena.coupling.links.broken == {skey(hashes[2])}
     sta.free_blocks([req.state[2]])
     assert sta.free_block_queue.cached_ids() == []
-    assert arena.links.broken == set()
+    assert arena.coupling.links.broken == set()
     arena.check_invariants()
 
 
 def test_reset_clears_links():
     arena, _, _ = computed(2, [1])
     assert arena.reset_prefix_cache()
-    assert arena.links.needs == {} and arena.links.needed_by == {}
+    assert arena.coupling.links.needs == {} and arena.coupling.links.needed_by == {}
     arena.check_invariants()
 
 

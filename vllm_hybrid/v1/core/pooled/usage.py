@@ -1,4 +1,8 @@
-"""Per-pool usage of the pooled KV arena, carried from engine core to frontend.
+"""Per-pool usage of the pooled KV arena, and its way from engine core to frontend.
+
+:meth:`~.arena.KVArena.usage` takes an :class:`ArenaUsage` snapshot; the
+pooled schedulers publish one per step from their stats path
+(``make_stats``), and ``/metrics`` and the benchmarks read the same type.
 
 vLLM's ``SchedulerStats`` has no field a plugin can extend, and it is decoded
 by type in the frontend (unknown fields are dropped), so pool usage cannot
@@ -21,7 +25,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 
-STATS_DIR_VAR = "VLLM_HYBRID_STATS_DIR"
+from vllm_hybrid.envs import STATS_DIR_VAR
 
 
 @dataclass(frozen=True)
@@ -68,24 +72,6 @@ class ArenaUsage:
         raw = json.loads(text)
         pools = tuple(PoolUsage(**p) for p in raw["pools"])
         return cls(raw["arena_bytes"], raw["boundary_bytes"], pools)
-
-
-def arena_usage(arena) -> ArenaUsage:
-    """Snapshot of a :class:`~vllm_hybrid.v1.core.arena.KVArena`."""
-    layout = arena.layout
-    pools = tuple(
-        PoolUsage(
-            name,
-            page,
-            pool.owned_capacity,
-            pool.get_num_used_blocks(),
-        )
-        for name, page, pool in (
-            ("token", layout.token_block_bytes, arena.token_pool),
-            ("state", layout.state_block_bytes, arena.state_pool),
-        )
-    )
-    return ArenaUsage(layout.arena_bytes, arena.boundary_bytes, pools)
 
 
 def stats_dir(environ: dict[str, str] | None = None) -> str:

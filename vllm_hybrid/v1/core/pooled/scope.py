@@ -1,0 +1,89 @@
+"""Where pooled mode applies: hybrid models, minus the features it lacks.
+
+Every process (API server, engine core, workers, ``vllm-hybrid plan``) must
+reach the same decision for one ``VllmConfig``; this module is the only place
+that makes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+from vllm_hybrid.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PooledDecision:
+    """Whether pooled mode applies, and if not, why (for the one log line)."""
+
+    enabled: bool
+    reason: str
+
+
+def _unsupported_feature(vllm_config: Any) -> str | None:
+    """The first feature pooled mode does not support yet, or None."""
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    checks: list[tuple[bool, str]] = [
+        (vllm_config.kv_transfer_config is not None, "KV connectors/transfer"),
+        (
+            getattr(vllm_config.attention_config, "hisparse_config", None) is not None,
+            "HiSparse",
+        ),
+        (
+            getattr(parallel, "decode_context_parallel_size", 1) > 1,
+            "decode context parallel",
+        ),
+        (
+            getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+            "prefill context parallel",
+        ),
+        (parallel.pipeline_parallel_size > 1, "pipeline parallel"),
+        (vllm_config.speculative_config is not None, "speculative decoding"),
+        (bool(getattr(cache, "kv_cache_dtype_skip_layers", None)), "skip layers"),
+        (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),
+        (_v2_runner_forced(), "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
+    ]
+    for unsupported, name in checks:
+        if unsupported:
+            return name
+    return None
+
+
+def _v2_runner_forced() -> bool:
+    import vllm.envs as envs
+
+    return envs.VLLM_USE_V2_MODEL_RUNNER is True
+
+
+_logged_fallbacks: set[str] = set()
+
+
+def pooled_mode_decision(vllm_config: Any) -> PooledDecision:
+    """Decide pooled mode for this config; identical in every process.
+
+    Non-hybrid models are never pooled (they keep upstream's plan exactly).
+    For hybrid models a feature pooled mode does not support yet makes the
+    engine use upstream's single pool, with one log line naming the feature.
+    """
+    model_config = vllm_config.model_config
+    if model_config is None or not getattr(model_config, "is_hybrid", False):
+        return PooledDecision(False, "not a hybrid model")
+    options = HybridKVOptions.from_vllm_config(vllm_config)
+    if not options.pooled:
+        return PooledDecision(False, "disabled by --additional-config")
+    feature = _unsupported_feature(vllm_config)
+    if feature is not None:
+        if feature not in _logged_fallbacks:
+            _logged_fallbacks.add(feature)
+            logger.info(
+                "vllm-hybrid pooled KV mode does not support %s yet; using "
+                "upstream's single shared KV pool for this engine",
+                feature,
+            )
+        return PooledDecision(False, f"unsupported: {feature}")
+    return PooledDecision(True, "hybrid model")
