@@ -14,11 +14,9 @@ from typing import Any
 from vllm.v1.attention.backend import AttentionType
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.ops.tq_dtypes import is_turboquant_dtype
 from vllm_hybrid.patches.registry import upstream_of
-from vllm_hybrid.v1.attention.backends.cpu_turboquant_attn import (
-    BACKEND_NAME,
-    is_turboquant_dtype,
-)
+from vllm_hybrid.v1.attention.backends.cpu_turboquant_attn import BACKEND_NAME
 
 logger = init_logger(__name__)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from vllm_hybrid import plugin
+from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES
 from vllm_hybrid.v1.attention.backends.cpu_turboquant_attn import (
     BACKEND_NAME,
-    TURBOQUANT_CACHE_DTYPES,
     CPUTurboQuantAttentionBackend,
     dense_cache,
 )
@@ -49,7 +49,7 @@ def _select(backend, kv_cache_dtype: str, **kw):
     )
 
 
-@pytest.mark.parametrize("dtype", TURBOQUANT_CACHE_DTYPES)
+@pytest.mark.parametrize("dtype", TQ_CACHE_DTYPES)
 def test_turboquant_dtypes_select_cpu_turboquant(dtype):
     assert _select(None, dtype) is CPUTurboQuantAttentionBackend
 

@@ -1,4 +1,4 @@
-"""Tests of the pooled-mode arena: layout, free order, boundary moves (issue 3).
+"""Tests of the pooled-mode arena: layout, free order, boundary moves.
 
 Most tests use ``SMALL``: a 100 B arena, 4 B token blocks and 10 B state
 blocks, boundary at 50 B. Null region [0, 10): token ids 1 and 2 are

@@ -1,4 +1,4 @@
-"""Coordinated prefix-cache eviction across the arena's pools (issue 3, item 4).
+"""Coordinated prefix-cache eviction across the arena's pools.
 
 Setup used by the example tests: 16-token hash blocks, one full-attention
 group (id 0, 16-token blocks) in the token pool and one state group (id 1) in

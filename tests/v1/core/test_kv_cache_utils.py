@@ -1,4 +1,4 @@
-"""Tests of the hybrid-aware KV cache helpers (issue 4).
+"""Tests of the hybrid-aware KV cache helpers.
 
 Specs are built directly, as in upstream's tests/v1/core/test_kv_cache_utils.py.
 Where the overlay fixes upstream behaviour, a test runs against both the
@@ -201,7 +201,7 @@ def _upstream_fails(reason: str, raises: type[Exception] | None = None):
 
 
 # ---------------------------------------------------------------------------
-# F1: page size unification
+# Page size unification
 # ---------------------------------------------------------------------------
 
 
@@ -513,7 +513,7 @@ def test_additional_config_reaches_unification_through_get_kv_cache_groups(
 
 
 # ---------------------------------------------------------------------------
-# F2: token capacity
+# Token capacity
 # ---------------------------------------------------------------------------
 
 ATTN = attention_spec(block_size=256)  # 524,288 B per page
@@ -783,7 +783,7 @@ def test_update_kv_cache_capacity_stores_and_logs_token_groups(
 
 
 # ---------------------------------------------------------------------------
-# F3: routed-experts store
+# Routed-experts store
 # ---------------------------------------------------------------------------
 
 #: tiny qwen3_5: 8 layers x top-2 x 1-byte ids (4 experts).

@@ -125,10 +125,13 @@ def test_greedy_outputs_equal_upstream(runs):
     assert all(len(ids) == 16 for ids in runs["pooled"].tokens)
 
 
-def test_forced_preemption_run_preempts(runs):
+def test_forced_preemption_run_preempts_in_each_mode(runs):
+    """The budget is too small for the batch in either mode, so the token
+    comparison above covers preempted and resumed requests of both."""
     if runs["name"] != "forced-preemption":
         pytest.skip("only the forced-preemption configuration must preempt")
-    assert runs["upstream_preemptions"] + runs["pooled_preemptions"] > 0
+    assert runs["upstream_preemptions"] > 0
+    assert runs["pooled_preemptions"] > 0
 
 
 def test_plan_natural_block_and_zero_state_padding(runs):

@@ -1,4 +1,4 @@
-"""Engine-level check of the token capacity (issue 4, F2).
+"""Engine-level check of the token capacity.
 
 Starts vLLM in-process on tiny random-weight models with the overlay active and
 pooled mode off (one shared block pool, as upstream) and reads the capacity the

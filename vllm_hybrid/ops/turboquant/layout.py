@@ -28,12 +28,7 @@ from functools import cache
 
 import torch
 
-TQ_CACHE_DTYPES: tuple[str, ...] = (
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
-)
+from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES
 
 # Largest finite float8_e4m3fn value. Upstream's GPU cast saturates; torch's
 # cast turns overflow into NaN, so keys are clamped to this range first.

@@ -40,23 +40,12 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES
 
 logger = init_logger(__name__)
 
 #: Name of the backend in vLLM's ``AttentionBackendEnum``.
 BACKEND_NAME = "CPU_TURBOQUANT"
-
-#: The four upstream presets (``vllm.config.cache.CacheDType``).
-TURBOQUANT_CACHE_DTYPES: tuple[str, ...] = (
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
-)
-
-
-def is_turboquant_dtype(kv_cache_dtype: str | None) -> bool:
-    return kv_cache_dtype in TURBOQUANT_CACHE_DTYPES
 
 
 def tq_layout(cache_dtype: str, head_dim: int) -> Any:
@@ -131,7 +120,7 @@ class CPUTurboQuantAttentionBackend(AttentionBackend):
         torch.float16,
         torch.float32,
     ]
-    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(TURBOQUANT_CACHE_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = list(TQ_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
