@@ -1,6 +1,6 @@
 """Longest single prompt a fixed KV budget serves: ``auto`` vs TurboQuant.
 
-Reuses bench_pooled's one_long search unchanged (``_one_long_part``: start
+Reuses bench_pooled's one_long search unchanged (``one_long_part``: start
 with ``max_model_len=-1`` auto-fit, fall back to the largest startable
 ``max_model_len``, then binary-search the longest prompt that prefills and
 decodes 16 tokens alone without preemption) on engines that differ only in
@@ -55,7 +55,7 @@ def longest_prompt(kind: str, path: str, dtype: str, prefix: bool, cfg) -> dict:
         kv_cache_dtype=dtype,
     )
     report = bp.WorkerReport(model=kind, mode=dtype)
-    result = bp._one_long_part(report, f"one_long_{dtype}", spec, cfg)
+    result = bp.one_long_part(report, f"one_long_{dtype}", spec, cfg)
     metrics = result["metrics"]
     engine = report.engines.get(f"one_long_{dtype}", {})
     return {

@@ -20,7 +20,6 @@ Engines run in this process, pooled mode (the default), one at a time::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -31,27 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
+# bench_pooled's library (workloads, engine helpers); this folder is on
+# sys.path when the script runs.
+import pooled as bp
+
 PRESETS = (
     "turboquant_k8v4",
     "turboquant_4bit_nc",
     "turboquant_k3v4_nc",
     "turboquant_3bit_nc",
 )
-
-
-def load_bench_pooled():
-    """``benchmarks/bench_pooled.py`` as a module (workloads, engine helpers)."""
-    name = "bench_pooled"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "bench_pooled.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bp = load_bench_pooled()
 
 
 @dataclass(frozen=True)

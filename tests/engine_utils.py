@@ -7,7 +7,7 @@ one process (``tests/`` is on ``sys.path`` through its ``conftest.py``).
 from __future__ import annotations
 
 import gc
-import importlib.util
+import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -100,21 +100,17 @@ def record_calls(obj: Any, name: str) -> list[tuple]:
     return calls
 
 
-BENCH_POOLED = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pooled.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def bench_pooled() -> ModuleType:
-    """``benchmarks/bench_pooled.py`` as a module (``benchmarks`` is not a
-    package), loaded once per process."""
-    name = "bench_pooled"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH_POOLED)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        # dataclasses resolve string annotations through sys.modules
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The library behind ``benchmarks/bench_pooled.py``, the package
+    ``benchmarks/pooled``. ``benchmarks`` is not a package: its folder goes
+    on ``sys.path``, as when the script runs, so the package imports as
+    ``pooled``."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module("pooled")
 
 
 #: Largest best-minus-second log-probability at which greedy decoding counts

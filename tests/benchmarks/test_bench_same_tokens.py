@@ -19,7 +19,8 @@ import os
 
 import pytest
 from engine_utils import Greedy, near_tie_differences
-from test_bench_pooled import bench
+from pooled import cli
+from pooled.config import MODES
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def _run_same_tokens(tiny_model_dir, tmp_path_factory, models, *extra):
     argv = ["--models", ",".join(models), "--workloads", "same_tokens", *extra]
     argv += ["--jobs", jobs]
     argv += ["--model-dir", str(root), "--json", str(out)]
-    assert bench.main(argv) == 0
+    assert cli.main(argv) == 0
     data = json.loads(out.read_text())
     return {
         (run["model"], run["mode"]): run["report"]["workloads"]["same_tokens"]
@@ -55,7 +56,7 @@ def _tokens(result, model, mode, config):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_workers_compute_with_one_thread(same_tokens, model):
-    for mode in bench.MODES:
+    for mode in MODES:
         assert same_tokens[(model, mode)]["omp_threads"] == 1
 
 
@@ -74,7 +75,7 @@ def test_batching_and_preemption_do_not_change_tokens(same_tokens, model):
     at a near-tie where the kernels' summation order depends on the batch:
     vLLM's AVX512-BF16 CPU kernels give all 8 prompts unchanged, the AVX2
     fallbacks flip one qwen3_5 token at a 2**-7 gap."""
-    for mode in bench.MODES:
+    for mode in MODES:
         configs = same_tokens[(model, mode)]["configs"]
         reference = Greedy(configs["pc_off"]["tokens"], configs["pc_off"]["top2_gaps"])
         for config in ("alone", "preempt"):
@@ -98,7 +99,7 @@ def test_prefix_caching_keeps_the_uncached_tokens(same_tokens, model, config):
         assert ov_ids == up_ids or up_ids != up_ref
     cached = {
         mode: same_tokens[(model, mode)]["configs"][config]["cached_tokens"]
-        for mode in bench.MODES
+        for mode in MODES
     }
     assert cached["overlay"] > cached["upstream"] > 0
 
@@ -115,7 +116,7 @@ def same_checkpoints(tiny_model_dir, tmp_path_factory):
         "384",
         "--same-tokens-cached-only",
     )
-    return {mode: result[("qwen3_next", mode)]["configs"] for mode in bench.MODES}
+    return {mode: result[("qwen3_next", mode)]["configs"] for mode in MODES}
 
 
 @pytest.mark.parametrize("config", ["pc_on", "pc_on_repeat"])

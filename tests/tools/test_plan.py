@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vllm_hybrid.tools import plan as planmod
-from vllm_hybrid.tools.plan_presets import PRESETS
+from vllm_hybrid.tools.plan import PRESETS
 
 MiB = 2**20
 GiB = 2**30
@@ -81,8 +81,6 @@ def _upstream_cuda_block(tp: int, kv_cache_dtype: str) -> tuple[int, int, int]:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
-    from vllm_hybrid.patches.registry import upstream
-
     request = planmod.PlanRequest(
         "qwen3.5-35b-a3b",
         kv_cache_memory=8 * GiB,
@@ -90,8 +88,8 @@ def _upstream_cuda_block(tp: int, kv_cache_dtype: str) -> tuple[int, int, int]:
         tensor_parallel_size=tp,
         kv_cache_dtype=kv_cache_dtype,
     )
-    with planmod._model_dir(request.model) as (model_dir, _):
-        config, _ = planmod.engine_config(request, model_dir)
+    with planmod.model_dir(request.model) as (directory, _):
+        config, _ = planmod.engine_config(request, directory)
     config = copy.deepcopy(config)
     cache = config.cache_config
     cache.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
@@ -109,15 +107,13 @@ def _upstream_cuda_block(tp: int, kv_cache_dtype: str) -> tuple[int, int, int]:
             return [backend]
 
     with planmod.overlay_off():
-        upstream("vllm.platforms.interface:Platform._align_hybrid_block_size").__func__(
-            CudaLike, config, backend
-        )
+        planmod.upstream_align().__func__(CudaLike, config, backend)
     per_token = backend.customize_spec(
         FullAttentionSpec(
             block_size=1,
             num_kv_heads=config.model_config.get_num_kv_heads(config.parallel_config),
             head_size=config.model_config.get_head_size(),
-            dtype=planmod._kv_torch_dtype(config),
+            dtype=planmod.kv_torch_dtype(config),
             kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
         )
     ).page_size_bytes
@@ -170,6 +166,87 @@ def test_turboquant_k8v4_natural_page_is_12416_bytes_at_tp1():
     plan = _plan("qwen3.5-35b-a3b", device="cuda", kv_cache_dtype="turboquant_k8v4")
     assert plan.pooled.attention_block_size == 16
     assert plan.pooled.attention_page_bytes == 12_416
+
+
+#: Text config of a Qwen3.6-35B-A3B-shaped checkpoint (the shape of the
+#: qwen3.5-35b-a3b preset) that asks for fp32 SSM state, as the published
+#: Qwen3.5/3.6 configs do.
+QWEN3_6_TEXT = {
+    "model_type": "qwen3_5_moe_text",
+    "dtype": "bfloat16",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "full_attention_interval": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_value_head_dim": 128,
+    "linear_num_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "vocab_size": 248320,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "mamba_ssm_dtype": "float32",
+}
+
+
+def _qwen3_6_config(form: str) -> dict:
+    if form == "causal_lm":
+        return {"architectures": ["Qwen3_5MoeForCausalLM"], **QWEN3_6_TEXT}
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "dtype": "bfloat16",
+        "text_config": QWEN3_6_TEXT,
+        "vision_config": {"depth": 2, "hidden_size": 64, "out_hidden_size": 2048},
+    }
+
+
+@pytest.mark.parametrize("form", ["causal_lm", "conditional_generation"])
+def test_cuda_plan_uses_the_checkpoints_fp32_ssm_state(form, tmp_path):
+    """A CUDA host running vLLM 0.32 takes ``mamba_ssm_dtype`` from the
+    checkpoint (Qwen3.5's config hook), also where Qwen3-Next's class stands
+    in for the Qwen3.5 one here.
+
+    Expected figures, from vLLM 0.32's CUDA path at TP 1:
+
+    * TurboQuant k8v4 slot per KV head and token: 256 B fp8 keys + 128 B
+      4-bit values + 4 B scale/zero = 388 B; 2 KV heads: 776 B per token.
+    * GDN state page: conv 3 x (2 x 16 x 128 + 32 x 128) bf16 = 49,152 B plus
+      SSM 32 x 128 x 128 fp32 = 2,097,152 B: 2,146,304 B.
+    * ``_align_hybrid_block_size``: kernel alignment 16 (TurboQuant's smallest
+      kernel block, the default block 16), block = 16 x ceil(2,146,304 /
+      (16 x 776)) = 16 x 173 = 2,768 tokens; attention page 2,768 x 776 =
+      2,147,968 B; the state page is padded to it: 1,664 B (0.078%).
+    * pooled mode: block 16, page 16 x 776 = 12,416 B, state unpadded.
+    """
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    (tmp_path / "config.json").write_text(json.dumps(_qwen3_6_config(form)))
+    plan = _plan(
+        str(tmp_path),
+        kv_cache_memory=10 * GiB,
+        device="cuda",
+        kv_cache_dtype="turboquant_k8v4",
+    )
+    up, pooled = plan.upstream, plan.pooled
+    assert up.error is None and pooled.error is None
+    assert (plan.attention_layers, plan.state_layers) == (10, 30)
+    assert up.state_page_bytes == pooled.state_page_bytes == 2_146_304
+    assert up.attention_block_size == 2_768
+    assert up.attention_page_bytes == up.state_page_padded_bytes == 2_147_968
+    assert up.state_padding_bytes == 1_664
+    assert up.state_padding_pct == pytest.approx(100 * 1_664 / 2_146_304)
+    assert pooled.attention_block_size == 16
+    assert pooled.attention_page_bytes == 12_416
+    assert pooled.state_padding_bytes == 0
+    # the checkpoint's hook is lent to the stand-in only while vLLM runs it
+    assert "Qwen3NextForCausalLM" not in MODELS_CONFIG_MAP
 
 
 def test_pooled_concurrency_never_below_upstream_for_hybrid():
@@ -364,4 +441,5 @@ def test_cli_entry_point_is_registered():
     from vllm_hybrid import cli
 
     assert cli.OWN_SUBCOMMANDS["plan"] == "vllm_hybrid.tools.plan"
-    assert Path(planmod.__file__).name == "plan.py"
+    assert Path(planmod.__file__).parent.name == "plan"
+    assert cli.main(["plan", "--list-presets"]) == 0

@@ -1,0 +1,52 @@
+"""A/B benchmark of the hybrid KV cache: upstream vLLM against the overlay.
+
+The command line is ``benchmarks/bench_pooled.py``; this package is what it
+runs, in layers:
+
+* :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
+* :mod:`.prompts`: seeded prompt generation, the same ids in both modes;
+* :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
+* :mod:`.engine`: engines and the step-by-step drive loop;
+* :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines;
+* :mod:`.worker`: one model in one mode, in its own process;
+* :mod:`.driver`: the worker subprocesses (``--jobs``, core pinning);
+* :mod:`.report`: the table of overlay/upstream ratios;
+* :mod:`.cli`: the options.
+
+The overlay reads its switch (``VLLM_HYBRID_KV``) when vLLM loads plugins,
+i.e. once per process, so each mode runs in its own worker subprocess. A
+worker drives in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) step
+by step so it can read the scheduler's block pools between steps, and prints
+one ``BENCH_RESULT {json}`` line that the driver parses. Everything runs on
+CPU with the tiny random weight models of :mod:`vllm_hybrid.tools.tiny_models`;
+see ``benchmarks/README.md`` for what each metric means.
+
+Other benchmarks and the tests reuse the names below.
+"""
+
+from .config import MIB, BenchConfig
+from .engine import EngineSpec, llm_vocab, open_engine, top2_gaps_of
+from .prompts import (
+    many_short_prompts,
+    multi_turn_system,
+    multi_turn_user,
+    random_tokens,
+)
+from .same_tokens import first_difference
+from .worker import WorkerReport, one_long_part
+
+__all__ = [
+    "MIB",
+    "BenchConfig",
+    "EngineSpec",
+    "WorkerReport",
+    "first_difference",
+    "llm_vocab",
+    "many_short_prompts",
+    "multi_turn_system",
+    "multi_turn_user",
+    "one_long_part",
+    "open_engine",
+    "random_tokens",
+    "top2_gaps_of",
+]

@@ -1,0 +1,175 @@
+"""Command line of the benchmark (``benchmarks/bench_pooled.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .config import (
+    DEFAULT_MODELS,
+    MIB,
+    REPO_ROOT,
+    WORKLOADS,
+    BenchConfig,
+    quick_config,
+)
+from .driver import run_driver
+from .worker import run_worker
+
+
+def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if choices is not None:
+            bad = [item for item in items if item not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {bad}; choose from {', '.join(choices)}"
+                )
+        return items
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Upstream vs vllm-hybrid overlay KV cache benchmark (CPU).",
+    )
+    parser.add_argument(
+        "--models",
+        type=_csv(None),
+        default=list(DEFAULT_MODELS),
+        help="tiny model kinds, comma separated (default: qwen3_5,qwen3_next)",
+    )
+    parser.add_argument(
+        "--workloads",
+        type=_csv(WORKLOADS),
+        default=list(WORKLOADS),
+        help="comma separated subset of " + ",".join(WORKLOADS),
+    )
+    parser.add_argument("--json", help="also write all results to this JSON file")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=REPO_ROOT / ".tiny-models",
+        help="where tiny models are built/reused (default: .tiny-models)",
+    )
+    parser.add_argument("--log-dir", help="worker logs (default: a new temp dir)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="workers run at once; >1 overlaps runs and skews wall times",
+    )
+    parser.add_argument("--seed", type=int, default=BenchConfig.seed)
+    parser.add_argument(
+        "--one-long-block-size",
+        type=int,
+        default=BenchConfig.one_long_block_size,
+        help="attention --block-size of the one_long engines, both modes "
+        "(default: 32; 0 keeps the platform default)",
+    )
+    parser.add_argument(
+        "--mamba-block-size",
+        type=int,
+        default=None,
+        help="state checkpoint interval (align mode) of the prefix-caching "
+        "engines other than one_long's, both modes (default: the attention block)",
+    )
+    parser.add_argument(
+        "--budget-mib",
+        type=float,
+        default=BenchConfig.budget_bytes / MIB,
+        help="KV budget of the many_short, multi_turn and same_tokens engines "
+        "(default: 48)",
+    )
+    parser.add_argument(
+        "--no-couple-prefix-caches",
+        action="store_true",
+        help="pooled mode without coordinated eviction across its pools "
+        "(each pool evicts by its own LRU), to measure what coupling buys",
+    )
+    parser.add_argument(
+        "--preempt-budget-mib",
+        type=float,
+        default=None,
+        help="KV budget of the same_tokens forced-preemption run (default: 20 "
+        "for qwen3_5, 12 for qwen3_next, 16 otherwise)",
+    )
+    parser.add_argument(
+        "--same-tokens-threads",
+        type=int,
+        default=BenchConfig.same_tokens_threads,
+        help="OpenMP threads of the same_tokens workers, both modes (default: 1, "
+        "which makes CPU attention independent of batch composition; 0 runs "
+        "same_tokens in the main workers with the platform's threads)",
+    )
+    parser.add_argument(
+        "--same-tokens-cached-only",
+        action="store_true",
+        help="same_tokens runs only its prefix-caching passes (pc_on, "
+        "pc_on_repeat), not pc_off, alone and the forced preemption",
+    )
+    parser.add_argument(
+        "--mamba-ssm-cache-dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default=BenchConfig.mamba_ssm_cache_dtype,
+        help="SSM state dtype of every engine (default: float32, what vLLM "
+        "forces on AVX512-BF16 CPUs, so figures match on any host; auto keeps "
+        "this host's choice)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="use torch.compile (default: eager; compiling adds ~35 s per engine)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="shrunken workloads to check the harness (numbers not comparable)",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config-json", help=argparse.SUPPRESS)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.config_json:
+        return BenchConfig(**json.loads(args.config_json))
+    cores = os.cpu_count() or 1
+    if not 0 <= args.same_tokens_threads <= cores:
+        raise SystemExit(
+            f"--same-tokens-threads {args.same_tokens_threads}: use 0 (the "
+            f"platform's threads) or 1..{cores} (this machine's cores)"
+        )
+    cfg = BenchConfig(
+        seed=args.seed,
+        preempt_budget_bytes=(
+            None
+            if args.preempt_budget_mib is None
+            else int(args.preempt_budget_mib * MIB)
+        ),
+        enforce_eager=not args.compile,
+        one_long_block_size=args.one_long_block_size or None,
+        mamba_block_size=args.mamba_block_size,
+        budget_bytes=int(args.budget_mib * MIB),
+        couple_prefix_caches=not args.no_couple_prefix_caches,
+        same_tokens_threads=args.same_tokens_threads,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        same_tokens_uncached=not args.same_tokens_cached_only,
+    )
+    return quick_config(cfg) if args.quick else cfg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    if args.worker:
+        if len(args.models) != 1:
+            raise SystemExit("--worker runs exactly one model")
+        report = run_worker(args.models[0], args.model_dir, args.workloads, cfg)
+        return 1 if report.errors else 0
+    return run_driver(args, cfg)

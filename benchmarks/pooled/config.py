@@ -1,0 +1,98 @@
+"""Settings of a benchmark run, shared by the driver and its workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+MIB = 2**20
+RESULT_PREFIX = "BENCH_RESULT "
+MODES: tuple[str, ...] = ("upstream", "overlay")
+#: Value of ``VLLM_HYBRID_KV`` that selects each mode.
+MODE_SWITCH: dict[str, str] = {"upstream": "0", "overlay": "1"}
+WORKLOADS: tuple[str, ...] = ("many_short", "one_long", "multi_turn", "same_tokens")
+DEFAULT_MODELS: tuple[str, ...] = ("qwen3_5", "qwen3_next")
+#: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
+NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The command line entry; workers are this script started with ``--worker``.
+BENCH_SCRIPT = REPO_ROOT / "benchmarks" / "bench_pooled.py"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Every knob of a run; the driver hands it to workers as JSON.
+
+    Defaults are the acceptance settings of pooled mode, so runs of different
+    people compare; the CLI can shrink them for quick checks.
+    """
+
+    seed: int = 0
+    budget_bytes: int = 48 * MIB
+    one_long_budget_bytes: int = 5 * MIB
+    #: Budget of the forced-preemption run of ``same_tokens``; None picks a
+    #: per-model default (``same_tokens.PREEMPT_BUDGET_MIB``).
+    preempt_budget_bytes: int | None = None
+    preempt_max_num_seqs: int = 8
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    #: ``-1`` lets the engine fit ``max_model_len`` to the 5 MiB budget, the
+    #: only setting in which upstream starts at all with such a small cache.
+    one_long_max_model_len: int = -1
+    #: Attention block of the one_long engines (both modes). A 5 MiB budget
+    #: holds only a handful of the CPU default's 128-token blocks; 32 is the
+    #: smallest block the CPU attention kernel takes. None keeps the default.
+    one_long_block_size: int | None = 32
+    #: ``--mamba-block-size`` (state checkpoint interval in align mode) of the
+    #: prefix-caching engines except one_long's; None keeps the default (the
+    #: attention block). Upstream overrides it with its inflated block.
+    mamba_block_size: int | None = None
+    same_tokens_max_model_len: int = 2048
+    many_short_requests: int = 64
+    many_short_min_len: int = 64
+    many_short_max_len: int = 512
+    many_short_output: int = 32
+    one_long_output: int = 16
+    #: Upper bound of the one_long search, besides ``max_model_len``.
+    one_long_search_cap: int = 16384
+    multi_turn_conversations: int = 6
+    multi_turn_turns: int = 5
+    multi_turn_system_len: int = 1200
+    multi_turn_user_len: int = 100
+    multi_turn_output: int = 32
+    same_tokens_output: int = 24
+    #: OpenMP threads of the same_tokens workers (own processes, both modes);
+    #: 0 runs same_tokens in the main workers with the platform's threads.
+    #: vLLM's CPU attention shares a step's work among its threads by the
+    #: KV length of the whole batch, so with more than one thread a request's
+    #: bf16 bits depend on which requests it runs with; one thread removes
+    #: that, which is what a token-for-token comparison needs.
+    same_tokens_threads: int = 1
+    #: Also run same_tokens without prefix caching (pc_off, alone) and in
+    #: forced preemption; off runs only the cached passes (pc_on, repeat).
+    same_tokens_uncached: bool = True
+    #: Wall-clock cap of one engine drive; a stuck run ends as "time_limit".
+    drive_time_limit_s: float = 1800.0
+    #: Steps without any token progress after which a drive counts as stalled.
+    stall_steps: int = 64
+    enforce_eager: bool = True
+    #: ``--mamba-ssm-cache-dtype`` of every engine, both modes. vLLM's CPU
+    #: platform forces float32 SSM state on AVX512-BF16 hosts and keeps the
+    #: model's bf16 elsewhere, which halves the state pages and changes every
+    #: memory row; pinning float32 gives the same figures on any host.
+    #: "auto" keeps the host's choice.
+    mamba_ssm_cache_dtype: str = "float32"
+    #: Pooled mode's coordinated prefix-cache eviction across its pools
+    #: (``hybrid_kv.couple_prefix_caches``); upstream ignores the option.
+    couple_prefix_caches: bool = True
+
+
+def quick_config(cfg: BenchConfig) -> BenchConfig:
+    """A few-minute version of every workload, to check the harness itself."""
+    return replace(
+        cfg,
+        many_short_requests=8,
+        multi_turn_conversations=2,
+        multi_turn_turns=2,
+        one_long_search_cap=1024,
+    )

@@ -1,0 +1,298 @@
+"""Engines and the loop that drives them step by step (vLLM is imported
+lazily so the pure helpers load fast)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import BenchConfig
+from .pools import (
+    KVGeometry,
+    KVSample,
+    kv_layout_name,
+    kv_pools,
+    pool_record,
+    sample_kv,
+)
+from .prompts import allowed_token_ids
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Arguments of one engine; identical for both modes by construction."""
+
+    model_path: str
+    budget_bytes: int
+    prefix_caching: bool
+    max_num_seqs: int
+    max_model_len: int
+    enforce_eager: bool
+    seed: int
+    block_size: int | None = None
+    mamba_block_size: int | None = None
+    couple_prefix_caches: bool = True
+    mamba_ssm_cache_dtype: str = BenchConfig.mamba_ssm_cache_dtype
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        extra = {} if self.block_size is None else {"block_size": self.block_size}
+        if not self.couple_prefix_caches:
+            extra["additional_config"] = {"hybrid_kv": {"couple_prefix_caches": False}}
+        if self.mamba_block_size is not None and self.prefix_caching:
+            extra["mamba_block_size"] = self.mamba_block_size
+        return extra | {
+            "model": self.model_path,
+            "kv_cache_memory_bytes": self.budget_bytes,
+            "kv_cache_dtype": "auto",
+            "enable_prefix_caching": self.prefix_caching,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "enforce_eager": self.enforce_eager,
+            "seed": self.seed,
+            "mamba_ssm_cache_dtype": self.mamba_ssm_cache_dtype,
+        }
+
+
+def llm_vocab(llm: Any) -> list[int]:
+    """Token ids random prompts may use (tokenizer and model agree on)."""
+    tokenizer = llm.get_tokenizer()
+    model_size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    return allowed_token_ids(min(len(tokenizer), model_size), tokenizer.all_special_ids)
+
+
+@dataclass
+class Engine:
+    """An open ``vllm.LLM`` with the handles the workloads read."""
+
+    llm: Any
+    spec: EngineSpec
+    start_s: float
+
+    @property
+    def core(self) -> Any:
+        """The in-process ``EngineCore`` (needs multiprocessing off)."""
+        return self.llm.llm_engine.engine_core.engine_core
+
+    @property
+    def scheduler(self) -> Any:
+        return self.core.scheduler
+
+    @property
+    def vllm_config(self) -> Any:
+        return self.llm.llm_engine.vllm_config
+
+    def vocab(self) -> list[int]:
+        return llm_vocab(self.llm)
+
+    def describe(self) -> dict[str, Any]:
+        """Engine facts for the report: capacity, pools, plan."""
+        cache = self.vllm_config.cache_config
+        pools = kv_pools(self.scheduler)
+        return {
+            "start_s": round(self.start_s, 2),
+            "kv_layout": kv_layout_name(pools),
+            "pools": [pool_record(p) for p in pools],
+            "kv_bytes_total": sum(p.owned_bytes for p in pools),
+            "reported_capacity_tokens": getattr(cache, "kv_cache_size_tokens", None),
+            "max_model_len": self.vllm_config.model_config.max_model_len,
+            "max_num_batched_tokens": (
+                self.vllm_config.scheduler_config.max_num_batched_tokens
+            ),
+            "mamba_cache_mode": getattr(cache, "mamba_cache_mode", None),
+            "group_block_sizes": [
+                g.kv_cache_spec.block_size
+                for g in self.scheduler.kv_cache_config.kv_cache_groups
+            ],
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+
+@contextlib.contextmanager
+def open_engine(spec: EngineSpec) -> Iterator[Engine]:
+    """Start an engine and always release it (and vLLM's process state)."""
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = None
+    try:
+        llm = LLM(**spec.llm_kwargs())
+        yield Engine(llm, spec, time.perf_counter() - start)
+    finally:
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        with contextlib.suppress(Exception):
+            cleanup_dist_env_and_memory()
+
+
+def start_error(spec: EngineSpec) -> str | None:
+    """Why an engine with ``spec`` does not start, or None if it does."""
+    try:
+        with open_engine(spec):
+            return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request to add: our id, its prompt ids and its output length."""
+
+    key: str
+    prompt: list[int]
+    max_tokens: int
+    #: top log-probabilities to return per output token (None: none)
+    logprobs: int | None = None
+
+
+@dataclass
+class DriveResult:
+    """Outcome of driving a batch of requests to completion (or a limit)."""
+
+    outputs: dict[str, Any]
+    steps: int
+    wall_s: float
+    samples: list[KVSample]
+    preemptions: int
+    #: finished | stalled | time_limit | preempted | rejected
+    outcome: str
+    detail: str = ""
+    #: CPU seconds of this process during the drive; unlike wall time it
+    #: barely moves when other jobs share the machine's cores.
+    cpu_s: float = 0.0
+
+    def output_tokens(self) -> int:
+        return sum(len(o.outputs[0].token_ids) for o in self.outputs.values())
+
+    def token_ids(self, key: str) -> list[int]:
+        return [int(t) for t in self.outputs[key].outputs[0].token_ids]
+
+    def top2_gaps(self, key: str) -> list[float | None]:
+        """:func:`top2_gaps_of` the request's completion."""
+        return top2_gaps_of(self.outputs[key].outputs[0])
+
+
+def top2_gaps_of(completion: Any) -> list[float | None]:
+    """Per output token of a vLLM ``CompletionOutput``: log-probability of
+    the best token minus the second best (needs ``logprobs >= 2``); how
+    close greedy decoding was to a tie there."""
+    gaps: list[float | None] = []
+    for position in completion.logprobs or []:
+        best = sorted((lp.logprob for lp in position.values()), reverse=True)
+        gaps.append(best[0] - best[1] if len(best) > 1 else None)
+    return gaps
+
+
+@dataclass
+class _PreemptionCounter:
+    """Counts preemptions from ``Request.num_preemptions``.
+
+    The scheduler increments ``num_preemptions`` on the request each time it
+    preempts it; a preempted request stays in ``scheduler.requests`` (waiting)
+    for at least one more step, so sampling after every step sees every count.
+    """
+
+    seen: dict[str, int] = field(default_factory=dict)
+
+    def update(self, scheduler: Any) -> None:
+        for req_id, request in scheduler.requests.items():
+            count = int(getattr(request, "num_preemptions", 0) or 0)
+            if count > self.seen.get(req_id, 0):
+                self.seen[req_id] = count
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _progress(scheduler: Any) -> int:
+    """A number that grows whenever the engine computes any token."""
+    return sum(
+        r.num_computed_tokens + r.num_output_tokens for r in scheduler.requests.values()
+    )
+
+
+def drive(
+    engine: Engine,
+    submissions: Sequence[Submission],
+    cfg: BenchConfig,
+    geometry: KVGeometry | None = None,
+    stop_on_preemption: bool = False,
+) -> DriveResult:
+    """Add every request, then step the engine until all are finished.
+
+    Stepping by hand (instead of ``LLM.generate``) lets the harness sample
+    the scheduler after every step. A drive also ends when no token was
+    computed for ``cfg.stall_steps`` steps (upstream can leave a request that
+    never fits waiting forever), at the time limit, or on the first
+    preemption if asked; unfinished requests are then aborted.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm_engine = engine.llm.llm_engine
+    scheduler = engine.scheduler
+    internal: dict[str, str] = {}
+    for sub in submissions:
+        # Random weights emit EOS at random: ignore it so lengths are fixed.
+        params = SamplingParams(
+            max_tokens=sub.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=sub.logprobs,
+        )
+        try:
+            internal[sub.key] = llm_engine.add_request(
+                sub.key, TokensPrompt(prompt_token_ids=sub.prompt), params
+            )
+        except Exception as exc:  # validation (e.g. longer than max_model_len)
+            _abort(llm_engine, internal.values())
+            detail = f"{type(exc).__name__}: {exc}"
+            return DriveResult({}, 0, 0.0, [], 0, "rejected", detail)
+    outputs: dict[str, Any] = {}
+    samples: list[KVSample] = []
+    counter = _PreemptionCounter()
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    steps = idle = 0
+    last_progress = -1
+    outcome = "finished"
+    while llm_engine.has_unfinished_requests():
+        for out in llm_engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        steps += 1
+        counter.update(scheduler)
+        if geometry is not None:
+            samples.append(sample_kv(scheduler, geometry, steps))
+        progress = _progress(scheduler) + len(outputs)
+        idle = idle + 1 if progress == last_progress else 0
+        last_progress = progress
+        if stop_on_preemption and counter.total:
+            outcome = "preempted"
+        elif idle >= cfg.stall_steps:
+            outcome = "stalled"
+        elif time.perf_counter() - start > cfg.drive_time_limit_s:
+            outcome = "time_limit"
+        if outcome != "finished":
+            _abort(llm_engine, [internal[k] for k in internal if k not in outputs])
+            break
+    wall = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
+    return DriveResult(outputs, steps, wall, samples, counter.total, outcome, cpu_s=cpu)
+
+
+def _abort(llm_engine: Any, internal_ids: Iterable[str]) -> None:
+    ids = list(internal_ids)
+    if ids:
+        llm_engine.abort_request(ids, internal=True)

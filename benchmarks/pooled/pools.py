@@ -1,0 +1,189 @@
+"""What the benchmark reads from a scheduler's KV cache: the bytes a request
+truly needs (from the layer specs) and the blocks its pools hold.
+
+Pooled mode's arena reports its pools through :meth:`KVArena.usage`, the
+snapshot ``/metrics`` publishes too; upstream's single pool (overlay off, or
+a plan that keeps one pool) is read from its ``BlockPool``. Both come out as
+:class:`PoolUsage`, so every memory row is computed one way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm_hybrid.v1.core.pooled.usage import PoolUsage
+
+if TYPE_CHECKING:
+    from vllm_hybrid.v1.core.pooled.arena import KVArena
+
+#: Name of upstream's single pool in the results.
+SHARED_POOL = "shared"
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one request really needs, from the model's layer specs.
+
+    Uses unpadded sizes: the point of ``needed/reserved`` is to show how much
+    of the reserved memory is padding, rounding and fragmentation.
+    """
+
+    #: Bytes one token occupies summed over all attention layers.
+    attn_bytes_per_token: float
+    #: Bytes of one request's recurrent state summed over all state layers.
+    state_bytes_per_request: int
+    num_attention_layers: int
+    num_state_layers: int
+    #: Layers of other spec types; they are not counted in "needed".
+    other_layers: tuple[str, ...] = ()
+
+    def bytes_needed(self, num_computed_tokens: Iterable[int]) -> float:
+        """Bytes the running requests with these token counts truly need."""
+        counts = list(num_computed_tokens)
+        return sum(counts) * self.attn_bytes_per_token + len(counts) * (
+            self.state_bytes_per_request
+        )
+
+    def token_bound(self, budget_bytes: int) -> int:
+        """Longest sequence one request could have if bytes were exact."""
+        if self.attn_bytes_per_token <= 0:
+            return 0
+        free = budget_bytes - self.state_bytes_per_request
+        return max(0, math.floor(free / self.attn_bytes_per_token))
+
+
+def _layer_specs(group: Any) -> Iterator[tuple[str, Any]]:
+    """(layer name, spec) of every layer of a KV cache group."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    spec = group.kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        yield from spec.kv_cache_specs.items()
+        return
+    for name in group.layer_names:
+        yield name, spec
+
+
+def kv_geometry(kv_cache_config: Any) -> KVGeometry:
+    """Per-token and per-request bytes of a ``KVCacheConfig``'s layers.
+
+    Attention layers count ``real_page_size_bytes / block_size`` per token
+    (a full page without ``page_size_padded``); state layers (``MambaSpec``:
+    Mamba, GDN, short conv) count their unpadded state, the bytes of
+    ``shapes``/``dtypes``, not ``page_size_padded``.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    per_token = 0.0
+    state = 0
+    n_attn = n_state = 0
+    other: list[str] = []
+    for group in kv_cache_config.kv_cache_groups:
+        for name, spec in _layer_specs(group):
+            if isinstance(spec, MambaSpec):
+                state += spec.real_page_size_bytes
+                n_state += 1
+            elif isinstance(spec, AttentionSpec):
+                per_token += spec.real_page_size_bytes / spec.block_size
+                n_attn += 1
+            else:
+                other.append(name)
+    return KVGeometry(per_token, state, n_attn, n_state, tuple(other))
+
+
+def shared_pool_block_bytes(kv_cache_config: Any) -> int:
+    """Bytes of one block id of upstream's single pool.
+
+    Every group's ``KVCacheTensor`` aliases one allocation of
+    ``bytes_per_block * num_blocks`` bytes from byte 0, so a block id stands
+    for ``size / num_blocks`` bytes across all layers.
+    """
+    tensors = kv_cache_config.kv_cache_tensors
+    if not tensors or kv_cache_config.num_blocks <= 0:
+        return 0
+    return max(t.size for t in tensors) // kv_cache_config.num_blocks
+
+
+def arena_of(scheduler: Any) -> KVArena | None:
+    """Pooled mode's arena (where the pooled coordinator keeps it); None with
+    upstream's single pool."""
+    return getattr(scheduler.kv_cache_manager.coordinator, "arena", None)
+
+
+def kv_pools(scheduler: Any) -> list[PoolUsage]:
+    """The block pools of a scheduler and how many blocks each holds now.
+
+    Owned blocks never include a null block: the arena counts the blocks each
+    pool owns now (an arena pool owns a movable part of its id space), and
+    upstream's ``num_gpu_blocks`` less its null block. Used blocks are what
+    requests and the prefix cache's live blocks hold; evictable cached blocks
+    count as free, as the allocator sees them.
+    """
+    arena = arena_of(scheduler)
+    if arena is not None:
+        return list(arena.usage().pools)
+    pool = scheduler.kv_cache_manager.block_pool
+    owned = pool.num_gpu_blocks - 1
+    return [
+        PoolUsage(
+            SHARED_POOL,
+            shared_pool_block_bytes(scheduler.kv_cache_config),
+            owned,
+            owned - pool.get_num_free_blocks(),
+        )
+    ]
+
+
+def pool_record(pool: PoolUsage) -> dict[str, Any]:
+    """One pool in the engine description of a result file (the keys result
+    files have always used, so old and new ones compare)."""
+    return {
+        "name": pool.pool,
+        "block_bytes": pool.page_bytes,
+        "num_blocks_total": pool.owned_blocks,
+        "num_free": pool.owned_blocks - pool.used_blocks,
+    }
+
+
+def kv_layout_name(pools: Sequence[PoolUsage]) -> str:
+    """ "pooled" when the scheduler has separate pools, else "single"."""
+    return "pooled" if len(pools) > 1 else "single"
+
+
+def coupled_evictions(scheduler: Any) -> int | None:
+    """Blocks pooled mode evicted because the other pool made them useless
+    (coordinated prefix-cache eviction); None without coupling."""
+    arena = arena_of(scheduler)
+    return None if arena is None else arena.coupled_evictions()
+
+
+@dataclass(frozen=True)
+class KVSample:
+    """Scheduler state after one engine step."""
+
+    step: int
+    running: int
+    waiting: int
+    reserved_bytes: int
+    needed_bytes: float
+
+    @property
+    def needed_over_reserved(self) -> float | None:
+        if self.reserved_bytes <= 0:
+            return None
+        return self.needed_bytes / self.reserved_bytes
+
+
+def sample_kv(scheduler: Any, geometry: KVGeometry, step: int) -> KVSample:
+    """Needed vs reserved bytes of the requests running now."""
+    running = list(scheduler.running)
+    return KVSample(
+        step=step,
+        running=len(running),
+        waiting=len(scheduler.waiting),
+        reserved_bytes=sum(p.used_bytes for p in kv_pools(scheduler)),
+        needed_bytes=geometry.bytes_needed(r.num_computed_tokens for r in running),
+    )

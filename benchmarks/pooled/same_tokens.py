@@ -1,0 +1,135 @@
+"""The same_tokens workload: fixed prompts whose greedy tokens both modes
+must produce alike, and the comparison of their token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .config import MIB, BenchConfig
+from .engine import Engine, Submission, drive
+from .prompts import same_tokens_prompts
+from .workloads import check_finished
+
+#: KV budget of the forced-preemption run per model kind: room for about
+#: three of the 760-token prompts in upstream's plan (6 blocks of 1 MiB each
+#: for qwen3_5, 5 blocks of 0.75 MiB for qwen3_next), but not for their growth.
+PREEMPT_BUDGET_MIB: dict[str, float] = {"qwen3_5": 20.0, "qwen3_next": 12.0}
+DEFAULT_PREEMPT_BUDGET_MIB = 16.0
+
+
+def preempt_budget_bytes(cfg: BenchConfig, kind: str) -> int:
+    """The forced-preemption budget: the CLI value, else the kind's default."""
+    if cfg.preempt_budget_bytes is not None:
+        return cfg.preempt_budget_bytes
+    return int(PREEMPT_BUDGET_MIB.get(kind, DEFAULT_PREEMPT_BUDGET_MIB) * MIB)
+
+
+def _same_tokens_pass(
+    engine: Engine, cfg: BenchConfig, prompts: Sequence[list[int]]
+) -> dict[str, Any]:
+    """One batch of the fixed prompts; token ids per prompt."""
+    subs = [
+        Submission(f"fixed-{i}", p, cfg.same_tokens_output, logprobs=2)
+        for i, p in enumerate(prompts)
+    ]
+    result = drive(engine, subs, cfg)
+    check_finished(result, "same_tokens")
+    return {
+        "tokens": [result.token_ids(s.key) for s in subs],
+        "top2_gaps": [result.top2_gaps(s.key) for s in subs],
+        "preemptions": result.preemptions,
+        "cached_tokens": sum(o.num_cached_tokens or 0 for o in result.outputs.values()),
+        "wall_s": result.wall_s,
+    }
+
+
+def run_same_tokens_on(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """Prefix caching on: a cold pass, then the same prompts again (hits)."""
+    engine.reset_prefix_cache()
+    prompts = same_tokens_prompts(cfg.seed, engine.vocab())
+    return {
+        "pc_on": _same_tokens_pass(engine, cfg, prompts),
+        "pc_on_repeat": _same_tokens_pass(engine, cfg, prompts),
+    }
+
+
+def run_same_tokens_plain(
+    engine: Engine, cfg: BenchConfig, name: str
+) -> dict[str, Any]:
+    """One pass of the fixed prompts on an engine set up for ``name``."""
+    prompts = same_tokens_prompts(cfg.seed, engine.vocab())
+    return {name: _same_tokens_pass(engine, cfg, prompts)}
+
+
+def run_same_tokens_alone(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """Each fixed prompt by itself, one after the other (prefix caching off).
+
+    Against the batched ``pc_off`` pass of the same engine this shows whether
+    a request's tokens depend on the requests it is batched with: a
+    difference here, in either mode, is the kernels' batch dependence, which
+    any change of schedule (more requests admitted, other prefix hits, other
+    preemptions) exposes.
+    """
+    prompts = same_tokens_prompts(cfg.seed, engine.vocab())
+    passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
+    return {
+        "alone": {
+            "tokens": [p["tokens"][0] for p in passes],
+            "top2_gaps": [p["top2_gaps"][0] for p in passes],
+            "preemptions": sum(p["preemptions"] for p in passes),
+            "cached_tokens": sum(p["cached_tokens"] for p in passes),
+            "wall_s": sum(p["wall_s"] for p in passes),
+        }
+    }
+
+
+def omp_threads() -> int:
+    """OpenMP threads this process computes with."""
+    import torch
+
+    return int(torch.get_num_threads())
+
+
+def tokens_verdict(upstream: Sequence[list[int]], overlay: Sequence[list[int]]) -> str:
+    """ "k/n prompts equal", comparing token ids prompt by prompt."""
+    n = max(len(upstream), len(overlay))
+    same = sum(a == b for a, b in zip(upstream, overlay, strict=False))
+    return f"{same}/{n} prompts equal"
+
+
+def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int | None:
+    """Index of the first token where two completions differ (the shorter
+    one's length if one is a prefix of the other); None if they are equal."""
+    if list(mine) == list(theirs):
+        return None
+    return next(
+        (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
+        min(len(mine), len(theirs)),
+    )
+
+
+def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str:
+    """Largest, over the prompts whose tokens differ from ``other``'s, of this
+    run's best-minus-second log-probability at the first differing token: a
+    small value means greedy decoding was close to a tie there, so rounding
+    noise decides the token."""
+    worst: float | None = None
+    for mine, theirs, gaps in zip(
+        run["tokens"], other, run.get("top2_gaps", []), strict=False
+    ):
+        at = first_difference(mine, theirs)
+        if at is None:
+            continue
+        gap = gaps[at] if at < len(gaps) else None
+        if gap is not None:
+            worst = gap if worst is None else max(worst, gap)
+    return "-" if worst is None else f"{worst:.4f}"
+
+
+def same_as_pc_off(configs: dict[str, Any], name: str) -> str | None:
+    """Verdict of configuration ``name`` against ``pc_off`` of the same mode."""
+    base, other = configs.get("pc_off"), configs.get(name)
+    if not base or not other:
+        return None
+    return tokens_verdict(base["tokens"], other["tokens"])

@@ -1,0 +1,329 @@
+"""One worker process: one model in one mode (the overlay switch is read
+once per process), its engines and workloads, one ``BENCH_RESULT`` line."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from .config import NO_PREFIX_CACHING_KINDS, RESULT_PREFIX, BenchConfig
+from .engine import Engine, EngineSpec, open_engine, start_error
+from .pools import KVGeometry, kv_geometry
+from .same_tokens import (
+    omp_threads,
+    preempt_budget_bytes,
+    run_same_tokens_alone,
+    run_same_tokens_on,
+    run_same_tokens_plain,
+)
+from .workloads import (
+    longest_completing,
+    one_long_metrics,
+    run_many_short,
+    run_multi_turn,
+    run_one_long,
+)
+
+
+@dataclass
+class WorkerReport:
+    """Everything one worker process measured, printed as one JSON line."""
+
+    model: str
+    mode: str
+    overlay_active: bool | None = None
+    overlay_state: str = ""
+    vllm_version: str = ""
+    workloads: dict[str, dict[str, Any]] = field(default_factory=dict)
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Bytes per token / per request of the model (same in both modes).
+    geometry: dict[str, Any] | None = None
+    errors: list[str] = field(default_factory=list)
+    #: where -> traceback text (tail), for the driver to print.
+    tracebacks: dict[str, str] = field(default_factory=dict)
+
+    def record_error(self, where: str, exc: BaseException) -> None:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.errors.append(f"{where}: {type(exc).__name__}: {exc}")
+        key, n = where, 1
+        while key in self.tracebacks:
+            n += 1
+            key = f"{where}#{n}"
+        self.tracebacks[key] = text[-4000:]
+
+
+def _overlay_state() -> tuple[bool | None, str]:
+    try:
+        from vllm_hybrid import plugin
+
+        state = plugin.state()
+    except Exception as exc:  # the overlay is not importable at all
+        return None, f"unavailable: {exc}"
+    if state is None:
+        return None, "not activated"
+    return state.active, state.reason
+
+
+def engine_specs(model_path: str, kind: str, cfg: BenchConfig) -> dict[str, EngineSpec]:
+    """The engines a worker may need, by purpose."""
+    pc = kind not in NO_PREFIX_CACHING_KINDS
+
+    def spec(
+        budget: int, prefix: bool, seqs: int, max_len: int, block: int | None = None
+    ) -> EngineSpec:
+        return EngineSpec(
+            model_path,
+            budget,
+            prefix,
+            seqs,
+            max_len,
+            cfg.enforce_eager,
+            cfg.seed,
+            block,
+            cfg.mamba_block_size if block is None else None,
+            cfg.couple_prefix_caches,
+            cfg.mamba_ssm_cache_dtype,
+        )
+
+    specs = {
+        "main": spec(cfg.budget_bytes, pc, cfg.max_num_seqs, cfg.max_model_len),
+        "no_pc": spec(cfg.budget_bytes, False, cfg.max_num_seqs, cfg.max_model_len),
+        "preempt": spec(
+            preempt_budget_bytes(cfg, kind),
+            False,
+            cfg.preempt_max_num_seqs,
+            cfg.same_tokens_max_model_len,
+        ),
+        "one_long_pc_off": spec(
+            cfg.one_long_budget_bytes,
+            False,
+            1,
+            cfg.one_long_max_model_len,
+            cfg.one_long_block_size,
+        ),
+    }
+    if pc:
+        specs["one_long_pc_on"] = spec(
+            cfg.one_long_budget_bytes,
+            True,
+            1,
+            cfg.one_long_max_model_len,
+            cfg.one_long_block_size,
+        )
+    return specs
+
+
+def _timed(
+    report: WorkerReport,
+    name: str,
+    fn: Callable[[], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """Run one workload piece, recording its result or its exception."""
+    start = time.perf_counter()
+    try:
+        result = fn()
+    except Exception as exc:
+        report.record_error(name, exc)
+        return None
+    result.setdefault("wall_s", time.perf_counter() - start)
+    return result
+
+
+def _with_engine(
+    report: WorkerReport,
+    name: str,
+    spec: EngineSpec,
+    body: Callable[[Engine], None],
+    start_error_is_result: bool = False,
+) -> None:
+    """Open one engine, run ``body`` on it, record start-up facts or errors.
+
+    For one_long an engine that refuses the budget is a result (it can serve
+    no prompt), not a harness failure, hence ``start_error_is_result``.
+    """
+    try:
+        with open_engine(spec) as engine:
+            report.engines[name] = {**engine.describe(), "spec": asdict(spec)}
+            if report.geometry is None:
+                geometry = kv_geometry(engine.scheduler.kv_cache_config)
+                report.geometry = asdict(geometry)
+            body(engine)
+    except Exception as exc:
+        if start_error_is_result and name not in report.engines:
+            report.engines[name] = {
+                "spec": asdict(spec),
+                "start_error": f"{type(exc).__name__}: {exc}",
+            }
+            return
+        report.record_error(name, exc)
+
+
+def _run_main_engine(
+    report: WorkerReport, engine: Engine, cfg: BenchConfig, workloads: set[str]
+) -> None:
+    """many_short, multi_turn and same_tokens' prefix-caching pass share it."""
+    if "many_short" in workloads:
+        result = _timed(report, "many_short", lambda: run_many_short(engine, cfg))
+        if result is not None:
+            result["engine"] = "main"
+            report.workloads["many_short"] = result
+    if "multi_turn" in workloads:
+        result = _timed(report, "multi_turn", lambda: run_multi_turn(engine, cfg))
+        if result is not None:
+            result["engine"] = "main"
+            report.workloads["multi_turn"] = result
+    if "same_tokens" in workloads and engine.spec.prefix_caching:
+        _add_same_tokens(report, lambda: run_same_tokens_on(engine, cfg))
+
+
+def _add_same_tokens(report: WorkerReport, fn: Callable[[], dict[str, Any]]) -> None:
+    """Merge one same_tokens configuration into the report."""
+    result = _timed(report, "same_tokens", fn)
+    if result is None:
+        return
+    result.pop("wall_s", None)
+    configs = report.workloads.setdefault("same_tokens", {}).setdefault("configs", {})
+    configs.update(result)
+
+
+def _same_tokens_body(
+    report: WorkerReport, cfg: BenchConfig, config: str
+) -> Callable[[Engine], None]:
+    """The same_tokens passes of the engine set up for ``config``."""
+
+    def body(engine: Engine) -> None:
+        _add_same_tokens(report, lambda: run_same_tokens_plain(engine, cfg, config))
+        if config == "pc_off":
+            _add_same_tokens(report, lambda: run_same_tokens_alone(engine, cfg))
+
+    return body
+
+
+#: Granularity of the max_model_len search when auto-fit is refused.
+MAX_MODEL_LEN_STEP = 128
+
+
+def startable_max_model_len(spec: EngineSpec, cap: int) -> tuple[int, int]:
+    """Largest ``max_model_len`` (a multiple of the step) an engine accepts.
+
+    Used when an engine refuses ``max_model_len=-1`` (auto-fit): the largest
+    explicit value it accepts is what auto-fit would have chosen. Returns
+    (value or 0, number of probe starts).
+    """
+    probes = 0
+
+    def starts(k: int) -> bool:
+        nonlocal probes
+        probes += 1
+        trial = replace(spec, max_model_len=k * MAX_MODEL_LEN_STEP)
+        return start_error(trial) is None
+
+    best, _ = longest_completing(starts, 1, cap // MAX_MODEL_LEN_STEP)
+    return best * MAX_MODEL_LEN_STEP, probes
+
+
+def one_long_part(
+    report: WorkerReport, name: str, spec: EngineSpec, cfg: BenchConfig
+) -> dict[str, Any]:
+    """One prefix-caching setting of one_long: start, fall back, search.
+
+    Both modes first try ``max_model_len=-1``. An engine that refuses it gets
+    the largest explicit ``max_model_len`` it accepts; an engine that accepts
+    none scores 0 tokens (a result, not a harness failure).
+    """
+    parts: dict[str, Any] = {}
+
+    def body(engine: Engine) -> None:
+        parts["result"] = run_one_long(engine, cfg)
+
+    _with_engine(report, name, spec, body, start_error_is_result=True)
+    first_error = report.engines.get(name, {}).get("start_error")
+    fallback = None
+    if first_error is not None and spec.max_model_len == -1:
+        cap = cfg.one_long_search_cap + cfg.one_long_output
+        max_len, probes = startable_max_model_len(spec, cap)
+        fallback = {"max_model_len": max_len, "probe_starts": probes}
+        if max_len:
+            retry = replace(spec, max_model_len=max_len)
+            report.engines.pop(name, None)
+            _with_engine(report, name, retry, body, start_error_is_result=True)
+    result = parts.get("result")
+    if result is None:
+        geometry = KVGeometry(**report.geometry) if report.geometry else None
+        result = one_long_metrics(None, cfg, geometry, 0, [], 0.0)
+        last_error = report.engines.get(name, {}).get("start_error", first_error)
+        result["metrics"]["engine_start_error"] = last_error
+    result["metrics"]["auto_fit_refused"] = first_error is not None
+    result["details"]["auto_fit_error"] = first_error
+    result["details"]["max_model_len_fallback"] = fallback
+    started = report.engines.get(name, {})
+    if first_error is not None and not started.get("start_error"):
+        started["auto_fit_error"] = first_error
+    result["metrics"]["max_model_len"] = report.engines.get(name, {}).get(
+        "max_model_len"
+    )
+    return result
+
+
+def _run_one_long(
+    report: WorkerReport, specs: dict[str, EngineSpec], cfg: BenchConfig
+) -> None:
+    """One engine per prefix-caching setting."""
+    parts: dict[str, Any] = {}
+    start = time.perf_counter()
+    for pc_name in ("pc_on", "pc_off"):
+        name = f"one_long_{pc_name}"
+        if name in specs:
+            parts[pc_name] = one_long_part(report, name, specs[name], cfg)
+    if parts:
+        report.workloads["one_long"] = {
+            "parts": parts,
+            "wall_s": time.perf_counter() - start,
+        }
+
+
+def run_worker(model: str, model_dir: Path, workloads: list[str], cfg: BenchConfig):
+    """Run the selected workloads for one model in this process's mode."""
+    mode = "overlay" if os.environ.get("VLLM_HYBRID_KV", "1") != "0" else "upstream"
+    report = WorkerReport(model=model, mode=mode)
+    try:
+        import vllm
+
+        report.vllm_version = str(getattr(vllm, "__version__", "unknown"))
+        from vllm_hybrid.tools.tiny_models import build_tiny_model
+
+        path = str(build_tiny_model(model_dir / model, model))
+        specs = engine_specs(path, model, cfg)
+        selected = set(workloads)
+        if selected & {"many_short", "multi_turn", "same_tokens"}:
+            _with_engine(
+                report,
+                "main",
+                specs["main"],
+                lambda e: _run_main_engine(report, e, cfg, selected),
+            )
+        if "same_tokens" in selected and cfg.same_tokens_uncached:
+            for name, config in (("no_pc", "pc_off"), ("preempt", "preempt")):
+                _with_engine(
+                    report, name, specs[name], _same_tokens_body(report, cfg, config)
+                )
+        if "same_tokens" in selected:
+            report.workloads.setdefault("same_tokens", {})["omp_threads"] = (
+                omp_threads()
+            )
+        if "one_long" in selected:
+            _run_one_long(report, specs, cfg)
+    except Exception as exc:
+        report.record_error("worker", exc)
+    report.overlay_active, report.overlay_state = _overlay_state()
+    for name, data in report.workloads.items():
+        if name == "same_tokens" and "configs" in data:
+            data["wall_s"] = sum(c["wall_s"] for c in data["configs"].values())
+    print(RESULT_PREFIX + json.dumps(asdict(report)), flush=True)
+    return report

@@ -1,0 +1,244 @@
+"""The many_short, multi_turn and one_long workloads on an open engine
+(same_tokens is in :mod:`.same_tokens`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import BenchConfig
+from .engine import DriveResult, Engine, Submission, drive
+from .pools import KVGeometry, KVSample, coupled_evictions, kv_geometry
+from .prompts import (
+    many_short_prompts,
+    multi_turn_system,
+    multi_turn_user,
+    one_long_prompt,
+)
+
+
+def _peak_samples(samples: Sequence[KVSample]) -> dict[str, Any]:
+    """Peak running, and needed/reserved at the first step of that peak."""
+    if not samples:
+        return {}
+    peak = max(samples, key=lambda s: (s.running, -s.step))
+    ratios = [s.needed_over_reserved for s in samples if s.running]
+    ratios = [r for r in ratios if r is not None]
+    return {
+        "peak_running": peak.running,
+        "peak_step": peak.step,
+        "needed_bytes_at_peak": round(peak.needed_bytes),
+        "reserved_bytes_at_peak": peak.reserved_bytes,
+        "needed_over_reserved_at_peak": peak.needed_over_reserved,
+        "max_needed_over_reserved": max(ratios) if ratios else None,
+        "mean_needed_over_reserved": sum(ratios) / len(ratios) if ratios else None,
+        "max_reserved_bytes": max(s.reserved_bytes for s in samples),
+    }
+
+
+def _per(amount: float, seconds: float) -> float | None:
+    """A rate, or None for an empty interval."""
+    return amount / seconds if seconds > 0 else None
+
+
+def _delta(after: int | None, before: int | None) -> int | None:
+    return None if after is None or before is None else after - before
+
+
+def check_finished(result: DriveResult, workload: str) -> None:
+    """Raise unless every request of the drive finished."""
+    if result.outcome != "finished":
+        raise RuntimeError(
+            f"{workload}: engine drive ended {result.outcome} after "
+            f"{result.steps} steps {result.detail}".rstrip()
+        )
+
+
+def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """64 random prompts at once under the 48 MiB budget."""
+    geometry = kv_geometry(engine.scheduler.kv_cache_config)
+    prompts = many_short_prompts(cfg, engine.vocab())
+    subs = [
+        Submission(f"short-{i}", p, cfg.many_short_output)
+        for i, p in enumerate(prompts)
+    ]
+    result = drive(engine, subs, cfg, geometry=geometry)
+    check_finished(result, "many_short")
+    out_tokens = result.output_tokens()
+    metrics = {
+        **_peak_samples(result.samples),
+        "preemptions": result.preemptions,
+        "steps": result.steps,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "output_tok_per_s": _per(out_tokens, result.wall_s),
+        "cpu_s": result.cpu_s,
+        "output_tok_per_cpu_s": _per(out_tokens, result.cpu_s),
+        "attn_bytes_per_token": geometry.attn_bytes_per_token,
+        "state_bytes_per_request": geometry.state_bytes_per_request,
+    }
+    details = {
+        "running_per_step": [s.running for s in result.samples],
+        "needed_over_reserved_per_step": [
+            s.needed_over_reserved for s in result.samples
+        ],
+    }
+    return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
+
+
+def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """Conversations sharing a system prefix, run turn by turn."""
+    engine.reset_prefix_cache()
+    evicted_before = coupled_evictions(engine.scheduler)
+    vocab = engine.vocab()
+    system = multi_turn_system(cfg, vocab)
+    histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
+    per_turn: list[dict[str, Any]] = []
+    cached = prompt_tokens = out_tokens = preemptions = 0
+    wall = cpu = 0.0
+    for turn in range(cfg.multi_turn_turns):
+        subs = [
+            Submission(
+                f"conv{conv}-turn{turn}",
+                history + multi_turn_user(cfg, vocab, conv, turn),
+                cfg.multi_turn_output,
+            )
+            for conv, history in enumerate(histories)
+        ]
+        result = drive(engine, subs, cfg)
+        check_finished(result, f"multi_turn turn {turn}")
+        turn_cached = sum(o.num_cached_tokens or 0 for o in result.outputs.values())
+        turn_prompt = sum(len(s.prompt) for s in subs)
+        per_turn.append(
+            {
+                "turn": turn,
+                "prompt_tokens": turn_prompt,
+                "cached_tokens": turn_cached,
+                "hit_rate": turn_cached / turn_prompt,
+                "preemptions": result.preemptions,
+            }
+        )
+        for conv, sub in enumerate(subs):
+            histories[conv] = sub.prompt + result.token_ids(sub.key)
+        cached += turn_cached
+        prompt_tokens += turn_prompt
+        out_tokens += result.output_tokens()
+        preemptions += result.preemptions
+        wall += result.wall_s
+        cpu += result.cpu_s
+    metrics = {
+        "hit_rate": cached / prompt_tokens if prompt_tokens else None,
+        "hit_rate_last_turn": per_turn[-1]["hit_rate"] if per_turn else None,
+        "coupled_evictions": _delta(
+            coupled_evictions(engine.scheduler), evicted_before
+        ),
+        "cached_tokens": cached,
+        "prompt_tokens": prompt_tokens,
+        "preemptions": preemptions,
+        "output_tok_per_s": _per(out_tokens, wall),
+        "cpu_s": cpu,
+        "output_tok_per_cpu_s": _per(out_tokens, cpu),
+    }
+    return {"metrics": metrics, "details": {"turns": per_turn}, "wall_s": wall}
+
+
+@dataclass(frozen=True)
+class Try:
+    """One one_long attempt."""
+
+    length: int
+    outcome: str
+    steps: int
+    wall_s: float
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "finished"
+
+
+def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
+    """Can a ``length``-token prompt finish alone, without preemption?"""
+    prompt = one_long_prompt(cfg.seed, engine.vocab(), length)
+    sub = Submission(f"long-{length}", prompt, cfg.one_long_output)
+    try:
+        result = drive(engine, [sub], cfg, stop_on_preemption=True)
+    except Exception as exc:  # the engine itself failed on this request
+        return Try(length, "error", 0, 0.0, f"{type(exc).__name__}: {exc}")
+    outcome = result.outcome
+    if outcome == "finished":
+        produced = len(result.token_ids(sub.key))
+        if produced != cfg.one_long_output:
+            outcome = "short_output"
+    engine.reset_prefix_cache()
+    return Try(length, outcome, result.steps, round(result.wall_s, 2), result.detail)
+
+
+def longest_completing(
+    check: Callable[[int], bool], low: int, high: int
+) -> tuple[int, list[int]]:
+    """Largest n in [low, high] with check(n), assuming monotonicity.
+
+    Returns (n, probed lengths); n is low - 1 when even ``low`` fails.
+    """
+    probed: list[int] = []
+    best = low - 1
+    lo, hi = low, high
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        probed.append(mid)
+        if check(mid):
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best, probed
+
+
+def run_one_long(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """Binary search for the longest prompt that finishes without preemption."""
+    geometry = kv_geometry(engine.scheduler.kv_cache_config)
+    max_len = engine.vllm_config.model_config.max_model_len
+    high = min(max_len - cfg.one_long_output, cfg.one_long_search_cap)
+    tries: list[Try] = []
+
+    def check(length: int) -> bool:
+        outcome = try_one_long(engine, cfg, length)
+        tries.append(outcome)
+        return outcome.ok
+
+    start = time.perf_counter()
+    longest, _ = longest_completing(check, 1, high)
+    wall = time.perf_counter() - start
+    return one_long_metrics(engine, cfg, geometry, longest, tries, wall)
+
+
+def one_long_metrics(
+    engine: Engine | None,
+    cfg: BenchConfig,
+    geometry: KVGeometry | None,
+    longest: int,
+    tries: Sequence[Try],
+    wall: float,
+) -> dict[str, Any]:
+    """The one_long result; without an engine (none started) only what the
+    geometry tells."""
+    reported = None
+    if engine is not None:
+        reported = engine.vllm_config.cache_config.kv_cache_size_tokens
+    bound = geometry.token_bound(cfg.one_long_budget_bytes) if geometry else None
+    failures = [t for t in tries if not t.ok]
+    metrics = {
+        "longest_prompt": longest,
+        "reported_capacity_tokens": reported,
+        "reported_over_longest": (reported / longest) if reported and longest else None,
+        "bound_tokens": bound,
+        "longest_over_bound": (longest / bound) if bound else None,
+        "tries": len(tries),
+        "failed_tries_preempted": sum(t.outcome == "preempted" for t in failures),
+        "failed_tries_stalled": sum(t.outcome == "stalled" for t in failures),
+        "failed_tries_rejected": sum(t.outcome == "rejected" for t in failures),
+    }
+    details = {"tries": [asdict(t) for t in tries]}
+    return {"metrics": metrics, "details": details, "wall_s": wall}

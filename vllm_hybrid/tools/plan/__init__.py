@@ -1,0 +1,71 @@
+"""``vllm-hybrid plan``: KV cache plan of a model, offline, without weights.
+
+Answers "will it fit, and what does pooled mode buy" before any download: the
+attention block size vLLM 0.32 would pick, state page padding, block pools,
+token capacity and concurrency, side by side for upstream's single shared
+pool and for this project's pooled mode.
+
+Everything is computed by vLLM's own code on configs alone: ``EngineArgs``
+builds the ``VllmConfig`` from ``config.json``; the platform's block size
+alignment (``update_block_size_for_backend`` with the attention backend the
+chosen device would use), the model class's state shape and dtype methods,
+the backend's ``customize_spec`` (TurboQuant packing) and
+``vllm.v1.core.kv_cache_utils`` produce the upstream plan; this project's
+pooled planner produces the pooled plan from the same layer specs at natural
+sizes. No model is instantiated, so no GPU, no weights, seconds.
+
+Modules: :mod:`.request` (inputs), :mod:`.config` (vLLM config, stand-in
+platform, layer specs), :mod:`.compute` (the two plans), :mod:`.render`
+(table, PNG), :mod:`.cli` (options, :func:`main`), :mod:`.presets`.
+"""
+
+from vllm_hybrid.tools.plan.cli import EXIT_BAD_INPUT, build_parser, main
+from vllm_hybrid.tools.plan.compute import (
+    ModePlan,
+    Plan,
+    build_plan,
+    plan_pooled,
+    plan_upstream,
+)
+from vllm_hybrid.tools.plan.config import (
+    as_cuda_config,
+    engine_config,
+    kv_torch_dtype,
+    overlay_off,
+    upstream_align,
+)
+from vllm_hybrid.tools.plan.presets import PRESETS, Preset, describe_presets
+from vllm_hybrid.tools.plan.render import plot_concurrency, render_table
+from vllm_hybrid.tools.plan.request import (
+    PlanError,
+    PlanRequest,
+    kv_budget_from_gpu,
+    model_dir,
+    parse_size,
+)
+
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "PRESETS",
+    "ModePlan",
+    "Plan",
+    "PlanError",
+    "PlanRequest",
+    "Preset",
+    "as_cuda_config",
+    "build_parser",
+    "build_plan",
+    "describe_presets",
+    "engine_config",
+    "kv_budget_from_gpu",
+    "kv_torch_dtype",
+    "main",
+    "model_dir",
+    "overlay_off",
+    "parse_size",
+    "plan_pooled",
+    "plan_upstream",
+    "plot_concurrency",
+    "render_table",
+    "upstream_align",
+]

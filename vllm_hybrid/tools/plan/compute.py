@@ -1,0 +1,320 @@
+"""The two plans: upstream vLLM 0.32's single shared pool and pooled mode.
+
+The upstream column runs vLLM's own block size alignment and
+``vllm.v1.core.kv_cache_utils`` with the overlay reverted; the pooled column
+runs the same pure planner the engine uses
+(:mod:`vllm_hybrid.v1.core.pooled.planner`) on the layer specs at natural
+sizes, with the engine's null-block rule and capacity figures.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_hybrid.tools.plan.config import (
+    as_cuda_config,
+    attention_backend,
+    current_platform_as,
+    engine_config,
+    layer_kinds,
+    layer_specs,
+    overlay_off,
+    platform_class,
+    resolve_layout,
+    upstream_align,
+)
+from vllm_hybrid.tools.plan.request import (
+    PlanError,
+    PlanRequest,
+    checkpoint_architecture,
+    first_line,
+    model_dir,
+)
+
+
+@dataclass
+class ModePlan:
+    """Figures of one mode (upstream or pooled); ``error`` if it cannot run."""
+
+    mode: str
+    error: str | None = None
+    note: str | None = None
+    attention_block_size: int | None = None
+    attention_page_bytes: int | None = None
+    state_page_bytes: int | None = None
+    state_page_padded_bytes: int | None = None
+    state_padding_bytes: int | None = None
+    state_padding_pct: float | None = None
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    pools: list[dict[str, Any]] = field(default_factory=list)
+    num_blocks: int | None = None
+    token_capacity: int | None = None
+    #: Longest sequence one request can hold.
+    max_tokens_one_request: int | None = None
+    max_concurrency: float | None = None
+    #: prompt length -> {"max_concurrency": x, "bytes_per_request": n}
+    at_prompt_len: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    """Both plans for one request, plus what they were computed from."""
+
+    model: str
+    architecture: str
+    preset: str | None
+    device: str
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    kv_cache_memory: int
+    max_model_len: int
+    max_num_seqs: int
+    prefix_caching: bool
+    mamba_cache_mode: str
+    hybrid: bool
+    attention_layers: int
+    state_layers: int
+    prompt_lens: list[int]
+    notes: list[str]
+    upstream: ModePlan
+    pooled: ModePlan
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for mode in ("upstream", "pooled"):
+            data[mode]["at_prompt_len"] = {
+                str(k): v for k, v in data[mode]["at_prompt_len"].items()
+            }
+        return data
+
+
+def _group_rows(kv_cache_config: Any) -> list[dict[str, Any]]:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    rows = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        rows.append(
+            {
+                "kind": "state" if isinstance(spec, MambaSpec) else "attention",
+                "layers": len(group.layer_names),
+                "block_size": spec.block_size,
+                "page_bytes": spec.page_size_bytes,
+            }
+        )
+    return rows
+
+
+def _with_len(vllm_config: Any, length: int) -> Any:
+    """A shallow copy of ``vllm_config`` whose max_model_len is ``length``."""
+    config = copy.copy(vllm_config)
+    model_config = copy.copy(vllm_config.model_config)
+    object.__setattr__(model_config, "max_model_len", length)
+    object.__setattr__(config, "model_config", model_config)
+    return config
+
+
+def _fill_state_padding(plan: ModePlan, specs: dict[str, Any]) -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    states = [s for s in specs.values() if isinstance(s, MambaSpec)]
+    attention = [s for s in specs.values() if not isinstance(s, MambaSpec)]
+    plan.attention_block_size = attention[0].block_size
+    plan.attention_page_bytes = attention[0].page_size_bytes
+    if not states:
+        return
+    real = states[0].real_page_size_bytes
+    padded = states[0].page_size_bytes
+    plan.state_page_bytes = real
+    plan.state_page_padded_bytes = padded
+    plan.state_padding_bytes = padded - real
+    plan.state_padding_pct = 100 * (padded - real) / real
+
+
+def plan_upstream(
+    request: PlanRequest, vllm_config: Any, prompt_lens: Sequence[int]
+) -> ModePlan:
+    """vLLM 0.32's single shared pool, as its engine would start."""
+    import vllm.v1.core.kv_cache_utils as kvu
+
+    from vllm_hybrid.v1.core.kv_cache_utils import kv_cache_token_capacity
+
+    plan = ModePlan("upstream")
+    if request.device == "cpu" and request.kv_cache_dtype.startswith("turboquant_"):
+        plan.error = (
+            "vLLM 0.32 has no TurboQuant attention on CPU (CPU_ATTN supports "
+            "auto/fp8 KV caches only)"
+        )
+        return plan
+    config = copy.deepcopy(vllm_config)
+    backend = attention_backend(request, pooled=False)
+    with overlay_off():
+        platform_class(
+            request.device, backend, upstream_align()
+        ).update_block_size_for_backend(config)
+        specs = layer_specs(config, backend)
+        resolve_layout(config, backend, specs)
+        try:
+            worker = kvu.get_kv_cache_configs(
+                config, [specs], [request.kv_cache_memory]
+            )
+        except ValueError as exc:
+            plan.error = first_line(exc)
+            return plan
+        scheduler = kvu.generate_scheduler_kv_cache_config(worker)
+        tokens, concurrency = kvu.get_kv_cache_capacity(config, scheduler)
+    _fill_state_padding(plan, specs)
+    plan.groups = _group_rows(scheduler)
+    plan.num_blocks = scheduler.num_blocks
+    block_bytes = sum(t.size for t in worker[0].kv_cache_tensors) // max(
+        1, worker[0].num_blocks
+    )
+    plan.pools = [
+        {
+            "kind": "shared",
+            "num_blocks": scheduler.num_blocks,
+            "block_bytes": block_bytes,
+        }
+    ]
+    plan.token_capacity = tokens
+    plan.max_tokens_one_request = kv_cache_token_capacity(config, scheduler)
+    plan.max_concurrency = concurrency
+    for length in prompt_lens:
+        at = _with_len(config, length)
+        blocks = sum(
+            math.ceil(
+                g.kv_cache_spec.max_memory_usage_bytes(at)
+                / g.kv_cache_spec.page_size_bytes
+            )
+            for g in scheduler.kv_cache_groups
+        )
+        plan.at_prompt_len[length] = {
+            "max_concurrency": kvu.get_max_concurrency_for_kv_cache_config(
+                at, scheduler
+            ),
+            "bytes_per_request": blocks * block_bytes,
+        }
+    return plan
+
+
+def plan_pooled(
+    request: PlanRequest,
+    vllm_config: Any,
+    prompt_lens: Sequence[int],
+    upstream_plan: ModePlan,
+) -> ModePlan:
+    """This project's pooled mode (upstream's plan where it does not apply)."""
+    from vllm_hybrid.platforms.hybrid_block_size import align_hybrid_block_size
+    from vllm_hybrid.v1.core.pooled.engine import null_blocks_may_overlap
+    from vllm_hybrid.v1.core.pooled.planner import (
+        PooledBudget,
+        PooledPlanError,
+        plan_pooled_kv_cache,
+        pooled_capacity,
+        split_layers,
+    )
+    from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+    from vllm_hybrid.v1.core.pooled.spec import PoolKind
+
+    config = copy.deepcopy(vllm_config)
+    decision = pooled_mode_decision(config)
+    if not decision.enabled:
+        same = dataclasses.replace(upstream_plan, mode="pooled")
+        same.note = f"pooled mode does not apply ({decision.reason}): upstream plan"
+        return same
+    backend = attention_backend(request, pooled=True)
+    platform = platform_class(request.device, backend, align_hybrid_block_size)
+    platform.update_block_size_for_backend(config)
+    specs = layer_specs(config, backend)
+    resolve_layout(config, backend, specs)
+    split = split_layers(specs)
+    if split.token is None or split.state is None:
+        same = dataclasses.replace(upstream_plan, mode="pooled")
+        same.note = f"pooled mode does not apply ({split.reason}): upstream plan"
+        return same
+    # The engine's rule, asked of the device planned for: CPU, or no CUDA
+    # graphs, lets the null blocks overlap owned blocks.
+    with current_platform_as(platform()):
+        overlap = null_blocks_may_overlap(config)
+    budget = PooledBudget(
+        arena_bytes=request.kv_cache_memory,
+        max_model_len=config.model_config.max_model_len,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        null_blocks_overlap=overlap,
+    )
+    plan = ModePlan("pooled")
+    try:
+        pooled = plan_pooled_kv_cache(split, budget)
+    except PooledPlanError as exc:
+        plan.error = first_line(exc)
+        return plan
+    _fill_state_padding(plan, specs)
+    plan.groups = _group_rows(pooled)
+    plan.pools = [
+        {"kind": p.kind.value, "num_blocks": p.num_blocks, "block_bytes": p.block_bytes}
+        for p in (
+            pooled.pool_by_kind(PoolKind.TOKEN),
+            pooled.pool_by_kind(PoolKind.STATE),
+        )
+    ]
+    plan.num_blocks = pooled.num_blocks
+    capacity = pooled_capacity(pooled, budget.max_model_len)
+    plan.token_capacity = capacity.token_capacity
+    # What the engine logs is already the longest single request: the token
+    # pool with the state pool at its floor.
+    plan.max_tokens_one_request = capacity.token_capacity
+    plan.max_concurrency = capacity.max_concurrency
+    for length in prompt_lens:
+        at = pooled_capacity(pooled, length)
+        plan.at_prompt_len[length] = {
+            "max_concurrency": at.max_concurrency,
+            "bytes_per_request": at.bytes_per_request,
+        }
+    return plan
+
+
+def build_plan(request: PlanRequest) -> Plan:
+    """Compute both plans; raises :class:`PlanError` for bad input."""
+    if request.device not in ("cuda", "cpu"):
+        raise PlanError(f"--device must be cuda or cpu, got {request.device!r}")
+    with model_dir(request.model) as (directory, preset):
+        config, notes = engine_config(request, directory)
+        # the checkpoint's own architecture, even where a stand-in computes
+        checkpoint = checkpoint_architecture(directory)
+        architecture = checkpoint or config.model_config.architecture
+        if request.device == "cuda":
+            config = as_cuda_config(config, request, checkpoint)
+        kinds = layer_kinds(config)
+        max_len = config.model_config.max_model_len
+        lens = sorted({*request.prompt_lens, max_len})
+        upstream_plan = plan_upstream(request, config, lens)
+        pooled_plan = plan_pooled(request, config, lens, upstream_plan)
+    if upstream_plan.error and pooled_plan.error:
+        raise PlanError(
+            f"the KV cache budget cannot hold one request: {pooled_plan.error}"
+        )
+    return Plan(
+        model=request.model,
+        architecture=str(architecture),
+        preset=preset,
+        device=request.device,
+        kv_cache_dtype=request.kv_cache_dtype,
+        tensor_parallel_size=request.tensor_parallel_size,
+        kv_cache_memory=request.kv_cache_memory,
+        max_model_len=max_len,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
+        prefix_caching=bool(config.cache_config.enable_prefix_caching),
+        mamba_cache_mode=str(config.cache_config.mamba_cache_mode),
+        hybrid=kinds.state > 0,
+        attention_layers=kinds.attention,
+        state_layers=kinds.state,
+        prompt_lens=lens,
+        notes=notes,
+        upstream=upstream_plan,
+        pooled=pooled_plan,
+    )

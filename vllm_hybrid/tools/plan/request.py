@@ -1,0 +1,231 @@
+"""What to plan: the request, its command-line values and its model files.
+
+Parsers for the option values (sizes, counts, fractions), the
+:class:`PlanRequest` built from the parsed arguments, the KV budget estimate
+from GPU memory, and the directory holding the model's ``config.json``
+(a preset written to a temporary directory, a config file, or a model
+directory). Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_hybrid.tools.plan.presets import PRESETS
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+class PlanError(ValueError):
+    """Bad input or a plan that cannot exist; one line, exit code 2."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line, without pydantic's wrapping."""
+    text = str(exc).strip()
+    # pydantic wraps the interesting line: "Value error, <message> [type=...".
+    match = re.search(r"Value error, (.*?)(?: \[type=|$)", text, re.S)
+    if match:
+        text = match.group(1)
+    return " ".join(text.split())[:400] or type(exc).__name__
+
+
+# ---------------------------------------------------------------------------
+# Option values
+# ---------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``48MiB``, ``10GiB``, ``1.5G`` (decimal), ``123`` (bytes)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (examples: 48MiB, 10GiB, 1.5G, 1048576)"
+        )
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    return value
+
+
+def parse_positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def parse_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
+    return value
+
+
+def parse_positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
+def parse_prompt_lens(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of positive token counts"
+        )
+    return sorted(set(values))
+
+
+# ---------------------------------------------------------------------------
+# The request
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: one model, one device, one budget."""
+
+    model: str
+    kv_cache_memory: int
+    device: str = "cuda"
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    #: None: vLLM's default for the model (on for these hybrids).
+    prefix_caching: bool | None = None
+    prompt_lens: tuple[int, ...] = (512, 2048, 8192)
+    #: vLLM's ``--mamba-ssm-cache-dtype``; "auto" lets the model's hooks and
+    #: the platform choose (the CPU platform forces float32 on AVX512-BF16
+    #: hosts only), anything else is what vLLM then uses on every host.
+    mamba_ssm_cache_dtype: str = "auto"
+
+
+def kv_budget_from_gpu(
+    gpu_memory_gib: float, utilization: float, weights_bytes: int, tp: int
+) -> int:
+    """Per-GPU KV bytes: ``gpu x utilization - weights / TP``.
+
+    An estimate: activation peaks, CUDA graphs and the CUDA context, which
+    vLLM measures at start-up, are not subtracted; ``--kv-cache-memory``
+    (vLLM's ``--kv-cache-memory-bytes``) is exact.
+    """
+    budget = int(gpu_memory_gib * 2**30 * utilization) - weights_bytes // tp
+    if budget <= 0:
+        raise PlanError(
+            f"--gpu-memory {gpu_memory_gib} GiB x --gpu-memory-utilization "
+            f"{utilization} leaves no KV cache memory after --weights-memory "
+            f"{weights_bytes / 2**30:.2f} GiB / TP {tp}"
+        )
+    return budget
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    """The request of parsed ``vllm-hybrid plan`` arguments."""
+    if args.model is None:
+        raise PlanError("MODEL is required (a directory, config.json or preset)")
+    if args.kv_cache_memory is not None:
+        if args.gpu_memory is not None:
+            raise PlanError("give --kv-cache-memory or --gpu-memory, not both")
+        budget = args.kv_cache_memory
+    elif args.gpu_memory is not None:
+        if args.weights_memory is None:
+            raise PlanError("--gpu-memory needs --weights-memory SIZE")
+        budget = kv_budget_from_gpu(
+            args.gpu_memory,
+            args.gpu_memory_utilization,
+            args.weights_memory,
+            args.tensor_parallel_size,
+        )
+    else:
+        raise PlanError("give --kv-cache-memory SIZE or --gpu-memory GiB")
+    return PlanRequest(
+        model=args.model,
+        kv_cache_memory=budget,
+        device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        prefix_caching=args.prefix_caching,
+        prompt_lens=tuple(args.prompt_lens),
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The model's config.json
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def model_dir(model: str) -> Iterator[tuple[Path, str | None]]:
+    """A directory with ``config.json`` for ``model``, and the preset name."""
+    preset = PRESETS.get(model)
+    if preset is not None:
+        with tempfile.TemporaryDirectory(prefix="vllm-hybrid-plan-") as tmp:
+            yield preset.write_config(Path(tmp)), preset.name
+        return
+    path = Path(model)
+    if path.is_file() and path.name.endswith(".json"):
+        with tempfile.TemporaryDirectory(prefix="vllm-hybrid-plan-") as tmp:
+            target = Path(tmp) / "config.json"
+            target.write_bytes(path.read_bytes())
+            yield Path(tmp), None
+        return
+    if path.is_dir() and (path / "config.json").is_file():
+        yield path, None
+        return
+    raise PlanError(
+        f"{model!r} is neither a built-in preset ({', '.join(PRESETS)}) nor a "
+        "directory or file with a Hugging Face config.json"
+    )
+
+
+def checkpoint_architecture(directory: Path) -> str | None:
+    """The first architecture ``config.json`` in ``directory`` names."""
+    try:
+        data = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read {directory / 'config.json'}: {exc}") from exc
+    architectures = data.get("architectures") or [None]
+    return architectures[0]
