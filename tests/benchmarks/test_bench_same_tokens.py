@@ -90,9 +90,14 @@ def test_prefix_caching_keeps_the_uncached_tokens(same_tokens, model, config):
     """Pooled mode with prefix caching on gives its (and upstream's) tokens
     without caching, with more cached tokens than upstream. A prompt may
     differ from upstream's cached run only where upstream's cached run
-    differs from upstream's own uncached run."""
+    differs from upstream's own uncached run. Resuming from a cached state
+    sums in another order than recomputing the prefix, so a token may flip
+    where the uncached run had a near-tie (seen on an AMX/AVX512-BF16 host:
+    one qwen3_5 prompt at a 2**-7 gap)."""
     ov_on = _tokens(same_tokens, model, "overlay", config)
-    assert ov_on == _tokens(same_tokens, model, "overlay", "pc_off")
+    off = same_tokens[(model, "overlay")]["configs"]["pc_off"]
+    reference = Greedy(off["tokens"], off["top2_gaps"])
+    assert near_tie_differences(reference, ov_on) == []
     up_on = _tokens(same_tokens, model, "upstream", config)
     up_off = _tokens(same_tokens, model, "upstream", "pc_off")
     for ov_ids, up_ids, up_ref in zip(ov_on, up_on, up_off, strict=True):
