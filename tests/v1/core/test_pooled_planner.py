@@ -88,6 +88,11 @@ def test_plan_has_zero_padding_and_natural_block(mode, per_req):
     assert config.kv_cache_groups[0].kv_cache_spec.block_size == 128
     assert config.num_blocks_of(config.kv_cache_tensors[0]) == 96
     assert config.num_blocks_of(config.kv_cache_tensors[1]) == 31
+    # the worker's log line (the TP test matches it)
+    assert config.describe_pools() == (
+        f"token pool 96 ids x 524288 B; state pool 31 ids x 1609728 B; "
+        f"arena {48 * MiB} B"
+    )
     assert "0 B padding" in describe_plan(config)
 
 

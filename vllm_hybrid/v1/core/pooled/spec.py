@@ -48,6 +48,12 @@ class PoolKind(str, Enum):
     TOKEN = "token"
     STATE = "state"
 
+    def __str__(self) -> str:
+        # log lines and tables print "token"/"state" on every Python version
+        return self.value
+
+    __format__ = str.__format__
+
 
 def null_region_bytes(token_block: int, state_block: int, overlap: bool) -> int:
     """Bytes at the arena's start that no owned block may use (see
