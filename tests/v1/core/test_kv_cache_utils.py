@@ -996,3 +996,27 @@ def test_engine_core_binding_is_replaced_and_restored() -> None:
     finally:
         if already_applied:
             registry.apply_all()
+
+
+def test_mla_next_to_sliding_window_keeps_upstreams_fallback(patched) -> None:
+    """MLA pages (18,432 B) that do not divide a sliding-window page (32,768 B):
+    upstream's unification gives up and its grouping allocates the windows as
+    full attention in one group at MLA's block size. The overlay gives up the
+    same way instead of scaling MLA blocks to the LCM (x16)."""
+    import vllm.v1.core.kv_cache_utils as kv_cache_utils
+
+    swa = SlidingWindowSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=256,
+        dtype=torch.bfloat16,
+        sliding_window=128,
+    )
+    specs = {"mla": mla_spec(), "swa": swa}
+    with pytest.raises(page_unification.PageSizeUnificationError):
+        overlay_unify(dict(specs))
+    config = VllmConfig()
+    config.cache_config.kv_cache_layout = "LBNHC"  # the engine core resolves it
+    groups = kv_cache_utils.get_kv_cache_groups(config, dict(specs))
+    assert [sorted(g.layer_names) for g in groups] == [["mla", "swa"]]
+    assert groups[0].kv_cache_spec.block_size == 16

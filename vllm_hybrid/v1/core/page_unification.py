@@ -17,7 +17,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import KVCacheSpec, MambaSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 
 from vllm_hybrid import envs
 from vllm_hybrid.config.hybrid_kv import (
@@ -78,6 +86,34 @@ def _scaled_spec(spec: KVCacheSpec, ratio: int) -> KVCacheSpec | None:
         changes = {"block_size": block_size, "page_size_padded": padded * ratio}
         scaled = _with_page(spec, changes, target)
     return scaled
+
+
+def _upstream_gives_up(kv_cache_spec: Mapping[str, KVCacheSpec]) -> bool:
+    """Whether upstream's unification raises: a page that neither divides
+    the largest page nor may be padded (MLA and non-attention pages)."""
+    largest = max(spec.page_size_bytes for spec in kv_cache_spec.values())
+    return any(
+        spec.page_size_bytes != largest
+        and not isinstance(spec, MambaSpec)
+        and largest % spec.page_size_bytes != 0
+        and (not isinstance(spec, AttentionSpec) or isinstance(spec, MLAAttentionSpec))
+        for spec in kv_cache_spec.values()
+    )
+
+
+def _upstream_falls_back(kv_cache_spec: Mapping[str, KVCacheSpec]) -> bool:
+    """Whether upstream's grouping has an answer when its unification gives
+    up: MLA next to regular sliding-window layers get one full-allocation
+    group (sliding windows allocated as full attention, compute unchanged).
+    That keeps MLA's block size, which LCM scaling would multiply."""
+    specs = list(kv_cache_spec.values())
+    if any(
+        isinstance(s, SlidingWindowMLASpec | ChunkedLocalAttentionSpec) for s in specs
+    ):
+        return False
+    return any(isinstance(s, MLAAttentionSpec) for s in specs) and any(
+        isinstance(s, SlidingWindowSpec) for s in specs
+    )
 
 
 def _upstream_unifies(kv_cache_spec: Mapping[str, KVCacheSpec]) -> bool:
@@ -333,6 +369,11 @@ def unify_page_sizes(
             },
         )
         return unified
+    if _upstream_gives_up(kv_cache_spec) and _upstream_falls_back(kv_cache_spec):
+        raise PageSizeUnificationError(
+            "MLA next to sliding-window layers: upstream's full-allocation "
+            "grouping serves these pages"
+        )
 
     plan = plan_page_size_unification(kv_cache_spec)
     check_page_size_plan(plan, kv_cache_spec, limits())

@@ -1,0 +1,96 @@
+"""The comparer of vLLM's own tests run with the overlay on and off
+(tests_upstream/compare_outcomes.py, docs/upstream-tests.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    path = ROOT / "tests_upstream" / "compare_outcomes.py"
+    spec = importlib.util.spec_from_file_location("compare_outcomes", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+co = _load()
+
+ON_STATE = {"active": True, "reason": "active", "applied": ["x:y"]}
+OFF_STATE = {"active": False, "reason": "switched off", "applied": []}
+
+
+def _record(mode: str, outcomes: dict[str, str], state: dict | None = None) -> dict:
+    state = state or (ON_STATE if mode == "on" else OFF_STATE)
+    return {
+        "overlay": mode,
+        "activation_at_start": state,
+        "activation_at_end": state,
+        "duration_s": 1.0,
+        "collection_errors": {},
+        "tests": {
+            nodeid: {"outcome": o, "needs_hub": False, "message": ""}
+            for nodeid, o in outcomes.items()
+        },
+    }
+
+
+def test_the_docs_table_parses_and_lists_only_known_outcomes():
+    rows = co.parse_deviations((ROOT / "docs" / "upstream-tests.md").read_text())
+    assert rows, "docs/upstream-tests.md lists no deviation"
+    for row in rows:
+        assert row.pattern.startswith("tests/v1/core/")
+        assert row.on != row.off
+        assert row.reason
+
+
+def test_same_outcomes_pass_and_the_closing_line_counts_them():
+    outcomes = {"t.py::a": "passed", "t.py::b": "failed"}
+    report, ok = co.compare(_record("on", outcomes), _record("off", outcomes), [])
+    assert ok
+    assert report.splitlines()[-1] == "comparison: 2 passed, 0 failed"
+
+
+def test_an_unlisted_difference_fails_and_a_listed_one_passes():
+    on = _record("on", {"t.py::a[1]": "failed", "t.py::b": "passed"})
+    off = _record("off", {"t.py::a[1]": "passed", "t.py::b": "passed"})
+    report, ok = co.compare(on, off, [])
+    assert not ok and "NOT LISTED" in report
+    listed = co.parse_deviations("| `t.py::a[*]` | failed | passed | why |")
+    report, ok = co.compare(on, off, listed)
+    assert ok, report
+
+
+def test_a_listed_test_with_other_outcomes_fails():
+    on = _record("on", {"t.py::a": "error"})
+    off = _record("off", {"t.py::a": "passed"})
+    listed = co.parse_deviations("| `t.py::a` | failed | passed | why |")
+    report, ok = co.compare(on, off, listed)
+    assert not ok and "LISTED AS failed/passed" in report
+
+
+def test_a_test_missing_from_one_run_fails():
+    report, ok = co.compare(
+        _record("on", {"t.py::a": "passed"}), _record("off", {}), []
+    )
+    assert not ok and "missing" in report
+
+
+def test_an_on_run_without_the_overlay_fails():
+    outcomes = {"t.py::a": "passed"}
+    report, ok = co.compare(
+        _record("on", outcomes, OFF_STATE), _record("off", outcomes), []
+    )
+    assert not ok and "overlay not active" in report
+
+
+def test_unknown_outcomes_in_the_table_are_rejected():
+    with pytest.raises(ValueError, match="unknown outcome"):
+        co.parse_deviations("| `t.py::a` | broke | passed | why |")
