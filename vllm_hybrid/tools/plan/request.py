@@ -14,9 +14,10 @@ import contextlib
 import json
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_hybrid.tools.plan.presets import PRESETS
 
@@ -71,34 +72,30 @@ def parse_size(text: str) -> int:
     return value
 
 
-def parse_positive_int(text: str) -> int:
+def _parse_number(
+    text: str, cast: type, valid: Callable[[Any], bool], expected: str
+) -> Any:
+    """``cast(text)`` if ``valid`` says yes, else argparse's error naming
+    what was expected."""
     try:
-        value = int(text)
+        value = cast(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+        value = None
+    if value is None or not valid(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
     return value
+
+
+def parse_positive_int(text: str) -> int:
+    return _parse_number(text, int, lambda v: v > 0, "a positive integer")
 
 
 def parse_fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number in (0, 1]")
-    return value
+    return _parse_number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def parse_positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
-    return value
+    return _parse_number(text, float, lambda v: v > 0, "a positive number")
 
 
 def parse_prompt_lens(text: str) -> list[int]:
