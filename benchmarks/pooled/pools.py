@@ -12,12 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_hybrid.v1.core.pooled.usage import PoolUsage
-
-if TYPE_CHECKING:
-    from vllm_hybrid.v1.core.pooled.arena import KVArena
 
 #: Name of upstream's single pool in the results.
 SHARED_POOL = "shared"
@@ -107,12 +104,6 @@ def shared_pool_block_bytes(kv_cache_config: Any) -> int:
     return max(t.size for t in tensors) // kv_cache_config.num_blocks
 
 
-def arena_of(scheduler: Any) -> KVArena | None:
-    """Pooled mode's arena (where the pooled coordinator keeps it); None with
-    upstream's single pool."""
-    return getattr(scheduler.kv_cache_manager.coordinator, "arena", None)
-
-
 def kv_pools(scheduler: Any) -> list[PoolUsage]:
     """The block pools of a scheduler and how many blocks each holds now.
 
@@ -122,7 +113,9 @@ def kv_pools(scheduler: Any) -> list[PoolUsage]:
     requests and the prefix cache's live blocks hold; evictable cached blocks
     count as free, as the allocator sees them.
     """
-    arena = arena_of(scheduler)
+    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+
+    arena = arena_of(scheduler.kv_cache_manager)
     if arena is not None:
         return list(arena.usage().pools)
     pool = scheduler.kv_cache_manager.block_pool
@@ -156,7 +149,9 @@ def kv_layout_name(pools: Sequence[PoolUsage]) -> str:
 def coupled_evictions(scheduler: Any) -> int | None:
     """Blocks pooled mode evicted because the other pool made them useless
     (coordinated prefix-cache eviction); None without coupling."""
-    arena = arena_of(scheduler)
+    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+
+    arena = arena_of(scheduler.kv_cache_manager)
     return None if arena is None else arena.coupled_evictions()
 
 

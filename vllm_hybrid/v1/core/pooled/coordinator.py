@@ -212,6 +212,13 @@ class PooledCoordinatorMixin:
         return tuple(out)
 
 
+def arena_of(kv_cache_manager: Any) -> KVArena | None:
+    """The arena behind a scheduler's KV cache manager (kept by the pooled
+    coordinators); None with upstream's coordinators. The one way the
+    scheduler's stats step and the benchmarks reach it."""
+    return getattr(kv_cache_manager.coordinator, "arena", None)
+
+
 class PooledHybridKVCacheCoordinator(PooledCoordinatorMixin, HybridKVCacheCoordinator):
     """Prefix caching on: upstream's hybrid coordinator over arena pools."""
 

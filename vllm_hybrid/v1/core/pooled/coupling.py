@@ -74,10 +74,9 @@ class PrefixCacheCoupling:
         """Keys no block of pool ``kind`` holds any more: update the links
         and evict the free blocks that became dead in either pool."""
         links = self.links
-        token_pool = PoolKind.TOKEN
         if kind is PoolKind.STATE:
             orphans = [t for k in keys for t in links.forget_state(k)]
-            self._evict_dead_keys(token_pool, orphans)
+            self._evict_dead_keys(PoolKind.TOKEN, orphans)
             return
         broken: list[Any] = []
         orphans = []
@@ -87,7 +86,7 @@ class PrefixCacheCoupling:
                 broken += states
                 orphans += lost
         self._evict_dead_keys(PoolKind.STATE, broken)
-        self._evict_dead_keys(token_pool, orphans)
+        self._evict_dead_keys(PoolKind.TOKEN, orphans)
 
     def evict_dead(self, kind: PoolKind, blocks: Iterable[KVCacheBlock]) -> None:
         """Evict the free ones among ``blocks`` of pool ``kind`` that are dead."""

@@ -27,6 +27,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.usage import PoolStatsPublisher
 
 logger = init_logger(__name__)
@@ -87,7 +88,7 @@ class PooledSchedulerMixin:
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)
-        arena = getattr(self.kv_cache_manager.coordinator, "arena", None)
+        arena = arena_of(self.kv_cache_manager)
         if stats is not None and arena is not None:
             self._pool_stats.publish(arena.usage())
         return stats
