@@ -49,6 +49,30 @@ def _has_cuda() -> bool:
         return False
 
 
+#: The kernel conformance tier runs upstream's Triton kernels in Triton's
+#: interpreter, which must be switched on before any kernel module is
+#: imported and stays on for the whole process. It therefore runs in its own
+#: pytest process (``--kernel-tier``; tests/test_kernel_tier.py starts it from
+#: the default suite) and is left out of every other collection.
+KERNEL_TIER = Path(__file__).resolve().parent / "kernels"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--kernel-tier",
+        action="store_true",
+        help="collect tests/kernels (Triton interpreter; run it on its own)",
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    if config.getoption("--kernel-tier"):
+        return None
+    if collection_path == KERNEL_TIER or KERNEL_TIER in collection_path.parents:
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return

@@ -32,10 +32,13 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_hybrid.v1.core.pooled.spec import (
+    VIEW_ALIGNMENT_BYTES,
     ArenaLayout,
     KVPoolSpec,
     PooledKVCacheConfig,
     PoolKind,
+    align_down,
+    align_up,
     null_region_bytes,
 )
 
@@ -52,9 +55,24 @@ class PoolLayers:
     layer_names: tuple[str, ...]
 
     @property
+    def layer_stride(self) -> int:
+        """Bytes between two layers' pages in one block: the page, rounded up
+        so that every layer's view starts on ``VIEW_ALIGNMENT_BYTES`` (real
+        models' pages are multiples of it already; then nothing is padded)."""
+        return align_up(self.spec.page_size_bytes)
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes per block that hold no page (alignment only)."""
+        return self.block_bytes - len(self.layer_names) * self.spec.page_size_bytes
+
+    @property
     def block_bytes(self) -> int:
-        raw = len(self.layer_names) * self.spec.page_size_bytes
-        return round_up(raw, max(1, self.spec.get_block_stride_alignment()))
+        raw = len(self.layer_names) * self.layer_stride
+        alignment = math.lcm(
+            VIEW_ALIGNMENT_BYTES, max(1, self.spec.get_block_stride_alignment())
+        )
+        return round_up(raw, alignment)
 
 
 @dataclass(frozen=True)
@@ -136,6 +154,14 @@ class PooledBudget:
     #: where no kernel writes through a null block id.
     null_blocks_overlap: bool = False
 
+    @property
+    def aligned_arena_bytes(self) -> int:
+        """Bytes the arena gets: the budget rounded down to
+        ``VIEW_ALIGNMENT_BYTES``, so that with block sizes that are multiples
+        of it the state pool (which may sit at ``arena % state block``)
+        starts aligned for any budget a user passes or vLLM computes."""
+        return align_down(self.arena_bytes)
+
 
 def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCacheConfig:
     """Lay out the arena for ``split`` in ``budget.arena_bytes`` bytes."""
@@ -146,7 +172,7 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     assert isinstance(state.spec, MambaSpec)
     per_req = max_state_blocks_per_request(state.spec)
     lone = min_state_blocks_per_request(state.spec)
-    arena = budget.arena_bytes
+    arena = budget.aligned_arena_bytes
     # Start with room for max_num_seqs requests' states (at most half the
     # arena); the boundary moves on demand from there.
     state_target = max(per_req, min(budget.max_num_seqs * per_req, (arena // 2) // sb))
@@ -165,12 +191,13 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
         KVCacheTensor(
             size=arena,
             layers=list(layers.layer_names),
-            layer_stride=layers.spec.page_size_bytes,
+            layer_stride=layers.layer_stride,
             block_stride=layers.block_bytes,
             offset=offset,
         )
         for layers, offset in ((token, 0), (state, state_offset))
     ]
+    _check_alignment(tensors)
     return PooledKVCacheConfig(
         num_blocks=layout.num_token_ids,
         kv_cache_tensors=tensors,
@@ -182,6 +209,19 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
         arena=layout,
         max_state_blocks_per_request=per_req,
     )
+
+
+def _check_alignment(tensors: list[KVCacheTensor]) -> None:
+    """Every pool base, layer stride and block stride is a multiple of
+    ``VIEW_ALIGNMENT_BYTES``, hence every page of every view starts on it."""
+    for tensor in tensors:
+        for name in ("offset", "layer_stride", "block_stride"):
+            value = getattr(tensor, name)
+            if value % VIEW_ALIGNMENT_BYTES:
+                raise AssertionError(
+                    f"pooled KV tensor of {tensor.layers[0]}: {name} {value} B "
+                    f"is not a multiple of {VIEW_ALIGNMENT_BYTES} B"
+                )
 
 
 def _layout(
@@ -221,7 +261,7 @@ def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
     tb, sb = split.token.block_bytes, split.state.block_bytes
     assert isinstance(split.state.spec, MambaSpec)
     fits = max_model_len_that_fits(
-        budget.arena_bytes,
+        budget.aligned_arena_bytes,
         budget.null_blocks_overlap,
         tb,
         sb,
@@ -234,7 +274,7 @@ def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
 def _too_small_message(
     tb: int, sb: int, block_size: int, per_req: int, budget: PooledBudget
 ) -> str:
-    arena, overlap = budget.arena_bytes, budget.null_blocks_overlap
+    arena, overlap = budget.aligned_arena_bytes, budget.null_blocks_overlap
     null_region = null_region_bytes(tb, sb, overlap)
     attention = cdiv(budget.max_model_len, block_size) * tb
     need = null_region + attention + per_req * sb
@@ -312,13 +352,15 @@ def describe_plan(config: PooledKVCacheConfig) -> str:
     tok_group = config.kv_cache_groups[token.group_ids[0]]
     st_group = config.kv_cache_groups[state.group_ids[0]]
     gcd = math.gcd(token.block_bytes, state.block_bytes)
+    state_page = st_group.kv_cache_spec.page_size_bytes
+    padding = state.block_bytes - len(st_group.layer_names) * state_page
     return (
         f"KV cache plan (pooled): arena {config.arena_bytes / 2**20:.2f} MiB; "
         f"token pool: {len(tok_group.layer_names)} attention layers, block "
         f"{tok_group.kv_cache_spec.block_size} tokens, page "
         f"{tok_group.kv_cache_spec.page_size_bytes} B, block {token.block_bytes} B, "
         f"{token.num_blocks} ids; state pool: {len(st_group.layer_names)} state "
-        f"layers, page {st_group.kv_cache_spec.page_size_bytes} B (0 B padding), "
+        f"layers, page {state_page} B ({padding} B padding), "
         f"block {state.block_bytes} B, {state.num_blocks} ids, "
         f"{config.max_state_blocks_per_request} per request; boundary at "
         f"{config.initial_boundary / 2**20:.2f} MiB (moves on demand, "

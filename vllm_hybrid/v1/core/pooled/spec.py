@@ -42,6 +42,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+#: Byte boundary every pool base and every per-layer view of a pooled arena
+#: starts on. Views are reinterpreted as bf16/float32 state and KV tensors
+#: (``.view(dtype)`` needs the storage offset divisible by the element size)
+#: and kernels issue vector loads that assume aligned bases; CUDA's caching
+#: allocator hands out 256-byte aligned blocks, so this matches what a
+#: kernel sees for upstream's separately allocated layers.
+VIEW_ALIGNMENT_BYTES = 256
+
+
+def align_up(n: int, alignment: int = VIEW_ALIGNMENT_BYTES) -> int:
+    return _cdiv(n, alignment) * alignment
+
+
+def align_down(n: int, alignment: int = VIEW_ALIGNMENT_BYTES) -> int:
+    return n // alignment * alignment
+
+
 class PoolKind(str, Enum):
     """The two pools of the arena, and the end of the arena each lives at."""
 
