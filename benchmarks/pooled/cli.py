@@ -36,7 +36,8 @@ def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str]]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Upstream vs vllm-hybrid overlay KV cache benchmark (CPU).",
+        description="Upstream vs vllm-hybrid overlay KV cache benchmark (CPU or, "
+        "with --gpu, CUDA).",
     )
     parser.add_argument(
         "--models",
@@ -78,6 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="state checkpoint interval (align mode) of the prefix-caching "
         "engines other than one_long's, both modes (default: the attention block)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="attention --block-size of every engine but one_long's, both "
+        "modes (default: the platform's, 128 on CPU and 16 on CUDA)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=BenchConfig.kv_cache_dtype,
+        help="--kv-cache-dtype of every engine, both modes (e.g. "
+        "turboquant_k8v4; default: auto)",
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="what a CUDA user runs: CUDA graphs (no --enforce-eager), 16-token "
+        "blocks everywhere, the model's SSM state dtype; refuses to run "
+        "without a CUDA device",
     )
     parser.add_argument(
         "--budget-mib",
@@ -136,9 +157,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def apply_gpu_preset(args: argparse.Namespace) -> None:
+    """``--gpu``: CUDA graphs, 16-token blocks, the model's SSM dtype."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device; none is visible here")
+    args.compile = True
+    args.block_size = args.block_size or 16
+    args.one_long_block_size = 16
+    args.mamba_ssm_cache_dtype = "auto"
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.config_json:
         return BenchConfig(**json.loads(args.config_json))
+    if args.gpu:
+        apply_gpu_preset(args)
     cores = os.cpu_count() or 1
     if not 0 <= args.same_tokens_threads <= cores:
         raise SystemExit(
@@ -155,6 +190,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         enforce_eager=not args.compile,
         one_long_block_size=args.one_long_block_size or None,
         mamba_block_size=args.mamba_block_size,
+        block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         budget_bytes=int(args.budget_mib * MIB),
         couple_prefix_caches=not args.no_couple_prefix_caches,
         same_tokens_threads=args.same_tokens_threads,

@@ -47,6 +47,11 @@ class BenchConfig:
     #: prefix-caching engines except one_long's; None keeps the default (the
     #: attention block). Upstream overrides it with its inflated block.
     mamba_block_size: int | None = None
+    #: Attention ``--block-size`` of every engine but one_long's (both
+    #: modes); None keeps the platform default (128 on CPU, 16 on CUDA).
+    block_size: int | None = None
+    #: ``--kv-cache-dtype`` of every engine (both modes).
+    kv_cache_dtype: str = "auto"
     same_tokens_max_model_len: int = 2048
     many_short_requests: int = 64
     many_short_min_len: int = 64

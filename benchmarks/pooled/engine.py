@@ -37,6 +37,7 @@ class EngineSpec:
     mamba_block_size: int | None = None
     couple_prefix_caches: bool = True
     mamba_ssm_cache_dtype: str = BenchConfig.mamba_ssm_cache_dtype
+    kv_cache_dtype: str = BenchConfig.kv_cache_dtype
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
@@ -47,7 +48,7 @@ class EngineSpec:
         return extra | {
             "model": self.model_path,
             "kv_cache_memory_bytes": self.budget_bytes,
-            "kv_cache_dtype": "auto",
+            "kv_cache_dtype": self.kv_cache_dtype,
             "enable_prefix_caching": self.prefix_caching,
             "max_num_seqs": self.max_num_seqs,
             "max_model_len": self.max_model_len,

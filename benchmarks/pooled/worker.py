@@ -85,10 +85,11 @@ def engine_specs(model_path: str, kind: str, cfg: BenchConfig) -> dict[str, Engi
             max_len,
             cfg.enforce_eager,
             cfg.seed,
-            block,
+            cfg.block_size if block is None else block,
             cfg.mamba_block_size if block is None else None,
             cfg.couple_prefix_caches,
             cfg.mamba_ssm_cache_dtype,
+            cfg.kv_cache_dtype,
         )
 
     specs = {

@@ -47,6 +47,10 @@ QWEN36_GDN = {
 
 CANARY = 0x5A
 
+#: Where the tier runs: real CUDA tensors and compiled kernels on a GPU
+#: runner, CPU tensors in Triton's interpreter everywhere else.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def attention_spec(
     block_size: int, dtype: torch.dtype = torch.bfloat16, **overrides
@@ -157,8 +161,8 @@ def build_arena(
     max_model_len: int = 256,
     layout: KVCacheLayout = KVCacheLayout.LBHNC,
 ) -> ArenaViews:
-    """Plan and allocate a pooled arena on the CPU; ``state_floor`` None keeps
-    the planner's initial boundary."""
+    """Plan and allocate a pooled arena on :data:`DEVICE`; ``state_floor``
+    None keeps the planner's initial boundary."""
     specs: dict[str, KVCacheSpec] = {}
     for i in range(num_token_layers + num_state_layers):
         name = f"model.layers.{i}"
@@ -172,9 +176,9 @@ def build_arena(
         null_blocks_overlap=null_blocks_overlap,
     )
     config = plan_pooled_kv_cache(split, budget)
-    views = allocate_kv_cache(config, torch.device("cpu"), layout)
+    views = allocate_kv_cache(config, DEVICE, layout)
     storage = next(iter(views.values())).untyped_storage()
-    raw = torch.empty(0, dtype=torch.int8).set_(storage)
+    raw = torch.empty(0, dtype=torch.int8, device=DEVICE).set_(storage)
     assert raw.numel() == config.arena_bytes
     arena = config.layout
     floor = arena.initial_state_floor if state_floor is None else state_floor
