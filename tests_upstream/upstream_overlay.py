@@ -107,35 +107,6 @@ def _activation() -> dict[str, Any]:
     }
 
 
-def _snapshot() -> dict[tuple[str, str], Any]:
-    """(module or target, name) -> object, for every applied patch site."""
-    import importlib
-
-    registry = _registry()
-    sites: dict[tuple[str, str], Any] = {}
-    for entry in registry.applied():
-        sites[(entry.target, "")] = registry.load_object(entry.target)
-        for module_name in entry.bindings:
-            module = importlib.import_module(module_name)
-            sites[(module_name, entry.name)] = getattr(module, entry.name, None)
-    return sites
-
-
-def _drifted(expected: dict[tuple[str, str], Any]) -> list[str]:
-    import importlib
-
-    registry = _registry()
-    out = []
-    for (where, name), obj in expected.items():
-        if name:
-            current = getattr(importlib.import_module(where), name, None)
-        else:
-            current = registry.load_object(where)
-        if current is not obj:
-            out.append(f"{where}.{name}" if name else where)
-    return out
-
-
 class _Recorder:
     def __init__(self, config: pytest.Config, expect: str | None) -> None:
         self.config = config
@@ -145,7 +116,7 @@ class _Recorder:
         self.overlay_restored_after: dict[str, list[str]] = {}
         self.start = time.monotonic()
         self.at_start = _activation()
-        self.sites = _snapshot() if self.at_start["active"] else {}
+        self.keep_overlay = bool(self.at_start["active"])
 
     # -- outcomes ---------------------------------------------------------
     @staticmethod
@@ -187,16 +158,11 @@ class _Recorder:
     # -- overlay kept across tests ----------------------------------------
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> None:
-        if not self.sites:
+        if not self.keep_overlay:
             return
-        drifted = _drifted(self.sites)
-        if not drifted:
-            return
-        registry = _registry()
-        registry.revert_all()
-        registry.apply_all()
-        self.sites = _snapshot()
-        self.overlay_restored_after[item.nodeid] = drifted
+        lost = _registry().repair()
+        if lost:
+            self.overlay_restored_after[item.nodeid] = lost
 
     # -- the record ---------------------------------------------------------
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -140,6 +140,49 @@ def apply_all(entries: list[PatchEntry] | None = None) -> list[PatchEntry]:
     return [entry for entry, _, _ in pending]
 
 
+def lost_sites() -> list[str]:
+    """Sites of applied entries that no longer hold the replacement.
+
+    ``importlib.reload`` of a patched module (test harnesses, notebook
+    autoreload, some plugin loaders) re-executes it and binds upstream's
+    functions again, silently; so does another plugin patching after us.
+    """
+    lost = []
+    for entry in applied():
+        replacement = load_object(entry.replacement)
+        if load_object(entry.target) is not replacement:
+            lost.append(entry.target)
+        for module_name in entry.bindings:
+            module = importlib.import_module(module_name)
+            if getattr(module, entry.name, None) is not replacement:
+                lost.append(f"{module_name}.{entry.name}")
+    return lost
+
+
+def repair() -> list[str]:
+    """Bind the replacement again at every lost site; returns the sites.
+
+    Where the home module was reloaded it now holds a fresh upstream object,
+    which becomes the one :func:`upstream` and :func:`revert_all` use.
+    """
+    lost = lost_sites()
+    if not lost:
+        return []
+    for entry in applied():
+        replacement = load_object(entry.replacement)
+        current = load_object(entry.target)
+        if current is not replacement:
+            _originals[entry.target] = current
+        _set(entry, replacement)
+    logger.warning(
+        "vllm-hybrid: %d patched upstream symbol(s) had been rebound (a module "
+        "reload or another plugin): %s; the overlay re-applied them",
+        len(lost),
+        ", ".join(lost),
+    )
+    return lost
+
+
 def revert_all() -> None:
     """Put every upstream object back, in reverse order of application."""
     for entry in reversed([*PATCHES, *CLI_PATCHES]):
@@ -158,6 +201,8 @@ __all__ = [
     "applied",
     "apply_all",
     "load_object",
+    "lost_sites",
+    "repair",
     "revert_all",
     "upstream",
     "upstream_of",

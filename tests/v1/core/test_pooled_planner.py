@@ -164,18 +164,21 @@ def test_overlapping_null_blocks_free_a_whole_state_block():
     assert pooled_capacity(overlap, 256).token_capacity == 5 * 128
 
 
-def test_every_rank_gets_the_same_plan_from_the_smallest_budget():
+def planner_vllm_config():
+    """The fields of a ``VllmConfig`` that pooled planning reads, for a
+    hybrid model with nothing pooled mode leaves to upstream."""
     from types import SimpleNamespace
 
-    from vllm_hybrid.v1.core.pooled import engine as glue
-
-    config = SimpleNamespace(
+    return SimpleNamespace(
         model_config=SimpleNamespace(is_hybrid=True, max_model_len=2048),
-        scheduler_config=SimpleNamespace(max_num_seqs=16),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=16, scheduler_cls=None, async_scheduling=False
+        ),
         cache_config=SimpleNamespace(
             kv_cache_layout=None,
             num_gpu_blocks_override=None,
             prefix_cache_retention_interval=None,
+            mamba_cache_mode="align",
         ),
         parallel_config=SimpleNamespace(
             pipeline_parallel_size=1,
@@ -187,6 +190,12 @@ def test_every_rank_gets_the_same_plan_from_the_smallest_budget():
         speculative_config=None,
         additional_config={},
     )
+
+
+def test_every_rank_gets_the_same_plan_from_the_smallest_budget():
+    from vllm_hybrid.v1.core.pooled import engine as glue
+
+    config = planner_vllm_config()
     specs = qwen3_5_specs("align")
     configs = glue.plan_pooled_configs(config, [specs, specs], [48 * MiB, 40 * MiB])
     assert configs is not None and len(configs) == 2

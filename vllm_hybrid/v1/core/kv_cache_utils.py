@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheS
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions, PageUnificationLimits
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.patches.registry import repair, upstream_of
 from vllm_hybrid.v1.core.page_unification import unify_page_sizes
 from vllm_hybrid.v1.core.pooled.engine import (
     plan_pooled_configs,
@@ -99,7 +99,13 @@ def get_kv_cache_configs(
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
 ):
-    """Upstream's ``get_kv_cache_configs``, pooled for hybrid models."""
+    """Upstream's ``get_kv_cache_configs``, pooled for hybrid models.
+
+    The engine core calls this through its own by-name binding at every
+    engine start, which survives a reload of ``kv_cache_utils``; so this is
+    where patches lost to a reload are found and bound again.
+    """
+    repair()
     pooled = plan_pooled_configs(vllm_config, kv_cache_specs, available_memory)
     if pooled is not None:
         select_scheduler(vllm_config, pooled[0])
