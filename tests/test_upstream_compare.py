@@ -43,8 +43,10 @@ def _record(mode: str, outcomes: dict[str, str], state: dict | None = None) -> d
 
 
 def test_the_docs_table_parses_and_lists_only_known_outcomes():
-    rows = co.parse_deviations((ROOT / "docs" / "upstream-tests.md").read_text())
-    assert rows, "docs/upstream-tests.md lists no deviation"
+    text = (ROOT / "docs" / "upstream-tests.md").read_text()
+    rows = co.parse_deviations(text)
+    # none today: every model without state layers is planned by upstream
+    assert (rows == []) == ("There are none." in text)
     for row in rows:
         assert row.pattern.startswith("tests/v1/core/")
         assert row.on != row.off

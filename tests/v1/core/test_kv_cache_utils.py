@@ -284,6 +284,12 @@ def test_turboquant_plan_padding_is_below_one_percent() -> None:
     assert plan.page_growth == pytest.approx(1_105_024 / 1_097_728)
 
 
+def small_state_spec(block_size: int = 16) -> MambaSpec:
+    """A state page far below the attention pages (384 B), so that the
+    attention pages decide the common page of a hybrid stack."""
+    return MambaSpec(block_size=block_size, shapes=((3, 64),), dtypes=(torch.bfloat16,))
+
+
 @pytest.mark.parametrize(
     "unify",
     [
@@ -294,13 +300,17 @@ def test_turboquant_plan_padding_is_below_one_percent() -> None:
 def test_bf16_skip_layers_next_to_turboquant(
     unify, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Skip layers keep bf16 pages: lcm(12,416, 32,768) = 3,178,496 B (97x)."""
+    """Skip layers keep bf16 pages next to TurboQuant ones in a hybrid stack:
+    lcm(12,416, 32,768) = 3,178,496 B (97x the bf16 page); the state page is
+    the only one padded."""
     monkeypatch.setenv(envs.MAX_PAGE_GROWTH_VAR, "100")
+    monkeypatch.setenv(envs.MAX_PAGE_PADDING_PCT_VAR, "100")
     specs = {
         "model.layers.0.self_attn.attn": attention_spec(),
         "model.layers.1.self_attn.attn": turboquant_spec(),
         "model.layers.2.self_attn.attn": turboquant_spec(),
         "model.layers.3.self_attn.attn": attention_spec(),
+        "model.layers.4.linear_attn": small_state_spec(),
     }
     unified = unify(specs)
 
@@ -312,23 +322,8 @@ def test_bf16_skip_layers_next_to_turboquant(
     assert tq.block_size == 16 * 256
     assert skip.page_size_bytes == tq.page_size_bytes == 3_178_496
     assert skip.page_size_padded is None and tq.page_size_padded is None
+    assert unified["model.layers.4.linear_attn"].page_size_bytes == 3_178_496
     assert_kernel_split_legal(tq, kernel_block_size=16)
-
-
-def test_bf16_skip_layers_over_default_growth_fail_with_the_fix() -> None:
-    specs = {
-        "model.layers.0.self_attn.attn": attention_spec(),
-        "model.layers.1.self_attn.attn": turboquant_spec(),
-    }
-    with pytest.raises(page_unification.PageSizeUnificationError) as info:
-        overlay_unify(specs)
-    message = str(info.value)
-    assert "model.layers.0.self_attn.attn" in message
-    assert "model.layers.1.self_attn.attn" in message
-    assert "12,416 B" in message and "32,768 B" in message
-    assert "97.00x" in message
-    assert '"max_page_growth": 97' in message
-    assert f"{envs.MAX_PAGE_GROWTH_VAR}=97" in message
 
 
 def test_skip_and_turboquant_next_to_gdn_fail_on_padding() -> None:
@@ -373,47 +368,62 @@ def test_mla_next_to_non_divisible_state_page(unify) -> None:
     assert state.page_size_bytes == attn.page_size_bytes == 18_432 * 60
 
 
+def _outcome(unify, specs: dict[str, KVCacheSpec]):
+    try:
+        return unify(dict(specs))
+    except NotImplementedError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 @pytest.mark.parametrize(
-    "unify",
+    "specs",
     [
-        pytest.param(overlay_unify, id="overlay"),
-        _upstream_fails("MLA is not padded", raises=NotImplementedError),
+        pytest.param({"mla": mla_spec(), "attn": attention_spec()}, id="mla+attn"),
+        pytest.param(
+            {"skip": attention_spec(), "tq": turboquant_spec()}, id="bf16+turboquant"
+        ),
+        pytest.param(
+            {
+                "a": attention_spec(num_kv_heads=1, head_size=97),
+                "b": attention_spec(num_kv_heads=1, head_size=101),
+            },
+            id="heads-97+101",
+        ),
+        pytest.param(
+            {
+                "skip": replace(attention_spec(), page_size_padded=3 * 12_416),
+                "tq": turboquant_spec(block_size=32),
+            },
+            id="padded+turboquant",
+        ),
+        pytest.param(
+            {"a": attention_spec(head_size=192), "b": attention_spec(head_size=128)},
+            id="draft-head-192+128",
+        ),
     ],
 )
-def test_mla_next_to_non_divisible_attention_page(unify) -> None:
-    """lcm(18,432, 32,768) = 294,912: MLA blocks x16, attention blocks x9."""
-    unified = unify({"mla": mla_spec(), "attn": attention_spec()})
-    assert unified["mla"].block_size == 256
-    assert unified["attn"].block_size == 144
-    assert unified["mla"].page_size_bytes == unified["attn"].page_size_bytes
-    assert unified["attn"].page_size_bytes == 294_912
+def test_attention_only_mixes_keep_upstreams_result(specs) -> None:
+    """Models without state layers are planned exactly as upstream plans
+    them: its padding where it pads, its error (and so its grouping
+    fallback) where it gives up; no LCM block scaling."""
+    assert _outcome(overlay_unify, specs) == _outcome(upstream_unify, specs)
 
 
 def test_already_padded_attention_page_scales_with_its_padding() -> None:
-    """A page padded upstream of here (e.g. skip layers) keeps its padding ratio."""
+    """A page padded upstream of here (e.g. skip layers) keeps its padding
+    ratio in a hybrid stack."""
     padded = replace(attention_spec(), page_size_padded=3 * 12_416)
     tq = turboquant_spec(block_size=32)  # 24,832 B
-    unified = overlay_unify({"skip": padded, "tq": tq})
+    specs = {"skip": padded, "tq": tq, "state": small_state_spec(block_size=32)}
+    unified = hybrid.unify_kv_cache_spec_page_size(
+        specs, PageUnificationLimits(max_page_padding_pct=100)
+    )
     # lcm(37,248, 24,832) = 74,496 B: the padded page doubles, TQ blocks triple.
     assert unified["skip"].block_size == 32
     assert unified["skip"].page_size_padded == 74_496
     assert unified["tq"].block_size == 96
     assert unified["tq"].page_size_padded is None
-
-
-def test_absurd_lcm_fails_at_start_up_with_the_option() -> None:
-    """Head sizes 97 and 101: pages 6,208 and 6,464 B, LCM 627,008 B."""
-    specs = {
-        "model.layers.0.self_attn.attn": attention_spec(num_kv_heads=1, head_size=97),
-        "model.layers.1.self_attn.attn": attention_spec(num_kv_heads=1, head_size=101),
-    }
-    with pytest.raises(page_unification.PageSizeUnificationError) as info:
-        overlay_unify(specs)
-    message = str(info.value)
-    assert "6,208 B" in message and "6,464 B" in message
-    assert "LCM 627,008 B" in message
-    assert "97.00x" in message
-    assert '--additional-config \'{"hybrid_kv": {"max_page_growth": 97}}\'' in message
+    assert unified["state"].page_size_bytes == 74_496
 
 
 def test_absurd_lcm_with_state_page_names_both_options() -> None:
@@ -1013,7 +1023,7 @@ def test_mla_next_to_sliding_window_keeps_upstreams_fallback(patched) -> None:
         sliding_window=128,
     )
     specs = {"mla": mla_spec(), "swa": swa}
-    with pytest.raises(page_unification.PageSizeUnificationError):
+    with pytest.raises(NotImplementedError):
         overlay_unify(dict(specs))
     config = VllmConfig()
     config.cache_config.kv_cache_layout = "LBNHC"  # the engine core resolves it

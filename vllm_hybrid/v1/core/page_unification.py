@@ -1,13 +1,15 @@
-"""Page-size unification of the single shared pool, without padding attention.
+"""Page-size unification of a hybrid's single shared pool, without padding
+attention.
 
-Upstream's ``unify_kv_cache_spec_page_size`` gives up (``NotImplementedError``)
-or pads attention pages when a page does not divide the largest page, which
-defeats quantized KV caches and forbids the kernel-block split. Here the
-common page is the LCM of the attention pages, rounded up to cover the
-largest page: attention blocks scale by integers and only state pages are
-padded, within limits the user can raise (:mod:`vllm_hybrid.config.hybrid_kv`).
-The upstream entry point that calls this is in
-:mod:`vllm_hybrid.v1.core.kv_cache_utils`.
+Only models with state layers get this: every other model is planned by
+upstream's function unchanged. Upstream's ``unify_kv_cache_spec_page_size``
+gives up (``NotImplementedError``) or pads attention pages when a page does
+not divide the largest page, which defeats quantized KV caches and forbids
+the kernel-block split. Here the common page is the LCM of the attention
+pages, rounded up to cover the largest page: attention blocks scale by
+integers and only state pages are padded, within limits the user can raise
+(:mod:`vllm_hybrid.config.hybrid_kv`). The upstream entry point that calls
+this is in :mod:`vllm_hybrid.v1.core.kv_cache_utils`.
 """
 
 from __future__ import annotations
@@ -344,19 +346,24 @@ def unify_page_sizes(
 ) -> dict[str, KVCacheSpec]:
     """Give every layer the same page size without padding attention pages.
 
-    When every page divides the largest one (or is a state page), upstream's
-    result is returned unchanged. Otherwise the common page is the LCM of the
-    pages that grow with the block size, rounded up to cover the largest page
-    (:func:`plan_page_size_unification`): attention layers (MLA included)
-    scale their block size by an integer, only state pages are padded, so the
-    kernel-block split stays legal. ``limits()`` (asked only for such a plan)
-    bound the padding and the block growth; a plan beyond them raises
-    :class:`PageSizeUnificationError` naming the layers, their page sizes and
-    the option that accepts it.
+    Without state layers, and when every page divides the largest one (or is
+    a state page), upstream's result is returned unchanged. Otherwise the
+    common page is the LCM of the pages that grow with the block size,
+    rounded up to cover the largest page (:func:`plan_page_size_unification`):
+    attention layers (MLA included) scale their block size by an integer, only
+    state pages are padded, so the kernel-block split stays legal.
+    ``limits()`` (asked only for such a plan) bound the padding and the block
+    growth; a plan beyond them raises :class:`PageSizeUnificationError` naming
+    the layers, their page sizes and the option that accepts it.
     """
     page_sizes = {spec.page_size_bytes for spec in kv_cache_spec.values()}
     if len(page_sizes) <= 1:
         return kv_cache_spec
+    if not any(_is_state_spec(spec) for spec in kv_cache_spec.values()):
+        # Models without state layers (dense, or a target with a draft of
+        # another head size) keep upstream's plan exactly: padding where it
+        # pads, its fallbacks where it gives up.
+        return upstream_unify(kv_cache_spec)
     if _upstream_unifies(kv_cache_spec):
         unified = upstream_unify(kv_cache_spec)
         page_size = max(page_sizes)
