@@ -24,6 +24,11 @@ OWN_SUBCOMMANDS: dict[str, str] = {
     "plan": "vllm_hybrid.tools.plan",
     "verify": "vllm_hybrid.tools.verify",
 }
+#: One line each, printed above vLLM's own help.
+OWN_SUBCOMMAND_HELP: dict[str, str] = {
+    "plan": "KV cache plan of a model, pooled vs upstream, without weights",
+    "verify": "check this install: overlay, pooled arena, tokens vs upstream",
+}
 
 
 def distribution_version(distribution_name: str) -> str:
@@ -49,9 +54,28 @@ def distribution_version(distribution_name: str) -> str:
         raise
 
 
+def versions() -> str:
+    """This distribution's version and the vLLM it runs on."""
+    from vllm_hybrid import __version__
+
+    return f"vllm-hybrid {__version__} (vLLM {distribution_version('vllm')})"
+
+
+def own_help() -> str:
+    lines = ["vllm-hybrid subcommands (vllm-hybrid SUBCOMMAND --help):"]
+    lines += [f"  {name:<18}{text}" for name, text in OWN_SUBCOMMAND_HELP.items()]
+    lines.append("vLLM's subcommands, run with the overlay active:")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int | None:
     """Run a vLLM subcommand (or one of this project's) with ``argv``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-v", "--version"):
+        print(versions())
+        return 0
+    if not args or args[0] in ("-h", "--help"):
+        print(own_help(), flush=True)
     if args and args[0] in OWN_SUBCOMMANDS:
         module_name = OWN_SUBCOMMANDS[args[0]]
         module = __import__(module_name, fromlist=["main"])

@@ -12,7 +12,12 @@ import os
 from dataclasses import dataclass
 
 from vllm_hybrid import SUPPORTED_VLLM_VERSION, __version__
-from vllm_hybrid.envs import SWITCH_VAR, declare_to_vllm, overlay_enabled
+from vllm_hybrid.envs import (
+    SWITCH_VAR,
+    declare_to_vllm,
+    overlay_enabled,
+    tq_native_enabled,
+)
 from vllm_hybrid.logger import init_logger
 
 logger = init_logger(__name__)
@@ -72,6 +77,27 @@ def _ensure_vllm_logging() -> None:
     vllm_logger.configure_logging_if_needed(LoggingConfig())
 
 
+def _environment_or_exit() -> bool:
+    """Whether the overlay is switched on; every overlay variable is parsed
+    here, once per process, before anything else runs.
+
+    A bad value stops the process with one line naming the variable and the
+    accepted values (``SystemExit``, so no traceback), in every entry point:
+    vLLM loads this plugin first thing in ``vllm serve``, ``LLM(...)`` and
+    every engine and worker process.
+    """
+    from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+
+    try:
+        if not overlay_enabled():
+            return False
+        tq_native_enabled()
+        HybridKVOptions.from_vllm_config(None)  # the page-limit variables
+    except ValueError as exc:
+        raise SystemExit(f"vllm-hybrid: {exc}") from None
+    return True
+
+
 def register() -> None:
     """Entry point for ``vllm.general_plugins``; idempotent per process."""
     global _state
@@ -80,7 +106,7 @@ def register() -> None:
     _ensure_vllm_logging()
     declare_to_vllm()
     version = installed_vllm_version()
-    if not overlay_enabled():
+    if not _environment_or_exit():
         _state = ActivationState(False, "switched off", version, os.getpid())
         logger.info(
             "vllm-hybrid %s inactive: %s=0, running upstream vLLM %s unmodified",

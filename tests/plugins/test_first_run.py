@@ -1,0 +1,60 @@
+"""Entry-point behaviour a first run meets: a bad overlay variable stops every
+entry point with one line (no traceback); `--version` and `--help` name this
+project next to vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LOAD_PLUGINS = "from vllm.plugins import load_general_plugins; load_general_plugins()"
+CLI = str(Path(sys.executable).with_name("vllm-hybrid"))
+
+
+@pytest.mark.parametrize(
+    "command,variable,value,message",
+    [
+        (
+            [sys.executable, "-c", LOAD_PLUGINS],
+            "VLLM_HYBRID_KV",
+            "maybe",
+            "vllm-hybrid: VLLM_HYBRID_KV='maybe' is not understood: set "
+            "VLLM_HYBRID_KV=1 (overlay on, the default) or VLLM_HYBRID_KV=0 "
+            "(pure upstream vLLM).",
+        ),
+        (
+            [CLI, "serve", "/nonexistent-model"],
+            "VLLM_HYBRID_MAX_PAGE_GROWTH",
+            "0.5",
+            "vllm-hybrid: VLLM_HYBRID_MAX_PAGE_GROWTH='0.5' is not valid: "
+            "expected a number of at least 1",
+        ),
+    ],
+)
+def test_bad_variable_ends_with_one_line(command, variable, value, message):
+    env = dict(os.environ, **{variable: value})
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == message
+
+
+def test_version_names_both_distributions():
+    proc = subprocess.run(
+        [CLI, "--version"], capture_output=True, text=True, timeout=120
+    )
+    from vllm_hybrid import __version__
+
+    assert proc.returncode == 0
+    assert proc.stdout.strip().startswith(f"vllm-hybrid {__version__} (vLLM 0.32.0")
+
+
+def test_help_lists_the_projects_subcommands_then_vllms():
+    proc = subprocess.run([CLI, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    out = proc.stdout
+    assert out.index("  plan ") < out.index("  verify ") < out.index("  serve ")
