@@ -40,6 +40,18 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {kind: build_tiny_model(root / kind, kind, seed=0) for kind in KINDS}
 
 
+def test_files_readable_by_other_users(builds: dict[str, Path]) -> None:
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    path = builds["qwen3_5"]
+    assert path.stat().st_mode & 0o777 == 0o777 & ~umask
+    modes = {f.name: f.stat().st_mode & 0o777 for f in path.iterdir()}
+    assert modes["model.safetensors"] == 0o666 & ~umask
+    assert set(modes.values()) == {0o666 & ~umask}
+
+
 def test_kinds_are_the_documented_ones() -> None:
     assert set(KINDS) == {"qwen3_next", "qwen3_5", "nemotron_h", "dense"}
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 #: Bump whenever a change alters the produced files, so that cached builds
 #: made by an older builder are not silently reused.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: files 0644 (safetensors wrote 0600)
 
 #: Model kinds this module can build. ``qwen3_5`` has Qwen3.5/3.6 shapes on
 #: the Qwen3-Next architecture (see :func:`qwen3_5_config`).
@@ -312,10 +312,14 @@ def _publish(staging: Path, out_path: Path, kind: str, seed: int) -> None:
     If a concurrent builder (another test worker, say) published the same
     build first, its result is kept: both are byte-identical anyway.
     """
-    # mkdtemp creates mode 0700; give the result the usual umask-based mode.
+    # mkdtemp creates mode 0700 and safetensors writes 0600; give the result
+    # the usual umask-based modes, so that other users (or a container with
+    # another uid) can load the model.
     umask = os.umask(0)
     os.umask(umask)
     staging.chmod(0o777 & ~umask)
+    for path in staging.iterdir():
+        path.chmod(0o666 & ~umask)
     _clear_previous(out_path)
     try:
         staging.rename(out_path)
