@@ -166,3 +166,15 @@ def test_overlay_active_in_server_processes(server):
     pids = {re.search(r"pid=(\d+)", ln).group(1) for ln in lines}
     assert len(lines) == len(pids) >= 2, lines
     assert any("EngineCore" in ln for ln in lines), lines
+
+
+def test_shutdown_is_clean_and_its_exit_noise_is_known(server):
+    """Last in this module: SIGINT stops the server with exit code 0 and no
+    failure in its log; what else it prints at exit is upstream's known
+    noise (see ``HARMLESS_SHUTDOWN_MARKERS``)."""
+    from vllm_hybrid.tools.server import shutdown_report, stop
+
+    report = shutdown_report(server, stop(server))
+    assert report.exit_code == 0
+    assert report.problems == ()
+    assert report.clean

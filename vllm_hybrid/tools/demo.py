@@ -3,8 +3,8 @@
 Builds the tiny random-weight ``qwen3_5`` model (offline, seconds), serves it
 with ``vllm-hybrid serve --kv-cache-dtype turboquant_k8v4`` on loopback,
 sends one chat completion, prints the answer (random weights: expect word
-salad) and the engine's KV cache plan lines, then shuts the server down
-cleanly.
+salad) and the engine's KV cache plan lines, then shuts the server down and
+reports what its exit code and log say about the shutdown.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_hybrid.tools.server import serve, stop
+from vllm_hybrid.tools.server import serve, shutdown_report, stop
 from vllm_hybrid.tools.tiny_models import build_tiny_model
 
 DEFAULT_KV_BYTES = 48 * 2**20
@@ -51,9 +51,22 @@ def main(argv: list[str] | None = None) -> int:
         if not any("KV cache size" in line for line in plan_lines):
             print("[demo] error: the engine log has no KV cache plan line")
             return 1
-        code = stop(server)
-    print(f"[demo] server stopped cleanly (exit code {code})")
-    return 0 if code == 0 else 1
+        report = shutdown_report(server, stop(server))
+    if not report.clean:
+        print(f"[demo] error: the server exited with code {report.exit_code}")
+        for line in report.problems:
+            print(f"    {line}")
+        return 1
+    print(f"[demo] server stopped cleanly (exit code {report.exit_code})")
+    if report.harmless_lines:
+        print(
+            f"[demo] its log ends with {report.harmless_lines} lines of upstream's "
+            "harmless exit-time messages (Triton's nanobind leak report, "
+            "multiprocessing resource_tracker cleanup warnings, and sometimes an "
+            "EngineDeadError from the output handler of the engine vLLM's "
+            "abort-mode shutdown just stopped)"
+        )
+    return 0
 
 
 if __name__ == "__main__":

@@ -116,6 +116,63 @@ def _wait_ready(handle: ServerHandle, timeout: float) -> None:
     )
 
 
+#: Messages upstream's processes print at exit that do not mean a failed
+#: shutdown: Triton's nanobind reference-leak report (printed when the
+#: interpreter exits with Triton loaded) and multiprocessing's resource
+#: tracker warning about semaphores and shared memory it cleans up itself.
+HARMLESS_SHUTDOWN_MARKERS = (
+    "nanobind:",
+    " - leaked ",
+    " - ... skipped remainder",
+    "See https://nanobind.readthedocs.io",
+    "resource_tracker: There appear to be",
+    "warnings.warn('resource_tracker:",
+)
+#: Where a shutdown begins in the log. vLLM's default shutdown
+#: (``--shutdown-timeout 0``, "mode=abort") kills the engine core at once; the
+#: API server's output handler may then log an ``EngineDeadError`` traceback
+#: for the engine it just stopped. After this marker, that traceback (logged
+#: from ``async_llm.py``) is upstream's shutdown race, not a failure.
+SHUTDOWN_MARKER = "[shutdown] API server: shutdown triggered"
+SHUTDOWN_RACE_SOURCE = "[async_llm.py:"
+#: Messages that do mean something went wrong.
+PROBLEM_MARKERS = ("Traceback (most recent call last)", "EngineDeadError", " ERROR ")
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What a stopped server's exit code and log say about its shutdown."""
+
+    exit_code: int
+    #: Log lines that are upstream's known exit-time messages.
+    harmless_lines: int
+    #: Log lines that report a failure (first few kept).
+    problems: tuple[str, ...]
+
+    @property
+    def clean(self) -> bool:
+        return self.exit_code == 0 and not self.problems
+
+
+def shutdown_report(handle: ServerHandle, exit_code: int) -> ShutdownReport:
+    """Classify the log of a stopped server."""
+    harmless, problems, race = 0, [], []
+    in_shutdown = False
+    for line in handle.log_text().splitlines():
+        in_shutdown = in_shutdown or SHUTDOWN_MARKER in line
+        if any(marker in line for marker in HARMLESS_SHUTDOWN_MARKERS):
+            harmless += 1
+        elif in_shutdown and SHUTDOWN_RACE_SOURCE in line and " ERROR " in line:
+            race.append(line.strip()[:200])
+        elif any(marker in line for marker in PROBLEM_MARKERS):
+            problems.append(line.strip()[:200])
+    if any("EngineDeadError" in line for line in race):
+        harmless += len(race)
+    else:
+        problems += race
+    return ShutdownReport(exit_code, harmless, tuple(problems[:5]))
+
+
 def stop(handle: ServerHandle, timeout: float = 60.0) -> int:
     """SIGINT, wait, then SIGKILL as a last resort; returns the exit code."""
     proc = handle.process
