@@ -14,6 +14,7 @@ from typing import Any
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+from vllm_hybrid.v1.worker.pooled_views import check_kernel_blocks
 
 logger = init_logger(__name__)
 
@@ -26,6 +27,10 @@ def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
         )
         return
     cache_config = vllm_config.cache_config
+    # Before specs, profiling and allocation: pooled token blocks are never
+    # split into kernel blocks, so the backends must run this block as it is.
+    backends = cls._find_non_ssm_backends(vllm_config) or [backend_cls]
+    check_kernel_blocks(vllm_config, backends)
     if cache_config.mamba_cache_mode == "align":
         cache_config.mamba_block_size = checkpoint_interval(
             cache_config.block_size, cache_config.mamba_block_size

@@ -2,9 +2,10 @@
 
 The upstream column runs vLLM's own block size alignment and
 ``vllm.v1.core.kv_cache_utils`` with the overlay reverted; the pooled column
-runs the same pure planner the engine uses
-(:mod:`vllm_hybrid.v1.core.pooled.planner`) on the layer specs at natural
-sizes, with the engine's null-block rule and capacity figures.
+runs the worker's block alignment and the engine core's own planning
+function (:func:`vllm_hybrid.v1.core.pooled.engine.plan_pooled_configs`) on
+the layer specs at natural sizes, and the capacity figures the engine logs
+(:func:`vllm_hybrid.v1.core.pooled.planner.pooled_capacity`).
 """
 
 from __future__ import annotations
@@ -208,51 +209,51 @@ def plan_pooled(
     prompt_lens: Sequence[int],
     upstream_plan: ModePlan,
 ) -> ModePlan:
-    """This project's pooled mode (upstream's plan where it does not apply)."""
+    """This project's pooled mode (upstream's plan where it does not apply).
+
+    The worker's block alignment and the engine core's planning function
+    (``plan_pooled_configs``, the one ``get_kv_cache_configs`` calls) run on
+    the layer specs, with the device's platform current, so budget, null
+    blocks, layout check and capacity are the engine's own.
+    """
     from vllm_hybrid.platforms.hybrid_block_size import align_hybrid_block_size
-    from vllm_hybrid.v1.core.pooled.engine import null_blocks_may_overlap
+    from vllm_hybrid.v1.core.pooled.engine import plan_pooled_configs
     from vllm_hybrid.v1.core.pooled.planner import (
-        PooledBudget,
         PooledPlanError,
-        plan_pooled_kv_cache,
         pooled_capacity,
         split_layers,
     )
     from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
     from vllm_hybrid.v1.core.pooled.spec import PoolKind
+    from vllm_hybrid.v1.worker.pooled_views import PooledViewError
 
     config = copy.deepcopy(vllm_config)
     decision = pooled_mode_decision(config)
     if not decision.enabled:
-        same = dataclasses.replace(upstream_plan, mode="pooled")
-        same.note = f"pooled mode does not apply ({decision.reason}): upstream plan"
-        return same
+        return _as_upstream(upstream_plan, decision.reason)
     backend = attention_backend(request, pooled=True)
     platform = platform_class(request.device, backend, align_hybrid_block_size)
-    platform.update_block_size_for_backend(config)
+    plan = ModePlan("pooled")
+    try:
+        platform.update_block_size_for_backend(config)
+    except PooledViewError as exc:
+        plan.error = first_line(exc)
+        return plan
     specs = layer_specs(config, backend)
     resolve_layout(config, backend, specs)
     split = split_layers(specs)
-    if split.token is None or split.state is None:
-        same = dataclasses.replace(upstream_plan, mode="pooled")
-        same.note = f"pooled mode does not apply ({split.reason}): upstream plan"
-        return same
-    # The engine's rule, asked of the device planned for: CPU, or no CUDA
-    # graphs, lets the null blocks overlap owned blocks.
-    with current_platform_as(platform()):
-        overlap = null_blocks_may_overlap(config)
-    budget = PooledBudget(
-        arena_bytes=request.kv_cache_memory,
-        max_model_len=config.model_config.max_model_len,
-        max_num_seqs=config.scheduler_config.max_num_seqs,
-        null_blocks_overlap=overlap,
-    )
-    plan = ModePlan("pooled")
+    if split.token is None:
+        return _as_upstream(upstream_plan, split.reason)
     try:
-        pooled = plan_pooled_kv_cache(split, budget)
+        with current_platform_as(platform()):
+            configs = plan_pooled_configs(config, [specs], [request.kv_cache_memory])
     except PooledPlanError as exc:
         plan.error = first_line(exc)
         return plan
+    if configs is None:
+        layout = config.cache_config.kv_cache_layout
+        return _as_upstream(upstream_plan, f"KV cache layout {layout}")
+    pooled = configs[0]
     _fill_state_padding(plan, specs)
     plan.groups = _group_rows(pooled)
     plan.pools = [
@@ -263,7 +264,8 @@ def plan_pooled(
         )
     ]
     plan.num_blocks = pooled.num_blocks
-    capacity = pooled_capacity(pooled, budget.max_model_len)
+    max_model_len = config.model_config.max_model_len
+    capacity = pooled_capacity(pooled, max_model_len)
     plan.token_capacity = capacity.token_capacity
     # What the engine logs is already the longest single request: the token
     # pool with the state pool at its floor.
@@ -276,6 +278,12 @@ def plan_pooled(
             "bytes_per_request": at.bytes_per_request,
         }
     return plan
+
+
+def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
+    same = dataclasses.replace(upstream_plan, mode="pooled")
+    same.note = f"pooled mode does not apply ({reason}): upstream plan"
+    return same
 
 
 def build_plan(request: PlanRequest) -> Plan:

@@ -146,6 +146,8 @@ def as_cuda_config(
     config.model_config.config_updated = False
     with checkpoint_hooks(architecture, config.model_config.architecture):
         config.try_verify_and_update_config()
+    # what the engine's capacity line names the device by
+    config.device_config.device_type = "cuda"
     return config
 
 
@@ -156,12 +158,9 @@ def as_cuda_config(
 
 def kv_torch_dtype(vllm_config: Any) -> Any:
     """The torch dtype of the attention KV cache."""
-    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm_hybrid.v1.worker.pooled_views import kv_cache_torch_dtype
 
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype == "auto":
-        return vllm_config.model_config.dtype
-    return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
+    return kv_cache_torch_dtype(vllm_config)
 
 
 def attention_backend(request: PlanRequest, *, pooled: bool) -> type:
@@ -221,24 +220,16 @@ def layer_kinds(vllm_config: Any) -> LayerKinds:
 def layer_specs(vllm_config: Any, backend: type) -> dict[str, Any]:
     """``{layer name: KVCacheSpec}`` as the model's layers would build them."""
     from vllm.model_executor.models import ModelRegistry
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MambaSpec,
-        get_kv_quant_mode,
-    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    from vllm_hybrid.v1.worker.pooled_views import attention_spec_of
 
     model_config = vllm_config.model_config
     cache = vllm_config.cache_config
     kinds = layer_kinds(vllm_config)
-    attn = backend.customize_spec(
-        FullAttentionSpec(
-            block_size=cache.block_size,
-            num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
-            head_size=model_config.get_head_size(),
-            dtype=kv_torch_dtype(vllm_config),
-            kv_quant_mode=get_kv_quant_mode(cache.cache_dtype),
-        )
-    )
+    # the model runner's own step from a layer's spec to the one it reports
+    attn = customize_attention_spec(backend, attention_spec_of(vllm_config))
     specs: dict[str, Any] = {
         f"model.layers.{i}.self_attn.attn": attn for i in range(kinds.attention)
     }

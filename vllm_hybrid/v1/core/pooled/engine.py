@@ -68,6 +68,34 @@ def null_blocks_may_overlap(vllm_config: Any) -> bool:
     return mode is None or mode == CUDAGraphMode.NONE
 
 
+def _unusable_layout(vllm_config: Any) -> str | None:
+    """The log line for a KV cache layout pooled views cannot express, or None.
+
+    Pooled views fix each page's layer and block strides, so the page itself
+    must be one contiguous run (a block-compact layout). For hybrid models
+    upstream's resolution only picks such layouts (their pages differ in
+    shape) and rejects others named in ``VLLM_KV_CACHE_LAYOUT``; another
+    layout arrives only preset on the cache config, which resolution honours
+    (tests, standalone tools). Upstream's single pool is used then: it
+    expresses layer-outer layouts such as LHBNC and refuses the others itself
+    with an error naming the fix.
+    """
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    if vllm_config.cache_config.kv_cache_layout is None:
+        return None
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    if layout.is_block_compact:
+        return None
+    compact = ", ".join(m.name for m in KVCacheLayout if m.is_block_compact)
+    return (
+        f"vllm-hybrid pooled KV mode needs a block-compact KV cache layout "
+        f"({compact}), got {layout.name}; using upstream's single shared KV pool. "
+        "Leave the layout to vLLM's resolution or choose one of those for "
+        "pooled mode."
+    )
+
+
 def plan_pooled_configs(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
@@ -85,16 +113,10 @@ def plan_pooled_configs(
             split.reason,
         )
         return None
-    layout = vllm_config.cache_config.kv_cache_layout
-    if layout is not None:
-        resolved = vllm_config.cache_config.get_resolved_kv_cache_layout()
-        if not resolved.is_block_compact:
-            logger.info(
-                "vllm-hybrid pooled KV mode needs a block-compact KV cache "
-                "layout, got %s; using upstream's single shared KV pool",
-                resolved.name,
-            )
-            return None
+    unusable = _unusable_layout(vllm_config)
+    if unusable is not None:
+        logger.info(unusable)
+        return None
     # Every rank must hand out the same block ids: plan all ranks with the
     # smallest budget.
     budget = PooledBudget(
