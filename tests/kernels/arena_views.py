@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -76,6 +77,34 @@ def gdn_spec(
         dtypes=(torch.bfloat16, torch.float32),
         mamba_cache_mode=mode,
         num_speculative_blocks=num_spec,
+    )
+
+
+#: Nemotron-H's Mamba2 mixer (head dim, state size, groups, conv kernel), with
+#: far fewer heads: Qwen3.6 has no Mamba2 layers, and the interpreter's cost
+#: grows with the head count.
+NEMOTRON_H_MAMBA2 = {
+    "num_heads": 4,
+    "head_dim": 64,
+    "n_groups": 1,
+    "state_size": 128,
+    "conv_kernel": 4,
+}
+
+
+def mamba2_spec(block_size: int, mode: str = "align", **overrides) -> MambaSpec:
+    """A Mamba2 layer spec: bf16 conv state, float32 SSM state (the
+    ``mamba_ssm_cache_dtype`` Nemotron-H checkpoints ask for)."""
+    dims = {**NEMOTRON_H_MAMBA2, **overrides}
+    shapes = MambaStateShapeCalculator.mamba2_state_shape(
+        1, intermediate_size=dims["num_heads"] * dims["head_dim"], **dims
+    )
+    return MambaSpec(
+        block_size=block_size,
+        shapes=tuple(tuple(s) for s in shapes),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode=mode,
     )
 
 

@@ -11,6 +11,11 @@ import triton_interpreter
 if not torch.cuda.is_available():
     # on a GPU runner the kernels run compiled, on real CUDA tensors
     triton_interpreter.enable()
+    import interpreter_quirks
+
+    # gaps of the interpreter the kernels would otherwise trip over (bf16
+    # arithmetic on raw bits among them), for every module of the tier
+    interpreter_quirks.apply()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -53,11 +53,13 @@ def _merge_specs(
 def null_blocks_may_overlap(vllm_config: Any) -> bool:
     """Whether no kernel writes through a null block id in this engine.
 
-    Upstream pads CUDA-graph batches with state id 0 (``NULL_BLOCK_ID``), so
-    state kernels write garbage there; attention never writes through a null
-    block (padded slots are -1). Without CUDA graphs (the CPU backend, or
-    ``--enforce-eager``) the null blocks can overlap owned blocks and the
-    arena does not lose a whole state block to them.
+    Upstream pads CUDA-graph batches with state id 0 (``NULL_BLOCK_ID``).
+    Its Triton state kernels skip that id (tests/kernels checks it), but not
+    every state kernel a CUDA engine may run is a Triton kernel, so with CUDA
+    graphs the null region stays clear of owned blocks. Attention never
+    writes through a null block (padded slots are -1). Without CUDA graphs
+    (the CPU backend, or ``--enforce-eager``) the null blocks can overlap
+    owned blocks and the arena does not lose a whole state block to them.
     """
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform

@@ -1,0 +1,233 @@
+"""Running an attention step on pooled views and on twins, and the checker.
+
+:class:`Setup` is one arena with its twins, requests, inputs and backend
+impl; :meth:`Setup.store` and :meth:`Setup.attend` run one kernel on either
+set of views; :func:`compare` turns the two runs into a :class:`Verdict`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from arena_views import DEVICE, ArenaViews
+from attention_harness import (
+    BF16,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    Batch,
+    Case,
+    Flavor,
+    Inputs,
+    Requests,
+    attention_layer,
+    layout_twin,
+    make_impl,
+    metadata,
+    queries,
+)
+
+from vllm_hybrid.v1.core.pooled.spec import PoolKind
+
+#: A view transform (identity, or a fault from attention_harness).
+ViewFn = Callable[[ArenaViews, torch.Tensor], torch.Tensor]
+
+
+def same_view(arena: ArenaViews, view: torch.Tensor) -> torch.Tensor:
+    return view
+
+
+@dataclass
+class Verdict:
+    """What differs between a pooled run and its twin run."""
+
+    #: Output elements (of the rows the model consumes) that differ bitwise.
+    output_mismatches: int = 0
+    #: ``(layer, block id)`` of owned token pages whose bytes differ.
+    pages_unequal: list[tuple[str, int]] = field(default_factory=list)
+    #: Arena bytes changed outside the pages the requests own.
+    bytes_outside: int = 0
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.output_mismatches:
+            found.append(f"{self.output_mismatches} output elements differ")
+        if self.pages_unequal:
+            found.append(f"owned pages differ: {self.pages_unequal[:6]}")
+        if self.bytes_outside:
+            found.append(f"{self.bytes_outside} bytes changed outside owned pages")
+        return found
+
+
+@dataclass
+class Setup:
+    """One case's arena, twins and requests, ready for kernel runs."""
+
+    case: Case
+    arena: ArenaViews
+    twins: dict[str, torch.Tensor]
+    requests: Requests
+    inputs: Inputs
+    impl: object
+    layer: object
+    #: Verdict of the store step, for the tests that read after it.
+    store_verdict: Verdict | None = None
+    #: Twin outputs by read step, when several pooled runs compare to one.
+    twin_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, case: Case, seq_lens: tuple[int, ...]) -> Setup:
+        arena = case.build()
+        layout = case.layout or case.flavor.layout()
+        twins = {
+            name: layout_twin(arena.views[name], layout) for name in arena.token_layers
+        }
+        requests = Requests.place(arena, seq_lens, seed=case.seed)
+        inputs = Inputs.random(arena, requests, seed=case.seed)
+        impl = make_impl(case.flavor)
+        return cls(case, arena, twins, requests, inputs, impl, attention_layer())
+
+    @property
+    def flavor(self) -> Flavor:
+        return self.case.flavor
+
+    @property
+    def read_layer(self) -> str:
+        return self.arena.token_layers[self.case.layer]
+
+    def views(self, pooled: bool) -> dict[str, torch.Tensor]:
+        return self.arena.views if pooled else self.twins
+
+    def store(
+        self,
+        batch: Batch,
+        pooled: bool,
+        fault: ViewFn = same_view,
+        requests: Requests | None = None,
+        layers: tuple[str, ...] | None = None,
+    ) -> None:
+        """``do_kv_cache_update`` for every attention layer (or ``layers``);
+        ``requests`` overrides the slots (fault injection), not the K/V."""
+        slots = batch.slot_mapping(requests or self.requests)
+        for name in layers or self.arena.token_layers:
+            view = fault(self.arena, self.views(pooled)[name])
+            key, value = self.inputs.step_kv(name, self.requests, batch)
+            self.impl.do_kv_cache_update(self.layer, key, value, view, slots)
+
+    def attend(
+        self,
+        batch: Batch,
+        pooled: bool,
+        fault: ViewFn = same_view,
+        requests: Requests | None = None,
+    ) -> torch.Tensor:
+        """``forward`` on the read layer; the output rows the model uses."""
+        view = fault(self.arena, self.views(pooled)[self.read_layer])
+        meta = metadata(self.flavor, requests or self.requests, batch)
+        query = queries(self.flavor, batch, seed=self.case.seed + 1)
+        key, value = self.inputs.step_kv(self.read_layer, self.requests, batch)
+        heads = self.flavor.num_q_heads
+        shape = (batch.num_tokens, heads, HEAD_SIZE)
+        out = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+        if self.flavor is not BF16:
+            out = out.flatten(1)
+        self.impl.forward(self.layer, query, key, value, view, meta, out)
+        return out[: batch.real_tokens].view(batch.real_tokens, heads, HEAD_SIZE)
+
+    def compare(
+        self,
+        out_pooled: torch.Tensor | None = None,
+        out_twin: torch.Tensor | None = None,
+    ) -> Verdict:
+        return compare(self, out_pooled, out_twin)
+
+
+def compare(
+    setup: Setup, out_pooled: torch.Tensor | None, out_twin: torch.Tensor | None
+) -> Verdict:
+    """Outputs bitwise, every owned token page of every attention layer
+    bytewise, and the canary outside the pages the requests own."""
+    arena = setup.arena
+    verdict = Verdict()
+    if out_pooled is not None:
+        differ = out_pooled.view(torch.int16) != out_twin.view(torch.int16)
+        verdict.output_mismatches = int(differ.sum())
+    owned = list(arena.token_ids)
+    for name in arena.token_layers:
+        pooled = page_bytes(arena.views[name][owned])
+        twin = page_bytes(setup.twins[name][owned])
+        rows = (pooled != twin).any(dim=1).nonzero().flatten().tolist()
+        verdict.pages_unequal += [(name, owned[i]) for i in rows]
+    used = arena.page_ranges(PoolKind.TOKEN, setup.requests.used_ids)
+    verdict.bytes_outside = arena.bytes_changed_outside(used)
+    return verdict
+
+
+def page_bytes(pages: torch.Tensor) -> torch.Tensor:
+    """``[n, page bytes]`` of gathered pages (logical order on both sides,
+    and both sides store a page in the same physical order)."""
+    return pages.contiguous().view(torch.uint8).reshape(pages.shape[0], -1)
+
+
+def reference(setup: Setup, batch: Batch, cached: int | None = None) -> torch.Tensor:
+    """Causal GQA attention of the batch's queries over what the cache
+    holds of the inputs, in float32: what the kernels should compute (guards
+    against two runs agreeing on garbage). ``cached``: TurboQuant's long
+    continuation reads only that many positions from the cache and attends
+    to the chunk's own K/V as they are."""
+    query = queries(setup.flavor, batch, seed=setup.case.seed + 1).float().cpu()
+    lengths = batch.lengths_of(setup.requests)
+    starts = [0, *itertools.accumulate(batch.query_lens)]
+    rows = []
+    for r, (n, q) in enumerate(zip(lengths, batch.query_lens, strict=True)):
+        keys, values = context(setup, r, n, cached)
+        positions = torch.arange(n - q, n)
+        visible = torch.arange(n)[None, :] <= positions[:, None]
+        scores = torch.einsum("qhd,thd->hqt", query[starts[r] : starts[r + 1]], keys)
+        scores = (scores * HEAD_SIZE**-0.5).masked_fill(~visible, float("-inf"))
+        rows.append(torch.einsum("hqt,thd->qhd", scores.softmax(-1), values))
+    return torch.cat(rows)
+
+
+def context(setup: Setup, request: int, n: int, cached: int | None):
+    """The first ``n`` keys and values of a request as the kernel sees them,
+    repeated for each query head of a KV head."""
+    keys = setup.inputs.keys[setup.read_layer][request][:n].float().cpu()
+    values = setup.inputs.values[setup.read_layer][request][:n].float().cpu()
+    if setup.flavor is not BF16:
+        stored = n if cached is None else cached
+        quantized = turboquant_k8v4(keys[:stored], values[:stored])
+        keys = torch.cat([quantized[0], keys[stored:]])
+        values = torch.cat([quantized[1], values[stored:]])
+    group = setup.flavor.num_q_heads // NUM_KV_HEADS
+    return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+
+
+def turboquant_k8v4(keys: torch.Tensor, values: torch.Tensor):
+    """What ``turboquant_k8v4`` keeps of K and V: keys as fp8 e4m3, each
+    (token, head) value vector on 16 uniform levels between its min and max,
+    scale and zero stored as fp16."""
+    keys = keys.to(torch.float8_e4m3fn).float()
+    low = values.amin(-1, keepdim=True)
+    scale = ((values.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8)
+    levels = ((values - low) / scale + 0.5).floor().clamp(0, 15)
+    return keys, levels * scale.half().float() + low.half().float()
+
+
+def stored_kv_matches(setup: Setup) -> bool:
+    """bf16 only: the twin holds exactly the K/V the store was given, at
+    the slots of the requests (the impl's own split into K and V halves)."""
+    for name, twin in setup.twins.items():
+        cache = twin.transpose(1, 2)
+        for r, n in enumerate(setup.requests.seq_lens):
+            for pos in range(n):
+                block, offset = divmod(setup.requests.slot(r, pos), cache.shape[1])
+                kv = cache[block, offset]
+                key, value = kv[..., :HEAD_SIZE], kv[..., HEAD_SIZE:]
+                if not torch.equal(key, setup.inputs.keys[name][r][pos]):
+                    return False
+                if not torch.equal(value, setup.inputs.values[name][r][pos]):
+                    return False
+    return True
