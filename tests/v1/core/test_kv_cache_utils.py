@@ -326,27 +326,48 @@ def test_bf16_skip_layers_next_to_turboquant(
     assert_kernel_split_legal(tq, kernel_block_size=16)
 
 
-def test_skip_and_turboquant_next_to_gdn_fail_on_padding() -> None:
-    """With a state page the 3,178,496 B common page pads GDN by 65.46%."""
+def test_plan_beyond_the_limits_falls_back_to_upstreams_padding(
+    vllm_log: pytest.LogCaptureFixture,
+) -> None:
+    """With a state page the 3,178,496 B common page pads GDN by 65.46%, beyond
+    the default 2%: upstream's unification (the bf16 and TurboQuant pages
+    padded to the GDN page) is used, with one line naming the option that
+    accepts the LCM plan."""
     specs = {
         "model.layers.0.linear_attn": gdn_spec(),
         "model.layers.1.self_attn.attn": attention_spec(),
         "model.layers.2.self_attn.attn": turboquant_spec(),
     }
-    with pytest.raises(page_unification.PageSizeUnificationError) as info:
-        overlay_unify(specs)
-    message = str(info.value)
-    assert "1,097,728 B per page, MambaSpec x1: model.layers.0.linear_attn" in message
-    assert "65.46%" in message
-    assert '"max_page_padding_pct": 65.47' in message
-    assert f"{envs.MAX_PAGE_PADDING_PCT_VAR}=65.47" in message
+    unified = overlay_unify(dict(specs))
+    assert unified == upstream_unify(dict(specs))
+    assert {s.page_size_bytes for s in unified.values()} == {1_097_728}
+    lines = [
+        r.getMessage() for r in vllm_log.records if "beyond its limits" in r.message
+    ]
+    assert len(lines) == 1
+    assert "65.46%" in lines[0] and "using upstream's page unification" in lines[0]
+    assert '"max_page_padding_pct": 65.47' in lines[0]
+    assert f"{envs.MAX_PAGE_PADDING_PCT_VAR}=65.47" in lines[0]
     # Growth stays within the default: 3,178,496 / 1,097,728 = 2.9x.
-    assert "max_page_growth" not in message
+    assert "max_page_growth" not in lines[0]
 
     accepted = hybrid.unify_kv_cache_spec_page_size(
         specs, PageUnificationLimits(max_page_padding_pct=65.47)
     )
     assert {s.page_size_bytes for s in accepted.values()} == {3_178_496}
+
+
+def test_plan_beyond_the_limits_fails_where_upstream_gives_up_too() -> None:
+    """MLA (18,432 B) next to GDN: upstream cannot pad MLA; the LCM plan pads
+    GDN by 0.74%, beyond a 0.5% limit: start-up fails naming the option."""
+    specs = {"model.layers.0.linear_attn": gdn_spec(), "mla": mla_spec()}
+    with pytest.raises(page_unification.PageSizeUnificationError) as info:
+        hybrid.unify_kv_cache_spec_page_size(
+            specs, PageUnificationLimits(max_page_padding_pct=0.5)
+        )
+    message = str(info.value)
+    assert "0.74%" in message and '"max_page_padding_pct": 0.75' in message
+    assert "1,097,728 B per page, MambaSpec x1" in message
 
 
 @pytest.mark.parametrize(
@@ -433,13 +454,18 @@ def test_absurd_lcm_with_state_page_names_both_options() -> None:
         "model.layers.2.self_attn.attn": attention_spec(num_kv_heads=1, head_size=101),
     }
     limits = PageUnificationLimits(max_page_padding_pct=1, max_page_growth=1)
-    with pytest.raises(page_unification.PageSizeUnificationError) as info:
-        hybrid.unify_kv_cache_spec_page_size(specs, limits)
-    message = str(info.value)
+    plan = page_unification.plan_page_size_unification(specs)
+    violations = page_unification.page_plan_violations(plan, limits)
+    assert violations is not None
     # 2 x 627,008 = 1,254,016 B; GDN padding 156,288 B = 12.46%; growth 1.14x.
-    assert "1,254,016 B" in message
-    assert "12.46%" in message and "1.14x" in message
-    assert '"max_page_padding_pct": 12.47, "max_page_growth": 1.15' in message
+    assert plan.page_size == 1_254_016
+    problems = "; ".join(violations.problems)
+    assert "12.46%" in problems and "1.14x" in problems
+    hint = violations.accept_hint()
+    assert '"max_page_padding_pct": 12.47, "max_page_growth": 1.15' in hint
+    # upstream pads both attention pages to the GDN page: its plan is used
+    unified = hybrid.unify_kv_cache_spec_page_size(dict(specs), limits)
+    assert unified == upstream_unify(dict(specs))
 
 
 def test_unification_error_keeps_upstream_fallback_contract() -> None:
@@ -513,8 +539,9 @@ def test_additional_config_reaches_unification_through_get_kv_cache_groups(
         return config
 
     strict = planning_config()
-    with pytest.raises(page_unification.PageSizeUnificationError, match="65.46%"):
-        kv_cache_utils.get_kv_cache_groups(strict, dict(specs))
+    groups = kv_cache_utils.get_kv_cache_groups(strict, dict(specs))
+    # beyond the default padding limit: upstream's unification, GDN's page
+    assert {g.kv_cache_spec.page_size_bytes for g in groups} == {1_097_728}
 
     relaxed = planning_config(hybrid_kv={"max_page_padding_pct": 65.47})
     groups = kv_cache_utils.get_kv_cache_groups(relaxed, dict(specs))

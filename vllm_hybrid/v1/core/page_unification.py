@@ -279,12 +279,28 @@ def _suggested(value: float) -> str:
     return f"{math.ceil(value * 100 - 1e-9) / 100:g}"
 
 
-def check_page_size_plan(
-    plan: PageSizePlan,
-    kv_cache_spec: Mapping[str, KVCacheSpec],
-    limits: PageUnificationLimits,
-) -> None:
-    """Fail at start-up, with what to change, when a plan exceeds a limit."""
+@dataclass(frozen=True)
+class PlanViolations:
+    """How a page plan exceeds the limits, and the option values that would
+    accept it."""
+
+    problems: tuple[str, ...]
+    #: (``hybrid_kv`` key, environment variable, suggested value)
+    fixes: tuple[tuple[str, str, str], ...]
+
+    def accept_hint(self) -> str:
+        options = ", ".join(f'"{key}": {value}' for key, _, value in self.fixes)
+        env = " ".join(f"{var}={value}" for _, var, value in self.fixes)
+        return (
+            f"--additional-config '{{\"{ADDITIONAL_CONFIG_KEY}\": {{{options}}}}}' "
+            f"(or set {env})"
+        )
+
+
+def page_plan_violations(
+    plan: PageSizePlan, limits: PageUnificationLimits
+) -> PlanViolations | None:
+    """The limits ``plan`` exceeds, or None."""
     problems: list[str] = []
     fixes: list[tuple[str, str, str]] = []
     if plan.max_padding_pct > limits.max_page_padding_pct:
@@ -312,16 +328,27 @@ def check_page_size_plan(
             (MAX_PAGE_GROWTH, envs.MAX_PAGE_GROWTH_VAR, _suggested(plan.page_growth))
         )
     if not problems:
+        return None
+    return PlanViolations(tuple(problems), tuple(fixes))
+
+
+def check_page_size_plan(
+    plan: PageSizePlan,
+    kv_cache_spec: Mapping[str, KVCacheSpec],
+    limits: PageUnificationLimits,
+) -> None:
+    """Fail at start-up, with what to change, when a plan exceeds a limit."""
+    violations = page_plan_violations(plan, limits)
+    if violations is None:
         return
-    options = ", ".join(f'"{key}": {value}' for key, _, value in fixes)
-    env = " ".join(f"{var}={value}" for _, var, value in fixes)
     raise PageSizeUnificationError(
         "vllm-hybrid will not unify the KV cache page sizes of this model: "
-        + "; ".join(problems)
+        + "; ".join(violations.problems)
         + ".\nLayers and their page sizes:\n"
         + _layer_table(kv_cache_spec)
-        + "\nTo accept this plan, start vLLM with --additional-config "
-        f"'{{\"{ADDITIONAL_CONFIG_KEY}\": {{{options}}}}}' (or set {env})."
+        + "\nTo accept this plan, start vLLM with "
+        + violations.accept_hint()
+        + "."
     )
 
 
@@ -337,6 +364,31 @@ def _log_state_padding(page_size: int, state_padding: Mapping[str, int]) -> None
         f"{largest:,}",
         100.0 * largest / page_size,
     )
+
+
+def _upstream_within_limits(
+    kv_cache_spec: dict[str, KVCacheSpec],
+    plan: PageSizePlan,
+    limits: PageUnificationLimits,
+    upstream_unify: Callable[[dict[str, KVCacheSpec]], dict[str, KVCacheSpec]],
+) -> dict[str, KVCacheSpec]:
+    """Upstream's unification for a plan beyond the limits, with one line
+    saying why; where upstream gives up too, the error naming the option."""
+    try:
+        unified = upstream_unify(kv_cache_spec)
+    except NotImplementedError:
+        check_page_size_plan(plan, kv_cache_spec, limits)
+        raise
+    violations = page_plan_violations(plan, limits)
+    assert violations is not None
+    logger.warning_once(
+        "vllm-hybrid: the LCM page plan of this model is beyond its limits (%s); "
+        "using upstream's page unification instead (it pads attention pages to "
+        "the largest page). To use the LCM plan, start vLLM with %s.",
+        "; ".join(violations.problems),
+        violations.accept_hint(),
+    )
+    return unified
 
 
 def unify_page_sizes(
@@ -383,7 +435,9 @@ def unify_page_sizes(
         )
 
     plan = plan_page_size_unification(kv_cache_spec)
-    check_page_size_plan(plan, kv_cache_spec, limits())
+    violations = page_plan_violations(plan, limits())
+    if violations is not None:
+        return _upstream_within_limits(kv_cache_spec, plan, limits(), upstream_unify)
     scales = sorted(set(plan.block_scale.values()))
     logger.info_once(
         "vllm-hybrid: KV cache pages do not divide each other; common page is "
