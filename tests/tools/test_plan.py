@@ -333,7 +333,7 @@ def test_list_presets(capsys):
         (["llama-2-7b", "--gpu-memory", "24"], "--weights-memory"),
         (
             ["qwen3.5-35b-a3b", "--kv-cache-memory", "1GiB", "-tp", "3"],
-            "divisible",
+            "--tensor-parallel-size 3 does not divide",
         ),
         (["qwen3.5-35b-a3b", "--kv-cache-memory", "1MiB"], "cannot hold one request"),
     ],

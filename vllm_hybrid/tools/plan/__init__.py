@@ -14,9 +14,11 @@ the backend's ``customize_spec`` (TurboQuant packing) and
 pooled planner produces the pooled plan from the same layer specs at natural
 sizes. No model is instantiated, so no GPU, no weights, seconds.
 
-Modules: :mod:`.request` (inputs), :mod:`.config` (vLLM config, stand-in
-platform, layer specs), :mod:`.compute` (the two plans), :mod:`.render`
-(table, PNG), :mod:`.cli` (options, :func:`main`), :mod:`.presets`.
+Modules: :mod:`.request` (inputs), :mod:`.precheck` (what ``config.json``
+settles before vLLM is imported), :mod:`.config` (vLLM config, stand-in
+platform, layer specs), :mod:`.compute` (the two plans), :mod:`.messages`
+(errors in the planner's option names), :mod:`.render` (table, PNG),
+:mod:`.cli` (options, :func:`main`), :mod:`.presets`.
 """
 
 from vllm_hybrid.tools.plan.cli import EXIT_BAD_INPUT, build_parser, main

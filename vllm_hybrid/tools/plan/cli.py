@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -14,6 +16,7 @@ from vllm_hybrid.tools.plan.compute import build_plan
 from vllm_hybrid.tools.plan.presets import describe_presets
 from vllm_hybrid.tools.plan.render import plot_concurrency, render_table
 from vllm_hybrid.tools.plan.request import (
+    KV_CACHE_DTYPES,
     PlanError,
     parse_fraction,
     parse_positive_float,
@@ -78,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="KV cache dtype as for vllm serve (auto, fp8, turboquant_k8v4, ...)",
+        choices=KV_CACHE_DTYPES,
+        metavar="DTYPE",
+        help="KV cache dtype as for vllm serve: auto, fp8, turboquant_k8v4, ... "
+        "(vLLM 0.32's values; default auto)",
     )
     parser.add_argument(
         "--tensor-parallel-size",
@@ -173,31 +179,60 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_QUIET_VLLM_LOGS = {
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+#: The planner prints a plan, not an engine's start-up: vLLM's (and the
+#: transformers' it drives) warnings about kernels, Triton and runners that
+#: never run here are noise. Errors still show. Levels a user sets in these
+#: variables win. Logger name -> (variable of its level, the planner's level).
+_QUIET_LOGGERS = {
+    "vllm": ("VLLM_LOGGING_LEVEL", "ERROR"),
+    "transformers": ("TRANSFORMERS_VERBOSITY", "error"),
 }
+#: vLLM's log lines go to stderr: stdout holds the plan (or JSON).
+_VLLM_STREAM = ("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 @contextlib.contextmanager
 def _quiet_vllm_logs() -> Iterator[None]:
-    """Keep vLLM's INFO lines off stdout (the plan, or JSON, goes there).
+    """vLLM's warnings off, its log lines off stdout, for the duration.
 
-    vLLM reads these variables when it configures logging (at import in a
-    fresh ``vllm-hybrid plan`` process). They are restored afterwards, so a
-    caller's process (tests run ``main`` in-process) keeps its own settings.
+    Both libraries read the variables when they configure logging (during
+    the import in a fresh ``vllm-hybrid plan`` process), but some of vLLM's
+    modules warn during that import before the configuration exists, so the
+    loggers' levels are set too. Everything is restored afterwards, so a
+    caller's process (tests and ``scripts/gen_docs.py`` run :func:`main`
+    in-process) keeps its own settings.
     """
-    saved = {name: os.environ.get(name) for name in _QUIET_VLLM_LOGS}
-    for name, value in _QUIET_VLLM_LOGS.items():
+    defaults = dict([_VLLM_STREAM, *_QUIET_LOGGERS.values()])
+    saved_env = {name: os.environ.get(name) for name in defaults}
+    for name, value in defaults.items():
         os.environ.setdefault(name, value)
+    saved_levels = {}
+    for logger_name, (variable, _) in _QUIET_LOGGERS.items():
+        level = logging.getLevelName(os.environ[variable].upper())
+        if isinstance(level, int):  # an unknown name is the library's to judge
+            logger = logging.getLogger(logger_name)
+            saved_levels[logger] = logger.level
+            logger.setLevel(level)
     try:
         yield
     finally:
-        for name, value in saved.items():
+        for logger, level in saved_levels.items():
+            logger.setLevel(level)
+        for name, value in saved_env.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _check_plot_target(path: Path | None) -> None:
+    """``--plot`` problems, before the seconds of planning."""
+    if path is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlanError("--plot needs matplotlib: pip install vllm-hybrid[plot]")
+    if not path.parent.is_dir():
+        raise PlanError(f"--plot {path}: directory {path.parent} does not exist")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -207,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         request = request_from_args(args)
+        _check_plot_target(args.plot)
         with _quiet_vllm_logs():
             plan = build_plan(request)
         if args.plot is not None:

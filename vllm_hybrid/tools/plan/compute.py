@@ -29,13 +29,9 @@ from vllm_hybrid.tools.plan.config import (
     resolve_layout,
     upstream_align,
 )
-from vllm_hybrid.tools.plan.request import (
-    PlanError,
-    PlanRequest,
-    checkpoint_architecture,
-    first_line,
-    model_dir,
-)
+from vllm_hybrid.tools.plan.messages import error_text
+from vllm_hybrid.tools.plan.precheck import check_before_vllm
+from vllm_hybrid.tools.plan.request import PlanError, PlanRequest, model_dir
 
 
 @dataclass
@@ -165,7 +161,7 @@ def plan_upstream(
                 config, [specs], [request.kv_cache_memory]
             )
         except ValueError as exc:
-            plan.error = first_line(exc)
+            plan.error = error_text(exc, request)
             return plan
         scheduler = kvu.generate_scheduler_kv_cache_config(worker)
         tokens, concurrency = kvu.get_kv_cache_capacity(config, scheduler)
@@ -237,7 +233,7 @@ def plan_pooled(
     try:
         platform.update_block_size_for_backend(config)
     except PooledViewError as exc:
-        plan.error = first_line(exc)
+        plan.error = error_text(exc, request)
         return plan
     specs = layer_specs(config, backend)
     resolve_layout(config, backend, specs)
@@ -248,7 +244,7 @@ def plan_pooled(
         with current_platform_as(platform()):
             configs = plan_pooled_configs(config, [specs], [request.kv_cache_memory])
     except PooledPlanError as exc:
-        plan.error = first_line(exc)
+        plan.error = error_text(exc, request)
         return plan
     if configs is None:
         layout = config.cache_config.kv_cache_layout
@@ -287,13 +283,17 @@ def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
 
 
 def build_plan(request: PlanRequest) -> Plan:
-    """Compute both plans; raises :class:`PlanError` for bad input."""
+    """Compute both plans; raises :class:`PlanError` for bad input.
+
+    What ``config.json`` settles is checked before vLLM is imported.
+    """
     if request.device not in ("cuda", "cpu"):
         raise PlanError(f"--device must be cuda or cpu, got {request.device!r}")
     with model_dir(request.model) as (directory, preset):
+        facts = check_before_vllm(request, directory)
         config, notes = engine_config(request, directory)
         # the checkpoint's own architecture, even where a stand-in computes
-        checkpoint = checkpoint_architecture(directory)
+        checkpoint = facts.architecture
         architecture = checkpoint or config.model_config.architecture
         if request.device == "cuda":
             config = as_cuda_config(config, request, checkpoint)
@@ -303,9 +303,7 @@ def build_plan(request: PlanRequest) -> Plan:
         upstream_plan = plan_upstream(request, config, lens)
         pooled_plan = plan_pooled(request, config, lens, upstream_plan)
     if upstream_plan.error and pooled_plan.error:
-        raise PlanError(
-            f"the KV cache budget cannot hold one request: {pooled_plan.error}"
-        )
+        raise PlanError(pooled_plan.error)
     return Plan(
         model=request.model,
         architecture=str(architecture),

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.request import (
     PlanError,
     PlanRequest,
     checkpoint_architecture,
-    first_line,
 )
 
 #: Qwen3.5 classes live in a module that imports torchvision (for the vision
@@ -113,7 +113,9 @@ def engine_config(request: PlanRequest, directory: Path) -> tuple[Any, list[str]
         with checkpoint_hooks(architecture, substitute):
             config = EngineArgs(**kwargs).create_engine_config()
     except Exception as exc:  # vLLM raises many types for bad configs
-        raise PlanError(f"vLLM rejects this configuration: {first_line(exc)}") from exc
+        raise PlanError(
+            f"vLLM rejects this configuration: {error_text(exc, request)}"
+        ) from exc
     return config, notes
 
 

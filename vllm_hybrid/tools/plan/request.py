@@ -39,18 +39,56 @@ _SIZE_UNITS = {
 }
 
 
+#: KV cache dtypes vLLM 0.32 accepts (``vllm.config.cache.CacheDType``),
+#: so that a typo is answered before vLLM is imported.
+KV_CACHE_DTYPES = (
+    "auto",
+    "float16",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
+    "nvfp4_ds_mla",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    "ultraquant_4bit",
+    "int4_per_token_head",
+    "int8_per_token_head",
+    "fp8_per_token_head",
+    "nvfp4",
+    "nvfp4_4over6",
+)
+
+#: How errors name the planner's options that set the KV budget.
+KV_BUDGET_OPTIONS = "--kv-cache-memory"
+GPU_BUDGET_OPTIONS = "--gpu-memory or --gpu-memory-utilization"
+
+
 class PlanError(ValueError):
     """Bad input or a plan that cannot exist; one line, exit code 2."""
 
 
-def first_line(exc: BaseException) -> str:
+#: Longest error line printed (vLLM's messages can run to paragraphs).
+MAX_ERROR_CHARS = 400
+
+
+def unwrapped(exc: BaseException) -> str:
     """The message of ``exc`` on one line, without pydantic's wrapping."""
     text = str(exc).strip()
     # pydantic wraps the interesting line: "Value error, <message> [type=...".
     match = re.search(r"Value error, (.*?)(?: \[type=|$)", text, re.S)
     if match:
         text = match.group(1)
-    return " ".join(text.split())[:400] or type(exc).__name__
+    return " ".join(text.split())
+
+
+def first_line(exc: BaseException) -> str:
+    """:func:`unwrapped`, cut to one readable line."""
+    return unwrapped(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
 
 
 # ---------------------------------------------------------------------------
@@ -134,6 +172,9 @@ class PlanRequest:
     #: the platform choose (the CPU platform forces float32 on AVX512-BF16
     #: hosts only), anything else is what vLLM then uses on every host.
     mamba_ssm_cache_dtype: str = "auto"
+    #: The options that set the budget, named where an error advises to
+    #: raise it.
+    budget_options: str = KV_BUDGET_OPTIONS
 
 
 def kv_budget_from_gpu(
@@ -162,7 +203,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     if args.kv_cache_memory is not None:
         if args.gpu_memory is not None:
             raise PlanError("give --kv-cache-memory or --gpu-memory, not both")
-        budget = args.kv_cache_memory
+        budget, options = args.kv_cache_memory, KV_BUDGET_OPTIONS
     elif args.gpu_memory is not None:
         if args.weights_memory is None:
             raise PlanError("--gpu-memory needs --weights-memory SIZE")
@@ -172,6 +213,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
             args.weights_memory,
             args.tensor_parallel_size,
         )
+        options = GPU_BUDGET_OPTIONS
     else:
         raise PlanError("give --kv-cache-memory SIZE or --gpu-memory GiB")
     return PlanRequest(
@@ -186,6 +228,7 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         prefix_caching=args.prefix_caching,
         prompt_lens=tuple(args.prompt_lens),
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        budget_options=options,
     )
 
 
@@ -218,11 +261,19 @@ def model_dir(model: str) -> Iterator[tuple[Path, str | None]]:
     )
 
 
+def read_config(directory: Path) -> dict[str, Any]:
+    """``directory/config.json`` as a dict; one-line error if unreadable."""
+    path = directory / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise PlanError(f"{path} holds no JSON object")
+    return data
+
+
 def checkpoint_architecture(directory: Path) -> str | None:
     """The first architecture ``config.json`` in ``directory`` names."""
-    try:
-        data = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise PlanError(f"cannot read {directory / 'config.json'}: {exc}") from exc
-    architectures = data.get("architectures") or [None]
+    architectures = read_config(directory).get("architectures") or [None]
     return architectures[0]

@@ -42,9 +42,57 @@ from vllm_hybrid.v1.core.pooled.spec import (
     null_region_bytes,
 )
 
+#: The engine options that set the KV budget, as its messages name them.
+ENGINE_BUDGET_OPTIONS = "--kv-cache-memory-bytes or --gpu-memory-utilization"
+
+
+@dataclass(frozen=True)
+class BudgetShortfall:
+    """What one request needs that the budget lacks: the numbers of the
+    too-small message. They travel with the error so that each front end
+    (the engine, ``vllm-hybrid plan``) can name its own options around the
+    one message text."""
+
+    arena_bytes: int
+    max_model_len: int
+    attention_bytes: int
+    state_bytes: int
+    null_bytes: int
+    #: Longest max_model_len one request can use here; 0 if none fits.
+    fitting_max_model_len: int
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.attention_bytes + self.state_bytes + self.null_bytes
+
+    def message(self, budget_options: str = ENGINE_BUDGET_OPTIONS) -> str:
+        """The message, advising to raise ``budget_options``."""
+        lower = (
+            f"or lower --max-model-len to {self.fitting_max_model_len}"
+            if self.fitting_max_model_len > 0
+            else "(no --max-model-len fits: one request's state and one attention "
+            "block do not fit)"
+        )
+        mib = 2**20
+        return (
+            f"The KV cache budget of {self.arena_bytes / mib:.2f} MiB cannot hold "
+            f"one request of max_model_len={self.max_model_len} tokens in pooled "
+            f"mode ({self.needed_bytes / mib:.2f} MiB needed: attention "
+            f"{self.attention_bytes / mib:.2f} MiB, state "
+            f"{self.state_bytes / mib:.2f} MiB, null blocks "
+            f"{self.null_bytes / mib:.2f} MiB). Raise {budget_options}, {lower}."
+        )
+
 
 class PooledPlanError(ValueError):
-    """The budget cannot hold what one request needs; names the fix."""
+    """The budget cannot hold what one request needs; names the fix.
+
+    ``shortfall`` holds the numbers when the message is made of them.
+    """
+
+    def __init__(self, message: str, shortfall: BudgetShortfall | None = None):
+        super().__init__(message)
+        self.shortfall = shortfall
 
 
 @dataclass(frozen=True)
@@ -181,7 +229,8 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     )
     needed_blocks = cdiv(budget.max_model_len, block_size)
     if layout is None or max_token_blocks(layout) < needed_blocks:
-        raise PooledPlanError(_too_small_message(tb, sb, block_size, lone, budget))
+        shortfall = _shortfall(tb, sb, block_size, lone, budget)
+        raise PooledPlanError(shortfall.message(), shortfall)
     state_offset = layout.state_offset
     groups = [
         KVCacheGroupSpec(list(token.layer_names), token.spec),
@@ -271,27 +320,19 @@ def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
     return min(fits, budget.max_model_len)
 
 
-def _too_small_message(
+def _shortfall(
     tb: int, sb: int, block_size: int, per_req: int, budget: PooledBudget
-) -> str:
+) -> BudgetShortfall:
     arena, overlap = budget.aligned_arena_bytes, budget.null_blocks_overlap
-    null_region = null_region_bytes(tb, sb, overlap)
-    attention = cdiv(budget.max_model_len, block_size) * tb
-    need = null_region + attention + per_req * sb
-    fits = max_model_len_that_fits(arena, overlap, tb, sb, block_size, per_req)
-    lower = (
-        f"or lower --max-model-len to {fits}"
-        if fits > 0
-        else "(no --max-model-len fits: one request's state and one attention "
-        "block do not fit)"
-    )
-    return (
-        f"The KV cache budget of {arena / 2**20:.2f} MiB cannot hold one request "
-        f"of max_model_len={budget.max_model_len} tokens in pooled mode "
-        f"({need / 2**20:.2f} MiB needed: attention {attention / 2**20:.2f} MiB, "
-        f"state {per_req * sb / 2**20:.2f} MiB, null blocks "
-        f"{null_region / 2**20:.2f} MiB). Raise --kv-cache-memory-bytes or "
-        f"--gpu-memory-utilization, {lower}."
+    return BudgetShortfall(
+        arena_bytes=arena,
+        max_model_len=budget.max_model_len,
+        attention_bytes=cdiv(budget.max_model_len, block_size) * tb,
+        state_bytes=per_req * sb,
+        null_bytes=null_region_bytes(tb, sb, overlap),
+        fitting_max_model_len=max_model_len_that_fits(
+            arena, overlap, tb, sb, block_size, per_req
+        ),
     )
 
 
