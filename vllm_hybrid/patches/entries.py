@@ -253,6 +253,43 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When upstream validates the cache dtype on every platform.",
     ),
+    # -- pooled mode with full CUDA graphs -----------------------------------
+    PatchEntry(
+        target=(
+            "vllm.config.compilation:CompilationConfig.resolve_cudagraph_mode_and_sizes"
+        ),
+        replacement=(
+            "vllm_hybrid.config.cudagraph_capacity:resolve_cudagraph_mode_and_sizes"
+        ),
+        bindings=(),
+        why=(
+            "With full CUDA graphs and Mamba layers, upstream refuses to start "
+            "when max_num_seqs > kv_cache_config.num_blocks, because a decode "
+            "graph's state rows must fit each state view (GDN's conv update "
+            "asserts num_cache_lines >= batch). In pooled mode num_blocks is "
+            "the token pool's id space, which every other reader needs, so the "
+            "check passes configurations whose capture then fails in the "
+            "kernel. The check sits inside this method; no hook runs between "
+            "the mode resolution and it."
+        ),
+        how=(
+            "Method on CompilationConfig replaced by a function. Non-pooled "
+            "configs call upstream's method unchanged. Pooled configs call it "
+            "with kv_cache_config=None (upstream reads it for this check only) "
+            "and then compare the largest full graph's sequences with the "
+            "requests' states the arena can hold at once (state pool at its "
+            "highest extent / state blocks per running request), raising a "
+            "ValueError naming the numbers and the options otherwise."
+        ),
+        upstream_status=(
+            "none: upstream's check reads num_blocks "
+            "(vllm/config/compilation.py, end of this method)"
+        ),
+        removal=(
+            "When upstream asks the KV cache config for the state blocks its "
+            "decode graphs can use instead of reading num_blocks."
+        ),
+    ),
 ]
 
 #: Applied by the ``vllm-hybrid`` command only (:mod:`vllm_hybrid.cli`),
