@@ -114,8 +114,13 @@ def gdn_step(
     weights: GDNWeights,
 ) -> torch.Tensor:
     """A batch with prefills through every layer; returns the core outputs."""
+    return _every_layer(_gdn_core, states, state_ids, batch, weights)
+
+
+def _every_layer(core, states, state_ids, batch, weights) -> torch.Tensor:
+    """``core`` on each layer's states, outputs concatenated in layer order."""
     return torch.cat(
-        [_gdn_core(states[layer], state_ids, batch, weights) for layer in states]
+        [core(states[layer], state_ids, batch, weights) for layer in states]
     )
 
 
@@ -213,9 +218,7 @@ def gdn_decode(
     weights: GDNWeights,
 ) -> torch.Tensor:
     """A decode-only batch (padded rows: state id 0) through every layer."""
-    return torch.cat(
-        [_gdn_decode(states[layer], state_ids, batch, weights) for layer in states]
-    )
+    return _every_layer(_gdn_decode, states, state_ids, batch, weights)
 
 
 def _gdn_decode(
