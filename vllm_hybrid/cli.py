@@ -68,6 +68,42 @@ def own_help() -> str:
     return "\n".join(lines)
 
 
+def _additional_config(args: Sequence[str]) -> str | None:
+    """The value of ``--additional-config`` in ``args``, if given as JSON."""
+    for i, arg in enumerate(args):
+        if arg == "--additional-config" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--additional-config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def hybrid_kv_error(args: Sequence[str]) -> str | None:
+    """Why the ``hybrid_kv`` options in ``args`` are invalid, or None.
+
+    Checked here, before vLLM starts its engine processes: the engine reads
+    the options in the engine core and workers, where a bad value ends in
+    tracebacks of several processes around the one clear message.
+    """
+    import json
+    from types import SimpleNamespace
+
+    from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+
+    raw = _additional_config(args)
+    if raw is None:
+        return None
+    try:
+        additional = json.loads(raw)
+    except ValueError:
+        return None  # vLLM reports malformed JSON itself
+    try:
+        HybridKVOptions.from_vllm_config(SimpleNamespace(additional_config=additional))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int | None:
     """Run a vLLM subcommand (or one of this project's) with ``argv``."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -80,6 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int | None:
         module_name = OWN_SUBCOMMANDS[args[0]]
         module = __import__(module_name, fromlist=["main"])
         return module.main(args[1:])
+
+    problem = hybrid_kv_error(args)
+    if problem is not None:
+        print(f"vllm-hybrid: {problem}", file=sys.stderr)
+        return 2
 
     from vllm_hybrid.patches.registry import CLI_PATCHES, apply_all
 

@@ -58,3 +58,36 @@ def test_help_lists_the_projects_subcommands_then_vllms():
     assert proc.returncode == 0
     out = proc.stdout
     assert out.index("  plan ") < out.index("  verify ") < out.index("  serve ")
+
+
+def test_bad_hybrid_kv_option_ends_with_one_line_before_any_engine():
+    proc = subprocess.run(
+        [
+            CLI,
+            "serve",
+            "/nonexistent-model",
+            "--additional-config",
+            '{"hybrid_kv": {"bogus": 1}}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "vllm-hybrid: Unknown --additional-config hybrid_kv option(s) ['bogus']; "
+        "known options: ['couple_prefix_caches', 'max_page_growth', "
+        "'max_page_padding_pct', 'pooled']"
+    )
+
+
+def test_hybrid_kv_errors_are_found_in_both_argument_forms():
+    from vllm_hybrid.cli import hybrid_kv_error
+
+    bad = '{"hybrid_kv": {"pooled": "yes"}}'
+    assert "must be true or false" in hybrid_kv_error(["--additional-config", bad])
+    assert "must be true or false" in hybrid_kv_error([f"--additional-config={bad}"])
+    assert hybrid_kv_error(["--additional-config", '{"hybrid_kv": {}}']) is None
+    assert hybrid_kv_error(["--additional-config", "{not json"]) is None
+    assert hybrid_kv_error(["serve", "model"]) is None
