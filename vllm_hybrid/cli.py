@@ -86,9 +86,8 @@ def hybrid_kv_error(args: Sequence[str]) -> str | None:
     tracebacks of several processes around the one clear message.
     """
     import json
-    from types import SimpleNamespace
 
-    from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+    from vllm_hybrid.config.hybrid_kv import options_error
 
     raw = _additional_config(args)
     if raw is None:
@@ -97,11 +96,7 @@ def hybrid_kv_error(args: Sequence[str]) -> str | None:
         additional = json.loads(raw)
     except ValueError:
         return None  # vLLM reports malformed JSON itself
-    try:
-        HybridKVOptions.from_vllm_config(SimpleNamespace(additional_config=additional))
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return options_error(additional)
 
 
 def main(argv: Sequence[str] | None = None) -> int | None:

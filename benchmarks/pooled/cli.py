@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .config import (
     DEFAULT_MODELS,
+    DEFAULT_WORKLOADS,
     MIB,
     REPO_ROOT,
     WORKLOADS,
@@ -48,8 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workloads",
         type=_csv(WORKLOADS),
-        default=list(WORKLOADS),
-        help="comma separated subset of " + ",".join(WORKLOADS),
+        default=list(DEFAULT_WORKLOADS),
+        help="comma separated subset of " + ",".join(WORKLOADS) + " (default: "
+        + ",".join(DEFAULT_WORKLOADS) + ")",
+    )
+    parser.add_argument(
+        "--chat-server-conversations",
+        type=int,
+        default=BenchConfig.chat_server_conversations,
+        help="chat_server: conversations (default: 32)",
+    )
+    parser.add_argument(
+        "--chat-server-turns",
+        type=int,
+        default=BenchConfig.chat_server_turns,
+        help="chat_server: turns per conversation (default: 6)",
+    )
+    parser.add_argument(
+        "--chat-server-concurrency",
+        type=int,
+        default=BenchConfig.chat_server_concurrency,
+        help="chat_server: turns in flight at once (default: 8)",
     )
     parser.add_argument("--json", help="also write all results to this JSON file")
     parser.add_argument(
@@ -197,6 +217,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         same_tokens_threads=args.same_tokens_threads,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         same_tokens_uncached=not args.same_tokens_cached_only,
+        chat_server_conversations=args.chat_server_conversations,
+        chat_server_turns=args.chat_server_turns,
+        chat_server_concurrency=args.chat_server_concurrency,
     )
     return quick_config(cfg) if args.quick else cfg
 

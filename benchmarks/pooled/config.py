@@ -10,7 +10,16 @@ RESULT_PREFIX = "BENCH_RESULT "
 MODES: tuple[str, ...] = ("upstream", "overlay")
 #: Value of ``VLLM_HYBRID_KV`` that selects each mode.
 MODE_SWITCH: dict[str, str] = {"upstream": "0", "overlay": "1"}
-WORKLOADS: tuple[str, ...] = ("many_short", "one_long", "multi_turn", "same_tokens")
+#: Workloads a run does when ``--workloads`` is not given (the acceptance run).
+DEFAULT_WORKLOADS: tuple[str, ...] = (
+    "many_short",
+    "one_long",
+    "multi_turn",
+    "same_tokens",
+)
+#: Every workload ``--workloads`` accepts: the default ones, the interleaved
+#: chat server and the two-turn checkpoint trace.
+WORKLOADS: tuple[str, ...] = (*DEFAULT_WORKLOADS, "chat_server", "two_turn")
 DEFAULT_MODELS: tuple[str, ...] = ("qwen3_5", "qwen3_next")
 #: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
 NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
@@ -66,6 +75,21 @@ class BenchConfig:
     multi_turn_user_len: int = 100
     multi_turn_output: int = 32
     same_tokens_output: int = 24
+    #: chat_server: conversations interleaved in a seeded random order, each
+    #: turn appending user tokens (uniform in [min, max]) and the reply.
+    chat_server_conversations: int = 32
+    chat_server_turns: int = 6
+    chat_server_system_len: int = 1000
+    chat_server_user_min: int = 40
+    chat_server_user_max: int = 160
+    chat_server_output: int = 32
+    #: Turns in flight at once; the next turn in the order waits for a slot
+    #: and for its conversation's previous turn.
+    chat_server_concurrency: int = 8
+    #: two_turn: a prompt, its reply, then a second turn on top of both.
+    two_turn_prompt_len: int = 1300
+    two_turn_output: int = 24
+    two_turn_user_len: int = 100
     #: OpenMP threads of the same_tokens workers (own processes, both modes);
     #: 0 runs same_tokens in the main workers with the platform's threads.
     #: vLLM's CPU attention shares a step's work among its threads by the
@@ -99,5 +123,8 @@ def quick_config(cfg: BenchConfig) -> BenchConfig:
         many_short_requests=8,
         multi_turn_conversations=2,
         multi_turn_turns=2,
+        chat_server_conversations=4,
+        chat_server_turns=2,
+        chat_server_concurrency=2,
         one_long_search_cap=1024,
     )

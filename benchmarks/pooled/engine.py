@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,8 @@ class Engine:
     llm: Any
     spec: EngineSpec
     start_s: float
+    #: measurement helpers attached to this engine (e.g. checkpoint counters)
+    probes: dict[str, Any] = field(default_factory=dict)
 
     @property
     def core(self) -> Any:
@@ -216,6 +218,11 @@ class _PreemptionCounter:
         return sum(self.seen.values())
 
 
+#: Called after every step with the requests that finished in it (our key ->
+#: ``RequestOutput``, empty before the first step); returns requests to add.
+Feed = Callable[[dict[str, Any]], Sequence[Submission]]
+
+
 def _progress(scheduler: Any) -> int:
     """A number that grows whenever the engine computes any token."""
     return sum(
@@ -229,8 +236,13 @@ def drive(
     cfg: BenchConfig,
     geometry: KVGeometry | None = None,
     stop_on_preemption: bool = False,
+    feed: Feed | None = None,
 ) -> DriveResult:
     """Add every request, then step the engine until all are finished.
+
+    With ``feed``, more requests arrive while the engine runs: ``feed`` is
+    asked once before the first step and after every step (with the requests
+    finished in it), and what it returns is added before the next step.
 
     Stepping by hand (instead of ``LLM.generate``) lets the harness sample
     the scheduler after every step. A drive also ends when no token was
@@ -244,22 +256,28 @@ def drive(
     llm_engine = engine.llm.llm_engine
     scheduler = engine.scheduler
     internal: dict[str, str] = {}
-    for sub in submissions:
-        # Random weights emit EOS at random: ignore it so lengths are fixed.
-        params = SamplingParams(
-            max_tokens=sub.max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            logprobs=sub.logprobs,
-        )
-        try:
-            internal[sub.key] = llm_engine.add_request(
-                sub.key, TokensPrompt(prompt_token_ids=sub.prompt), params
+
+    def add(subs: Sequence[Submission]) -> str | None:
+        for sub in subs:
+            # Random weights emit EOS at random: ignore it so lengths are fixed.
+            params = SamplingParams(
+                max_tokens=sub.max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                logprobs=sub.logprobs,
             )
-        except Exception as exc:  # validation (e.g. longer than max_model_len)
-            _abort(llm_engine, internal.values())
-            detail = f"{type(exc).__name__}: {exc}"
-            return DriveResult({}, 0, 0.0, [], 0, "rejected", detail)
+            try:
+                internal[sub.key] = llm_engine.add_request(
+                    sub.key, TokensPrompt(prompt_token_ids=sub.prompt), params
+                )
+            except Exception as exc:  # validation (e.g. longer than max_model_len)
+                _abort(llm_engine, internal.values())
+                return f"{type(exc).__name__}: {exc}"
+        return None
+
+    error = add([*submissions, *(feed({}) if feed else ())])
+    if error is not None:
+        return DriveResult({}, 0, 0.0, [], 0, "rejected", error)
     outputs: dict[str, Any] = {}
     samples: list[KVSample] = []
     counter = _PreemptionCounter()
@@ -267,12 +285,18 @@ def drive(
     cpu_start = time.process_time()
     steps = idle = 0
     last_progress = -1
-    outcome = "finished"
+    outcome, detail = "finished", ""
     while llm_engine.has_unfinished_requests():
+        finished: dict[str, Any] = {}
         for out in llm_engine.step():
             if out.finished:
-                outputs[out.request_id] = out
+                outputs[out.request_id] = finished[out.request_id] = out
         steps += 1
+        if feed is not None:
+            error = add(feed(finished))
+            if error is not None:
+                outcome, detail = "rejected", error
+                break
         counter.update(scheduler)
         if geometry is not None:
             samples.append(sample_kv(scheduler, geometry, steps))
@@ -290,7 +314,9 @@ def drive(
             break
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
-    return DriveResult(outputs, steps, wall, samples, counter.total, outcome, cpu_s=cpu)
+    return DriveResult(
+        outputs, steps, wall, samples, counter.total, outcome, detail, cpu_s=cpu
+    )
 
 
 def _abort(llm_engine: Any, internal_ids: Iterable[str]) -> None:

@@ -90,3 +90,45 @@ def same_tokens_prompts(seed: int, vocab: Sequence[int]) -> list[list[int]]:
         (prefix if shared else []) + random_tokens(rng, vocab, n)
         for shared, n in SAME_TOKENS_LAYOUT
     ]
+
+
+def chat_server_system(cfg: BenchConfig, vocab: Sequence[int]) -> list[int]:
+    """The system prompt every chat_server conversation starts with."""
+    rng = random.Random(f"chat_server/system/{cfg.seed}")
+    return random_tokens(rng, vocab, cfg.chat_server_system_len)
+
+
+def chat_server_user(
+    cfg: BenchConfig, vocab: Sequence[int], conversation: int, turn: int
+) -> list[int]:
+    """User tokens of one chat_server turn: length uniform in [min, max],
+    fixed per (conversation, turn) for both modes."""
+    rng = random.Random(f"chat_server/user/{cfg.seed}/{conversation}/{turn}")
+    length = rng.randint(cfg.chat_server_user_min, cfg.chat_server_user_max)
+    return random_tokens(rng, vocab, length)
+
+
+def chat_server_order(cfg: BenchConfig) -> list[tuple[int, int]]:
+    """(conversation, turn) in arrival order: a seeded shuffle in which each
+    conversation appears once per turn; its k-th appearance is turn k."""
+    slots = [
+        conv
+        for conv in range(cfg.chat_server_conversations)
+        for _ in range(cfg.chat_server_turns)
+    ]
+    random.Random(f"chat_server/order/{cfg.seed}").shuffle(slots)
+    seen = [0] * cfg.chat_server_conversations
+    order = []
+    for conv in slots:
+        order.append((conv, seen[conv]))
+        seen[conv] += 1
+    return order
+
+
+def two_turn_prompts(
+    cfg: BenchConfig, vocab: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """two_turn: the first prompt and the user tokens of the second turn."""
+    rng = random.Random(f"two_turn/{cfg.seed}")
+    first = random_tokens(rng, vocab, cfg.two_turn_prompt_len)
+    return first, random_tokens(rng, vocab, cfg.two_turn_user_len)

@@ -91,3 +91,33 @@ def test_hybrid_kv_errors_are_found_in_both_argument_forms():
     assert hybrid_kv_error(["--additional-config", '{"hybrid_kv": {}}']) is None
     assert hybrid_kv_error(["--additional-config", "{not json"]) is None
     assert hybrid_kv_error(["serve", "model"]) is None
+
+
+def test_bad_hybrid_kv_option_in_llm_raises_before_any_engine_process(
+    tiny_model_dir,
+):
+    """``LLM(...)`` gets one ValueError in the caller's process, raised where
+    the engine's configuration is made: no engine core starts."""
+    model = tiny_model_dir("qwen3_5")
+    code = (
+        "from vllm import LLM\n"
+        "try:\n"
+        f"    LLM({str(model)!r},\n"
+        "        additional_config={'hybrid_kv': {'pooled': 'maybe'}})\n"
+        "except ValueError as exc:\n"
+        "    print('ERROR:', exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == (
+        "ERROR: vllm-hybrid: --additional-config hybrid_kv.pooled "
+        "must be true or false, got 'maybe'"
+    )
+    assert "EngineCore" not in proc.stderr
+    assert "Traceback" not in proc.stderr

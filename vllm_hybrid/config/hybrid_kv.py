@@ -104,6 +104,29 @@ class HybridKVOptions:
         return cls(page_limits=limits, **flags)
 
 
+def options_error(additional_config: Any) -> str | None:
+    """Why the ``hybrid_kv`` object in ``additional_config`` (the parsed
+    ``--additional-config``) is invalid, or None when it is valid or absent.
+
+    Used before any engine process starts, where the caller wants the message
+    rather than an exception from deep inside the engine.
+    """
+    try:
+        HybridKVOptions.from_vllm_config(
+            _AdditionalConfigOnly(additional_config), environ={}
+        )
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class _AdditionalConfigOnly:
+    """A stand-in carrying only ``additional_config``, for :func:`options_error`."""
+
+    additional_config: Any
+
+
 def _raw_options(vllm_config: Any) -> Mapping[str, Any]:
     """The ``hybrid_kv`` object of ``--additional-config``, or nothing."""
     additional = getattr(vllm_config, "additional_config", None)

@@ -290,6 +290,31 @@ PATCHES: list[PatchEntry] = [
             "decode graphs can use instead of reading num_blocks."
         ),
     ),
+    # -- options checked before any engine process starts --------------------
+    PatchEntry(
+        target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
+        replacement="vllm_hybrid.config.engine_args:create_engine_config",
+        bindings=(),
+        why=(
+            "The engine reads --additional-config hybrid_kv in the engine core "
+            "and every worker, so a bad value ends in one traceback per "
+            "process around the message, after model inspection. vLLM has no "
+            "hook that validates additional_config in the process that asks "
+            "for an engine (platform hooks run in the workers; the general "
+            "plugin is loaded before the arguments exist)."
+        ),
+        how=(
+            "Method on EngineArgs (inherited by AsyncEngineArgs) replaced by a "
+            "function that parses the hybrid_kv options with the overlay's one "
+            "parser and raises a ValueError naming the option and the fix, "
+            "then calls upstream's method unchanged."
+        ),
+        upstream_status="none",
+        removal=(
+            "When vLLM validates additional_config through a plugin hook in "
+            "the front-end process."
+        ),
+    ),
 ]
 
 #: Applied by the ``vllm-hybrid`` command only (:mod:`vllm_hybrid.cli`),

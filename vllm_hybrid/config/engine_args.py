@@ -1,0 +1,25 @@
+"""The overlay's options checked where an engine's configuration is made.
+
+``EngineArgs.create_engine_config`` runs in the process that asks for an
+engine (``LLM(...)``, ``AsyncLLM``, the API server of ``vllm serve``) before
+any engine core or worker process exists. The engine itself reads the
+``hybrid_kv`` options only in the engine core and the workers, where a bad
+value ends in one traceback per process around the message. Checking here
+turns it into one ValueError in the caller's process, raised before vLLM
+spends time on model inspection, profiling or process start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_hybrid.config.hybrid_kv import options_error
+from vllm_hybrid.patches.registry import upstream_of
+
+
+def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Upstream's ``create_engine_config`` after the ``hybrid_kv`` check."""
+    problem = options_error(getattr(self, "additional_config", None))
+    if problem is not None:
+        raise ValueError(f"vllm-hybrid: {problem}")
+    return upstream_of(__name__, "create_engine_config")(self, *args, **kwargs)
