@@ -92,3 +92,24 @@ def test_displayed_command_wraps_before_options():
         "$ vllm-hybrid plan qwen3.5-35b-a3b --gpu-memory 24 --weights-memory 18GiB \\\n"
         "      --prompt-lens 2048,8192 --kv-cache-dtype turboquant_k8v4"
     )
+
+
+def test_readme_activation_line_is_what_the_plugin_logs():
+    """The README's example log line: source line, version and patch count as
+    the plugin logs them now (pid and time are the example's own)."""
+    import inspect
+
+    from vllm_hybrid import __version__, plugin
+    from vllm_hybrid.patches.entries import PATCHES
+
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"^\(EngineCore pid=\d+\) INFO .*$", readme, re.M).group(0)
+    source, first = inspect.getsourcelines(plugin.register)
+    call = next(
+        i for i, text in enumerate(source) if "active on vLLM" in text
+    )  # the format string sits one line below logger.info(
+    assert shown.split("] ", 1)[0].endswith(f"[plugin.py:{first + call - 1}")
+    assert shown.split("] ", 1)[1] == (
+        f"vllm-hybrid {__version__} active on vLLM "
+        f"{plugin.SUPPORTED_VLLM_VERSION} ({len(PATCHES)} upstream symbols patched)"
+    )

@@ -196,9 +196,9 @@ def attach(scheduler: Any) -> CheckpointCounters:
 
     def add_hits(gid):
         def make(original):
-            def counted(request_id, new_computed_blocks, num_local, *args, **kw):
-                hit = [b for b in new_computed_blocks if not b.is_null]
-                result = original(request_id, new_computed_blocks, num_local, *args, **kw)
+            def counted(request_id, blocks, num_local, *args, **kw):
+                hit = [b for b in blocks if not b.is_null]
+                result = original(request_id, blocks, num_local, *args, **kw)
                 if hit and hit[-1].block_hash is not None:
                     counters.hit_events += 1
                     counters.hit_keys.add(hit[-1].block_hash)
@@ -289,3 +289,24 @@ def per_unit(snapshot: dict[str, Any], requests: int, output_tokens: int) -> dic
 def position_histogram(positions: list[tuple[str, int]]) -> dict[int, int]:
     """How many checkpoints were cached at each token position."""
     return dict(sorted(Counter(pos for _, pos in positions).items()))
+
+
+def counters_of(engine: Any) -> CheckpointCounters | None:
+    """The engine's checkpoint counters, attached on first use; None without
+    prefix caching (no align-mode state groups to count)."""
+    if not engine.spec.prefix_caching:
+        return None
+    counters = engine.probes.get("checkpoints")
+    if counters is None:
+        counters = engine.probes["checkpoints"] = attach(engine.scheduler)
+    return counters
+
+
+def state_block_size(kv_cache_config: Any) -> int | None:
+    """Block (checkpoint interval) of the first state group, in tokens."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    for group in kv_cache_config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            return int(group.kv_cache_spec.block_size)
+    return None

@@ -50,8 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--workloads",
         type=_csv(WORKLOADS),
         default=list(DEFAULT_WORKLOADS),
-        help="comma separated subset of " + ",".join(WORKLOADS) + " (default: "
-        + ",".join(DEFAULT_WORKLOADS) + ")",
+        help="comma separated subset of "
+        + ",".join(WORKLOADS)
+        + " (default: "
+        + ",".join(DEFAULT_WORKLOADS)
+        + ")",
     )
     parser.add_argument(
         "--chat-server-conversations",

@@ -25,9 +25,19 @@ from .same_tokens import (
 from .workloads import (
     longest_completing,
     one_long_metrics,
+    run_chat_server,
     run_many_short,
     run_multi_turn,
     run_one_long,
+    run_two_turn,
+)
+
+#: Workloads that run on the ``main`` engine, in this order.
+MAIN_ENGINE_WORKLOADS: tuple[tuple[str, Callable[..., dict[str, Any]]], ...] = (
+    ("many_short", run_many_short),
+    ("multi_turn", run_multi_turn),
+    ("chat_server", run_chat_server),
+    ("two_turn", run_two_turn),
 )
 
 
@@ -168,17 +178,15 @@ def _with_engine(
 def _run_main_engine(
     report: WorkerReport, engine: Engine, cfg: BenchConfig, workloads: set[str]
 ) -> None:
-    """many_short, multi_turn and same_tokens' prefix-caching pass share it."""
-    if "many_short" in workloads:
-        result = _timed(report, "many_short", lambda: run_many_short(engine, cfg))
+    """many_short, multi_turn, chat_server, two_turn and same_tokens'
+    prefix-caching pass share it."""
+    for name, run in MAIN_ENGINE_WORKLOADS:
+        if name not in workloads:
+            continue
+        result = _timed(report, name, lambda run=run: run(engine, cfg))
         if result is not None:
             result["engine"] = "main"
-            report.workloads["many_short"] = result
-    if "multi_turn" in workloads:
-        result = _timed(report, "multi_turn", lambda: run_multi_turn(engine, cfg))
-        if result is not None:
-            result["engine"] = "main"
-            report.workloads["multi_turn"] = result
+            report.workloads[name] = result
     if "same_tokens" in workloads and engine.spec.prefix_caching:
         _add_same_tokens(report, lambda: run_same_tokens_on(engine, cfg))
 
@@ -302,7 +310,8 @@ def run_worker(model: str, model_dir: Path, workloads: list[str], cfg: BenchConf
         path = str(build_tiny_model(model_dir / model, model))
         specs = engine_specs(path, model, cfg)
         selected = set(workloads)
-        if selected & {"many_short", "multi_turn", "same_tokens"}:
+        main_engine = {name for name, _ in MAIN_ENGINE_WORKLOADS} | {"same_tokens"}
+        if selected & main_engine:
             _with_engine(
                 report,
                 "main",

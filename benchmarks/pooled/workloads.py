@@ -1,5 +1,5 @@
-"""The many_short, multi_turn and one_long workloads on an open engine
-(same_tokens is in :mod:`.same_tokens`)."""
+"""The many_short, multi_turn, chat_server, two_turn and one_long workloads
+on an open engine (same_tokens is in :mod:`.same_tokens`)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .checkpoints import counters_of, per_unit, state_block_size
 from .config import BenchConfig
 from .engine import DriveResult, Engine, Submission, drive
 from .pools import KVGeometry, KVSample, coupled_evictions, kv_geometry
 from .prompts import (
+    chat_server_order,
+    chat_server_system,
+    chat_server_user,
     many_short_prompts,
     multi_turn_system,
     multi_turn_user,
     one_long_prompt,
+    two_turn_prompts,
 )
 
 
@@ -92,6 +97,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     """Conversations sharing a system prefix, run turn by turn."""
     engine.reset_prefix_cache()
     evicted_before = coupled_evictions(engine.scheduler)
+    counters = _reset_counters(engine)
     vocab = engine.vocab()
     system = multi_turn_system(cfg, vocab)
     histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
@@ -140,8 +146,147 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         "output_tok_per_s": _per(out_tokens, wall),
         "cpu_s": cpu,
         "output_tok_per_cpu_s": _per(out_tokens, cpu),
+        "output_tokens": out_tokens,
+        "requests": len(per_turn) * cfg.multi_turn_conversations,
     }
+    metrics |= _checkpoint_metrics(counters, metrics["requests"], out_tokens)
     return {"metrics": metrics, "details": {"turns": per_turn}, "wall_s": wall}
+
+
+def _reset_counters(engine: Engine) -> Any:
+    counters = counters_of(engine)
+    if counters is not None:
+        counters.reset()
+    return counters
+
+
+def _checkpoint_metrics(counters: Any, requests: int, out_tokens: int) -> dict:
+    """State checkpoint counts of a workload (see :mod:`.checkpoints`)."""
+    if counters is None:
+        return {}
+    snap = counters.snapshot()
+    return snap | per_unit(snap, requests, out_tokens)
+
+
+def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """Many conversations interleaved, as a chat server sees them.
+
+    Turns arrive in a seeded random order over all conversations
+    (:func:`.prompts.chat_server_order`); up to ``chat_server_concurrency``
+    run at once. The next turn in the order is added as soon as a slot is
+    free and its conversation's previous turn has finished (until then it
+    blocks the queue), so between two turns of a conversation the other
+    conversations' turns run: that is its think time. Each turn's prompt is
+    the conversation's history (system prompt, earlier user turns and
+    replies) plus new user tokens.
+    """
+    engine.reset_prefix_cache()
+    counters = _reset_counters(engine)
+    vocab = engine.vocab()
+    system = chat_server_system(cfg, vocab)
+    order = chat_server_order(cfg)
+    histories = [list(system) for _ in range(cfg.chat_server_conversations)]
+    sent: dict[str, tuple[int, int, list[int]]] = {}
+    busy: set[int] = set()
+    position = 0
+
+    def feed(finished: dict[str, Any]) -> list[Submission]:
+        nonlocal position
+        for key, out in finished.items():
+            conv, _, prompt = sent[key]
+            histories[conv] = prompt + [int(t) for t in out.outputs[0].token_ids]
+            busy.discard(conv)
+        new = []
+        while position < len(order) and len(busy) < cfg.chat_server_concurrency:
+            conv, turn = order[position]
+            if conv in busy:
+                break
+            prompt = histories[conv] + chat_server_user(cfg, vocab, conv, turn)
+            key = f"chat{conv}-turn{turn}"
+            sent[key] = (conv, turn, prompt)
+            new.append(Submission(key, prompt, cfg.chat_server_output))
+            busy.add(conv)
+            position += 1
+        return new
+
+    result = drive(engine, [], cfg, feed=feed)
+    check_finished(result, "chat_server")
+    if position != len(order):
+        raise RuntimeError(f"chat_server: {len(order) - position} turns never sent")
+    cached = {k: o.num_cached_tokens or 0 for k, o in result.outputs.items()}
+    prompt_len = {k: len(p) for k, (_, _, p) in sent.items()}
+    later = [k for k, (_, turn, _) in sent.items() if turn > 0]
+    out_tokens = result.output_tokens()
+    requests = len(sent)
+    metrics = {
+        "hit_rate": sum(cached.values()) / sum(prompt_len.values()),
+        "hit_rate_later_turns": (
+            sum(cached[k] for k in later) / sum(prompt_len[k] for k in later)
+            if later
+            else None
+        ),
+        "cached_tokens": sum(cached.values()),
+        "prompt_tokens": sum(prompt_len.values()),
+        "requests": requests,
+        "output_tokens": out_tokens,
+        "preemptions": result.preemptions,
+        "steps": result.steps,
+        "output_tok_per_s": _per(out_tokens, result.wall_s),
+        "cpu_s": result.cpu_s,
+    }
+    metrics |= _checkpoint_metrics(counters, requests, out_tokens)
+    if metrics.get("tokens_scheduled") is not None:
+        # every scheduled token not decoding a reply is a prefill token (the
+        # first reply token comes from the prompt's last prefill step)
+        decode = out_tokens - requests
+        metrics["prefill_tokens_computed"] = metrics["tokens_scheduled"] - decode
+    details = {"order": order, "cached_tokens": cached, "prompt_len": prompt_len}
+    return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
+
+
+def run_two_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
+    """A two-turn chat alone: where are state checkpoints cached, where does
+    the second turn hit?
+
+    Turn 1 is a ``two_turn_prompt_len``-token prompt with
+    ``two_turn_output`` reply tokens; turn 2's prompt is both plus
+    ``two_turn_user_len`` new tokens.
+    """
+    engine.reset_prefix_cache()
+    counters = _reset_counters(engine)
+    if counters is None:
+        raise RuntimeError("two_turn needs prefix caching")
+    first, user = two_turn_prompts(cfg, engine.vocab())
+    turns: list[dict[str, Any]] = []
+    prompt = first
+    for turn in (1, 2):
+        counters.reset()
+        key = f"two_turn-{turn}"
+        result = drive(engine, [Submission(key, prompt, cfg.two_turn_output)], cfg)
+        check_finished(result, f"two_turn turn {turn}")
+        turns.append(
+            {
+                "prompt_tokens": len(prompt),
+                "cached_tokens": result.outputs[key].num_cached_tokens or 0,
+                "checkpoint_positions": [p for _, p in counters.cached_positions],
+                "state_hit_positions": [p for _, p in counters.hit_positions],
+                **counters.snapshot(),
+            }
+        )
+        prompt = prompt + result.token_ids(key) + user
+    block = state_block_size(engine.scheduler.kv_cache_config)
+    shared = cfg.two_turn_prompt_len + cfg.two_turn_output
+    metrics = {
+        "state_block": block,
+        "shared_prefix": shared,
+        "last_edge_in_shared_prefix": shared // block * block if block else None,
+        "turn1_checkpoints": turns[0]["checkpoint_positions"],
+        "turn2_cached_tokens": turns[1]["cached_tokens"],
+        "turn2_checkpoints": turns[1]["checkpoint_positions"],
+        "turn1_state_copies": turns[0]["state_copies"],
+        "turn1_state_blocks_allocated": turns[0]["state_blocks_allocated"],
+    }
+    return {"metrics": metrics, "details": {"turns": turns}}
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,33 @@ def test_presets_are_the_shapes_they_name():
     assert {p.kind for p in PRESETS.values()} == {"hybrid", "dense"}
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_shipped_preset_config_is_the_config_class_defaults(name, tmp_path):
+    """The packaged ``config.json`` (read without importing transformers) is
+    what the installed transformers' config class gives; after a transformers
+    upgrade that changes a default, this fails until the files are rewritten
+    (``presets.regenerate()``)."""
+    preset = PRESETS[name]
+    written = json.loads((preset.write_config(tmp_path) / "config.json").read_text())
+    assert written == json.loads(preset.config_text())
+    assert written["architectures"] == [preset.architecture]
+
+
+def test_preset_bad_input_is_answered_without_transformers_or_vllm():
+    code = (
+        "import sys\n"
+        "from vllm_hybrid.tools.plan.cli import main\n"
+        "rc = main(['qwen3.5-35b-a3b', '--kv-cache-memory', '1KiB'])\n"
+        "print(rc, sorted(m for m in ('transformers', 'vllm', 'torch') "
+        "if m in sys.modules))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip().splitlines()[-1] == "2 []"
+    assert "cannot hold one request" in proc.stderr
+
+
 # --------------------------------------------------------------------------
 # Qwen3.5-35B-A3B on CUDA against vLLM 0.32's own formula
 # --------------------------------------------------------------------------

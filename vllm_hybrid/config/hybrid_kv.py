@@ -46,6 +46,10 @@ class PageUnificationLimits:
 
     max_page_padding_pct: float = DEFAULT_MAX_PAGE_PADDING_PCT
     max_page_growth: float = DEFAULT_MAX_PAGE_GROWTH
+    #: No group's block may grow past this many tokens (the engine's
+    #: ``max_model_len``; None when unknown). Not an option: a block longer
+    #: than any request only wastes memory and coarsens prefix hits.
+    max_block_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -370,6 +370,59 @@ def test_plan_beyond_the_limits_fails_where_upstream_gives_up_too() -> None:
     assert "1,097,728 B per page, MambaSpec x1" in message
 
 
+def test_plan_with_blocks_longer_than_max_model_len_keeps_upstreams_plan(
+    vllm_log: pytest.LogCaptureFixture,
+) -> None:
+    """Within the padding limit the LCM plan gives the TurboQuant layer
+    4,096-token blocks (16 x 256); with max_model_len 2,048 no request ever
+    fills one, so upstream's plan is used, and the warning offers no option
+    (none accepts such blocks)."""
+    specs = {
+        "model.layers.0.linear_attn": gdn_spec(),
+        "model.layers.1.self_attn.attn": attention_spec(),
+        "model.layers.2.self_attn.attn": turboquant_spec(),
+    }
+    roomy = PageUnificationLimits(max_page_padding_pct=65.47, max_block_tokens=4096)
+    lcm = hybrid.unify_kv_cache_spec_page_size(dict(specs), roomy)
+    assert max(s.block_size for s in lcm.values()) == 4096
+
+    short = PageUnificationLimits(max_page_padding_pct=65.47, max_block_tokens=2048)
+    unified = hybrid.unify_kv_cache_spec_page_size(dict(specs), short)
+    assert unified == upstream_unify(dict(specs))
+    lines = [
+        r.getMessage() for r in vllm_log.records if "beyond its limits" in r.message
+    ]
+    assert len(lines) == 1
+    assert (
+        "layer model.layers.2.self_attn.attn would get blocks of 4,096 tokens, "
+        "longer than max_model_len (2,048)"
+    ) in lines[0]
+    assert "To use the LCM plan" not in lines[0]
+
+
+def test_long_blocks_are_kept_where_upstream_has_no_plan() -> None:
+    """MLA next to GDN: upstream cannot unify; 960-token MLA blocks beyond a
+    512-token max_model_len still beat no engine."""
+    specs = {"model.layers.0.linear_attn": gdn_spec(), "mla": mla_spec()}
+    unified = hybrid.unify_kv_cache_spec_page_size(
+        dict(specs), PageUnificationLimits(max_block_tokens=512)
+    )
+    assert unified["mla"].block_size == 960
+    assert len({s.page_size_bytes for s in unified.values()}) == 1
+
+
+def test_max_model_len_bounds_blocks_of_the_planning_in_progress(
+    moe_config: VllmConfig,
+) -> None:
+    token = hybrid._planning_config.set(moe_config)
+    try:
+        limits = hybrid.page_unification_limits()
+    finally:
+        hybrid._planning_config.reset(token)
+    assert limits.max_block_tokens == 4096
+    assert HybridKVOptions().page_limits.max_block_tokens is None
+
+
 @pytest.mark.parametrize(
     "unify",
     [

@@ -10,7 +10,11 @@ Nemotron-3-Nano-30B; ``Qwen3Config()`` has 32 KV heads, not Qwen3-8B's 8;
 ``GraniteMoeHybridConfig()`` has no attention layer at all.
 
 Nothing is downloaded: a preset becomes a ``config.json`` in a temporary
-directory, which vLLM reads like any local model directory.
+directory, which vLLM reads like any local model directory. The JSON of each
+preset ships with the package (``preset_configs/``), so that ``plan`` answers
+bad input without importing ``transformers`` (seconds on a small machine);
+:func:`regenerate` rewrites the files from the installed ``transformers``, and
+a test checks that they still agree.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+#: Where the presets' ``config.json`` files ship.
+CONFIG_DIR = Path(__file__).with_name("preset_configs")
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,14 @@ class Preset:
     kind: str
     description: str
 
-    def write_config(self, directory: Path) -> Path:
-        """Write ``config.json`` (class defaults, bf16) into ``directory``."""
+    @property
+    def shipped_path(self) -> Path:
+        """The packaged ``config.json`` text of this preset."""
+        return CONFIG_DIR / f"{self.name}.json"
+
+    def config_text(self) -> str:
+        """``config.json`` from the installed ``transformers``: the config
+        class defaults, this preset's architecture, bf16."""
         import transformers
 
         config = getattr(transformers, self.config_class)()
@@ -44,9 +57,12 @@ class Preset:
         data["architectures"] = [self.architecture]
         # Published checkpoints of all presets are bf16.
         data["dtype"] = "bfloat16"
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def write_config(self, directory: Path) -> Path:
+        """Write the packaged ``config.json`` into ``directory``."""
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / "config.json"
-        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+        (directory / "config.json").write_text(self.shipped_path.read_text())
         return directory
 
 
@@ -106,3 +122,11 @@ def describe_presets() -> str:
         f"({p.config_class}() defaults): {p.description}"
         for p in PRESETS.values()
     )
+
+
+def regenerate() -> None:
+    """Write every preset's ``config.json`` from the installed ``transformers``."""
+    CONFIG_DIR.mkdir(exist_ok=True)
+    for preset in PRESETS.values():
+        preset.shipped_path.write_text(preset.config_text())
+        print(f"wrote {preset.shipped_path}")

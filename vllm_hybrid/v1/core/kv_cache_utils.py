@@ -11,6 +11,8 @@ return exactly what upstream returns.
 
 from __future__ import annotations
 
+import dataclasses
+
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +60,15 @@ def _current_vllm_config() -> VllmConfig | None:
 
 def page_unification_limits() -> PageUnificationLimits:
     """The limits of the planning in progress (``--additional-config``, else
-    the environment, else the defaults)."""
-    return HybridKVOptions.from_vllm_config(_current_vllm_config()).page_limits
+    the environment, else the defaults), with the engine's ``max_model_len``
+    as the bound on block growth."""
+    config = _current_vllm_config()
+    limits = HybridKVOptions.from_vllm_config(config).page_limits
+    model_config = getattr(config, "model_config", None)
+    max_model_len = getattr(model_config, "max_model_len", None)
+    if isinstance(max_model_len, int) and max_model_len > 0:
+        limits = dataclasses.replace(limits, max_block_tokens=max_model_len)
+    return limits
 
 
 # -- page sizes ---------------------------------------------------------------

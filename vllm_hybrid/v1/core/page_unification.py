@@ -288,7 +288,14 @@ class PlanViolations:
     #: (``hybrid_kv`` key, environment variable, suggested value)
     fixes: tuple[tuple[str, str, str], ...]
 
+    @property
+    def acceptable(self) -> bool:
+        """Whether options can accept the plan (a block longer than
+        ``max_model_len`` has no option: upstream's plan is used)."""
+        return len(self.fixes) == len(self.problems)
+
     def accept_hint(self) -> str:
+        """The option values that lift the padding and growth limits."""
         options = ", ".join(f'"{key}": {value}' for key, _, value in self.fixes)
         env = " ".join(f"{var}={value}" for _, var, value in self.fixes)
         return (
@@ -327,9 +334,30 @@ def page_plan_violations(
         fixes.append(
             (MAX_PAGE_GROWTH, envs.MAX_PAGE_GROWTH_VAR, _suggested(plan.page_growth))
         )
+    longest = _longest_scaled_block(plan)
+    if (
+        limits.max_block_tokens is not None
+        and longest is not None
+        and longest[1] > limits.max_block_tokens
+    ):
+        name, tokens = longest
+        problems.append(
+            f"layer {name} would get blocks of {tokens:,} tokens, longer than "
+            f"max_model_len ({limits.max_block_tokens:,})"
+        )
     if not problems:
         return None
     return PlanViolations(tuple(problems), tuple(fixes))
+
+
+def _longest_scaled_block(plan: PageSizePlan) -> tuple[str, int] | None:
+    """The layer whose block the plan scales the most, and its block tokens."""
+    scaled = [
+        (name, plan.specs[name].block_size)
+        for name, scale in plan.block_scale.items()
+        if scale > 1
+    ]
+    return max(scaled, key=lambda item: item[1], default=None)
 
 
 def check_page_size_plan(
@@ -374,19 +402,24 @@ def _upstream_within_limits(
 ) -> dict[str, KVCacheSpec]:
     """Upstream's unification for a plan beyond the limits, with one line
     saying why; where upstream gives up too, the error naming the option."""
+    violations = page_plan_violations(plan, limits)
+    assert violations is not None
     try:
         unified = upstream_unify(kv_cache_spec)
     except NotImplementedError:
+        if not violations.fixes:
+            # Only the max_model_len bound is exceeded and upstream has no
+            # plan at all: long blocks are better than no engine.
+            return plan.specs
         check_page_size_plan(plan, kv_cache_spec, limits)
         raise
-    violations = page_plan_violations(plan, limits)
-    assert violations is not None
+    hint = violations.accept_hint() if violations.acceptable else ""
     logger.warning_once(
         "vllm-hybrid: the LCM page plan of this model is beyond its limits (%s); "
         "using upstream's page unification instead (it pads attention pages to "
-        "the largest page). To use the LCM plan, start vLLM with %s.",
+        "the largest page).%s",
         "; ".join(violations.problems),
-        violations.accept_hint(),
+        f" To use the LCM plan, start vLLM with {hint}." if hint else "",
     )
     return unified
 
