@@ -12,7 +12,6 @@ return exactly what upstream returns.
 from __future__ import annotations
 
 import dataclasses
-
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
