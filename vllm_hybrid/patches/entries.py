@@ -315,6 +315,29 @@ PATCHES: list[PatchEntry] = [
             "the front-end process."
         ),
     ),
+    # -- server shutdown under load -------------------------------------------
+    PatchEntry(
+        target="vllm.v1.engine.async_llm:AsyncLLM.shutdown",
+        replacement="vllm_hybrid.v1.engine.async_llm:shutdown",
+        bindings=(),
+        why=(
+            "On SIGTERM/SIGINT the API server stops the engine and cancels the "
+            "output handler, then waits for open HTTP connections; requests "
+            "still generating wait on output queues nothing fills any more, "
+            "so the server never exits (four long completions: still running "
+            "30 s after SIGTERM). No hook runs between the engine stop and the "
+            "HTTP server's wait."
+        ),
+        how=(
+            "Method on AsyncLLM replaced by a function that calls upstream's "
+            "shutdown, then puts an EngineDeadError subclass (message: the "
+            "server is shutting down, retry) into every open request queue "
+            "through the output handler's event loop; each request ends with "
+            "upstream's error response."
+        ),
+        upstream_status="none",
+        removal="When AsyncLLM.shutdown fails or finishes the requests in flight.",
+    ),
 ]
 
 #: Applied by the ``vllm-hybrid`` command only (:mod:`vllm_hybrid.cli`),

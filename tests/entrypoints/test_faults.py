@@ -1,0 +1,157 @@
+"""Faults a live server must survive or end cleanly: SIGTERM under load, a
+tensor-parallel worker killed mid-request, clients arriving before start-up
+ends. Each must end (or recover) within 30 s with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from vllm_hybrid.tools.server import serve, shutdown_report
+from vllm_hybrid.v1.engine.async_llm import SHUTDOWN_MESSAGE
+
+pytestmark = pytest.mark.slow
+
+#: The bound the fault cases must end within.
+END_WITHIN_S = 30.0
+BUDGET = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(32 * 2**20)]
+
+
+def _complete(url: str, model: str, max_tokens: int, timeout: float = 120.0):
+    body = {
+        "model": model,
+        "prompt": "state space models " * 20,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def _load(url: str, model: str, n: int) -> list[object]:
+    """Start ``n`` long requests in threads; their outcomes land in the list."""
+    outcomes: list[object] = []
+
+    def one() -> None:
+        try:
+            outcomes.append(_complete(url, model, max_tokens=1500)[0])
+        except urllib.error.HTTPError as exc:
+            outcomes.append((exc.code, exc.read().decode(errors="replace")))
+        except OSError as exc:  # connection reset or refused
+            outcomes.append(type(exc).__name__)
+
+    for _ in range(n):
+        threading.Thread(target=one, daemon=True).start()
+    return outcomes
+
+
+def _port_is_free(url: str) -> bool:
+    port = int(url.rsplit(":", 1)[1])
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> float | None:
+    start = time.monotonic()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    return time.monotonic() - start
+
+
+def _wait_running(url: str, model: str, outcomes: list[object]) -> None:
+    """Until the server reports running requests (decode under way)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("vllm:num_requests_running{") and float(
+                line.split()[-1]
+            ):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"no request started running; outcomes {outcomes}")
+
+
+def test_sigterm_under_load_exits_cleanly_and_frees_the_port(tiny_model_dir, tmp_path):
+    with serve(
+        tiny_model_dir("qwen3_5"), BUDGET, log_path=tmp_path / "server.log"
+    ) as server:
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        outcomes = _load(server.url, server.model, 4)
+        _wait_running(server.url, server.model, outcomes)
+        server.process.send_signal(signal.SIGTERM)
+        took = _wait_exit(server.process, END_WITHIN_S)
+        assert took is not None, "server still running 30 s after SIGTERM"
+        report = shutdown_report(server, server.process.returncode)
+        assert report.clean, report
+        assert _port_is_free(server.url)
+        assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+        # Every in-flight request ended with an error response that says why.
+        deadline = time.monotonic() + END_WITHIN_S
+        while len(outcomes) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(outcomes) == 4, outcomes
+        assert all(
+            isinstance(o, tuple) and o[0] == 500 and SHUTDOWN_MESSAGE in o[1]
+            for o in outcomes
+        ), outcomes
+
+
+def test_killed_tensor_parallel_worker_ends_the_server_with_a_clear_message(
+    tiny_model_dir, tmp_path
+):
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    with serve(
+        tiny_model_dir("qwen3_5"),
+        [*BUDGET, "--tensor-parallel-size", "2"],
+        log_path=tmp_path / "server.log",
+        env=env,
+    ) as server:
+        workers = [
+            p
+            for p in psutil.Process(server.process.pid).children(recursive=True)
+            if "Worker" in " ".join(p.cmdline()) or "Worker" in p.name()
+        ]
+        if len(workers) != 2:  # name the processes for the failure message
+            tree = psutil.Process(server.process.pid).children(recursive=True)
+            names = [(p.pid, p.name(), p.cmdline()[:3]) for p in tree]
+            raise AssertionError(f"expected two TP workers, found {names}")
+        outcomes = _load(server.url, server.model, 2)
+        _wait_running(server.url, server.model, outcomes)
+        os.kill(workers[1].pid, signal.SIGKILL)
+        took = _wait_exit(server.process, END_WITHIN_S)
+        assert took is not None, "server still running 30 s after a worker died"
+        log = server.log_text()
+        assert re.search(r"Worker proc VllmWorker-\d died unexpectedly", log), log[
+            -3000:
+        ]
+        deadline = time.monotonic() + END_WITHIN_S
+        while len(outcomes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(outcomes) == 2 and 200 not in outcomes, outcomes
+        assert _port_is_free(server.url)
