@@ -12,12 +12,12 @@ the same multi-turn conversations.
 
 The saturation workload also runs with prefix caching off in a separate
 engine per mode, at half the budget (:data:`NO_PC_BUDGET`, so that it
-preempts there too); there the two modes must agree on every request. With
-prefix caching on they must agree on every request that was not preempted
-mid-decode in either mode: such a request has its generated tokens recomputed
-as prefill (from a checkpoint at a block boundary, 128 tokens in pooled mode,
-768 in single-pool mode), which rounds differently from the decode steps that
-first produced them (docs/turboquant-backend.md).
+preempts there too). With prefix caching on and off, the two modes must agree
+on every request that was not preempted mid-decode in either mode: such a
+request has its generated tokens recomputed as prefill (from scratch without
+prefix caching; with it from a checkpoint at a block boundary, 128 tokens in
+pooled mode, 768 in single-pool mode), which rounds differently from the
+decode steps that first produced them (docs/turboquant-backend.md).
 
 "Agree" means equal up to bf16 near-ties (``engine_utils.near_tie_differences``
 with single-pool mode as the reference): pooled mode runs more requests at
@@ -118,8 +118,12 @@ def _run_no_prefix_caching(model: str, mode: str) -> dict:
     def work(llm) -> dict:
         cfg = _config()
         prompts = bench_pooled().many_short_prompts(cfg, bench_pooled().llm_vocab(llm))
-        outs, preemptions, _ = _saturation(llm, cfg, prompts)
-        return {"saturation": outs, "preemptions": preemptions}
+        outs, preemptions, mid_decode = _saturation(llm, cfg, prompts)
+        return {
+            "saturation": outs,
+            "preemptions": preemptions,
+            "mid_decode": mid_decode,
+        }
 
     return with_engine(model, True, _kwargs(mode, False), work)
 
@@ -191,10 +195,22 @@ def test_saturation_completes_and_repeats_exactly(runs):
 
 
 def test_saturation_identical_between_modes_without_prefix_caching(runs):
+    """Every request that was not preempted mid-decode in either mode agrees.
+    A request preempted after producing tokens recomputes them as prefill
+    (from scratch without prefix caching), which rounds differently from the
+    decode steps that produced them; how far its later tokens move is up to
+    the host's kernels (on an AMD EPYC with AVX512-BF16, two of 32 qwen3_next
+    requests diverged at top-2 gaps of 0.05 and 0.18, also with one thread)."""
     pooled, single = runs["pooled_no_pc"], runs["single_no_pc"]
     assert len(pooled["saturation"].tokens) == _config().many_short_requests
     reference = single["saturation"]
-    assert near_tie_differences(reference, pooled["saturation"].tokens) == []
+    differ = {
+        i for i, _, _ in near_tie_differences(reference, pooled["saturation"].tokens)
+    }
+    recomputed = pooled["mid_decode"] | single["mid_decode"]
+    assert differ <= recomputed, (sorted(differ), sorted(recomputed))
+    # Most requests are compared: recomputation is the exception.
+    assert len(recomputed) <= _config().many_short_requests // 4
     # It is a saturation run: some requests had to wait for memory.
     assert pooled["preemptions"] + single["preemptions"] > 0
 
