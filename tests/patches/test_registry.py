@@ -24,6 +24,7 @@ import vllm
 from vllm_hybrid import plugin
 from vllm_hybrid.patches.entry import PrivateAttribute, SubclassEntry
 from vllm_hybrid.patches.registry import (
+    ADDED_ATTRIBUTES,
     CLI_PATCHES,
     INSTANCE_REWRITES,
     PATCHES,
@@ -306,6 +307,27 @@ def test_private_upstream_reads_in_the_package_are_registered():
             elif isinstance(node, ast.ImportFrom):
                 read |= {a.name for a in node.names if a.name in registered}
     assert read == registered
+
+
+def _known_to_upstream(cls_path: str, name: str) -> bool:
+    """A field, class attribute or ``self.name =`` of the upstream class."""
+    fields = getattr(load_object(cls_path), "__dataclass_fields__", {})
+    probe = PrivateAttribute(cls_path, name, "registry test")
+    return name in fields or _has_private_attribute(probe)
+
+
+@pytest.mark.parametrize("entry", ADDED_ATTRIBUTES, ids=lambda e: e.name)
+def test_added_attributes_are_unknown_to_upstream(entry):
+    """An attribute the overlay adds must not exist on the upstream class:
+    upstream adding the same name would collide with it."""
+    assert not _known_to_upstream(entry.cls, entry.name)
+
+
+def test_added_attribute_check_sees_upstream_fields():
+    config = "vllm.v1.kv_cache_interface:KVCacheConfig"
+    assert _known_to_upstream(config, "num_blocks")
+    assert _known_to_upstream(config, "kv_tp_replicas")
+    assert not _known_to_upstream(config, "retain_turn_ends")
 
 
 @pytest.mark.parametrize("entry", INSTANCE_REWRITES, ids=lambda e: e.cls)

@@ -19,7 +19,7 @@ from vllm_hybrid import envs
 ADDITIONAL_CONFIG_KEY = "hybrid_kv"
 MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
 MAX_PAGE_GROWTH = "max_page_growth"
-_FLAGS = ("pooled", "couple_prefix_caches")
+_FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends")
 #: Every option of the ``hybrid_kv`` object.
 KNOWN_OPTIONS = frozenset({*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH})
 
@@ -62,6 +62,10 @@ class HybridKVOptions:
     #: state checkpoint needs, and checkpoints whose attention prefix is gone
     #: (default on; off leaves each pool to its own LRU, for A/B runs).
     couple_prefix_caches: bool = True
+    #: Prefix caching in align mode: keep the state checkpoint at the last
+    #: state block edge each request reached while decoding, the state a
+    #: follow-up turn resumes from (default on; :mod:`vllm_hybrid.v1.core.retention`).
+    retain_turn_ends: bool = True
     #: Limits of the single shared pool's page unification.
     page_limits: PageUnificationLimits = PageUnificationLimits()
 

@@ -72,6 +72,22 @@ class InstanceRewrite:
 
 
 @dataclass(frozen=True)
+class AddedAttribute:
+    """An attribute the overlay adds to instances of an upstream class.
+
+    Upstream never reads it; the overlay sets it where the object is made and
+    reads it where the object arrives. ``name`` must not be an attribute of
+    the upstream class (a test checks the installed version), or the two
+    would collide.
+    """
+
+    cls: str
+    name: str
+    where: str
+    why: str
+
+
+@dataclass(frozen=True)
 class PrivateAttribute:
     """A private upstream attribute the overlay reads or calls.
 

@@ -24,6 +24,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.entries import CLI_PATCHES, PATCHES
 from vllm_hybrid.patches.entry import PatchEntry
 from vllm_hybrid.patches.subclasses import (
+    ADDED_ATTRIBUTES,
     INSTANCE_REWRITES,
     PRIVATE_ATTRIBUTES,
     SUBCLASSES,
@@ -192,6 +193,7 @@ def revert_all() -> None:
 
 
 __all__ = [
+    "ADDED_ATTRIBUTES",
     "CLI_PATCHES",
     "INSTANCE_REWRITES",
     "PATCHES",

@@ -7,6 +7,7 @@ against the installed vLLM.
 from __future__ import annotations
 
 from vllm_hybrid.patches.entry import (
+    AddedAttribute,
     InstanceRewrite,
     PrivateAttribute,
     SubclassEntry,
@@ -49,14 +50,47 @@ SUBCLASSES: list[SubclassEntry] = [
         subclass=(
             "vllm_hybrid.v1.core.pooled.coordinator:PooledHybridKVCacheCoordinator"
         ),
-        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
-        why="Admission and allocation across the token and state pools.",
+        overrides=(
+            "get_num_blocks_to_allocate",
+            "allocate_new_blocks",
+            "cache_blocks",
+            "free",
+            "pop_blocks_for_free",
+        ),
+        why=(
+            "Admission and allocation across the token and state pools; "
+            "turn-end state checkpoints (vllm_hybrid/v1/core/retention.py)."
+        ),
         how=(
             "Upstream's per-group managers compute needs; the overrides ask "
-            "the arena for both pools at once and may advance a state in place."
+            "the arena for both pools at once and may advance a state in "
+            "place. cache_blocks passes the decode position as one more "
+            "reachable boundary to align-mode state managers and evicts the "
+            "request's previous decode checkpoint; free/pop_blocks_for_free "
+            "drop the request's record."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
+    ),
+    SubclassEntry(
+        base="vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator",
+        subclass=("vllm_hybrid.v1.core.retention:TurnEndHybridKVCacheCoordinator"),
+        overrides=("cache_blocks", "free", "pop_blocks_for_free"),
+        why=(
+            "Upstream's default retention never keeps the state at the last "
+            "edge a request reached while decoding, the longest hit a chat "
+            "follow-up can have."
+        ),
+        how=(
+            "Returned by the get_kv_cache_coordinator entry for single-pool "
+            "configs with a Mamba group and prefix caching; the same mixin as "
+            "the pooled coordinator's turn-end retention."
+        ),
+        upstream_status=(
+            "none; related: https://github.com/vllm-project/vllm/pull/50551 "
+            "(open) would retain the final decode checkpoint"
+        ),
+        removal="When upstream retains the final decode checkpoint.",
     ),
     SubclassEntry(
         base="vllm.v1.core.kv_cache_coordinator:KVCacheCoordinatorNoPrefixCache",
@@ -174,6 +208,20 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
         why=(
             "A private copy whose block_size is the state checkpoint interval, "
             "read only by the align-mode prefill split."
+        ),
+    ),
+]
+
+#: Attributes the overlay adds to upstream instances.
+ADDED_ATTRIBUTES: list[AddedAttribute] = [
+    AddedAttribute(
+        cls="vllm.v1.kv_cache_interface:KVCacheConfig",
+        name="retain_turn_ends",
+        where="vllm_hybrid.v1.core.retention (mark_turn_end_retention)",
+        why=(
+            "Carries hybrid_kv.retain_turn_ends of a single-pool hybrid plan "
+            "from the engine core's planning to the scheduler's coordinator "
+            "factory, which sees no VllmConfig (pooled plans have the field)."
         ),
     ),
 ]

@@ -1,6 +1,8 @@
 """Replacement of upstream's ``get_kv_cache_coordinator``: pooled configs get
 the pooled coordinators (:mod:`vllm_hybrid.v1.core.pooled.coordinator`),
-every other config upstream's."""
+hybrid single-pool configs with prefix caching upstream's hybrid coordinator
+with turn-end retention (:mod:`vllm_hybrid.v1.core.retention`), every other
+config upstream's."""
 
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ from vllm_hybrid.v1.core.pooled.coordinator import (
     PooledNoPrefixCacheCoordinator,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+from vllm_hybrid.v1.core.retention import (
+    RETAIN_ATTRIBUTE,
+    TurnEndHybridKVCacheCoordinator,
+    has_align_state_groups,
+)
 
 
 def get_kv_cache_coordinator(
@@ -32,6 +39,27 @@ def get_kv_cache_coordinator(
     allow_partial_hash_hits: bool = True,
 ) -> KVCacheCoordinator:
     """Upstream's factory; pooled configs get the pooled coordinators."""
+    if (
+        not isinstance(kv_cache_config, PooledKVCacheConfig)
+        and enable_caching
+        and has_align_state_groups(kv_cache_config)
+        and getattr(kv_cache_config, RETAIN_ATTRIBUTE, True)
+    ):
+        return TurnEndHybridKVCacheCoordinator(
+            kv_cache_config,
+            max_model_len,
+            max_in_flight_tokens,
+            use_eagle,
+            enable_caching,
+            enable_kv_cache_events,
+            dcp_world_size=dcp_world_size,
+            pcp_world_size=pcp_world_size,
+            scheduler_block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
+            metrics_collector=metrics_collector,
+            num_prefill_lookahead=num_prefill_lookahead,
+            allow_partial_hash_hits=allow_partial_hash_hits,
+        )
     if not isinstance(kv_cache_config, PooledKVCacheConfig):
         return upstream_of(__name__, "get_kv_cache_coordinator")(
             kv_cache_config,

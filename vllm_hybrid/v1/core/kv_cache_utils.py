@@ -29,6 +29,7 @@ from vllm_hybrid.v1.core.pooled.engine import (
 )
 from vllm_hybrid.v1.core.pooled.planner import pooled_capacity
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+from vllm_hybrid.v1.core.retention import mark_turn_end_retention
 from vllm_hybrid.v1.core.token_capacity import (
     shared_pool_token_capacity,
     split_token_groups,
@@ -118,9 +119,13 @@ def get_kv_cache_configs(
     if pooled is not None:
         select_scheduler(vllm_config, pooled[0])
         return pooled
-    return upstream_of(__name__, "get_kv_cache_configs")(
+    configs = upstream_of(__name__, "get_kv_cache_configs")(
         vllm_config, kv_cache_specs, available_memory
     )
+    retain = HybridKVOptions.from_vllm_config(vllm_config).retain_turn_ends
+    for config in configs:
+        mark_turn_end_retention(config, retain)
+    return configs
 
 
 # -- capacity -------------------------------------------------------------

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
 logger = init_logger(__name__)
 
@@ -219,8 +220,11 @@ def arena_of(kv_cache_manager: Any) -> KVArena | None:
     return getattr(kv_cache_manager.coordinator, "arena", None)
 
 
-class PooledHybridKVCacheCoordinator(PooledCoordinatorMixin, HybridKVCacheCoordinator):
-    """Prefix caching on: upstream's hybrid coordinator over arena pools."""
+class PooledHybridKVCacheCoordinator(
+    PooledCoordinatorMixin, TurnEndRetentionMixin, HybridKVCacheCoordinator
+):
+    """Prefix caching on: upstream's hybrid coordinator over arena pools,
+    keeping turn-end checkpoints (:mod:`vllm_hybrid.v1.core.retention`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Partial (sub-block) hits need copy-on-write block copies, which the
@@ -228,6 +232,7 @@ class PooledHybridKVCacheCoordinator(PooledCoordinatorMixin, HybridKVCacheCoordi
         kwargs["allow_partial_hash_hits"] = False
         super().__init__(*args, **kwargs)
         self._bind_arena()
+        self._init_turn_ends(self.kv_cache_config.retain_turn_ends)
 
 
 class PooledNoPrefixCacheCoordinator(

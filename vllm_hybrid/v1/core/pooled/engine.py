@@ -150,9 +150,9 @@ def plan_pooled_configs(
     config.prefix_cache_retention_interval = (
         vllm_config.cache_config.prefix_cache_retention_interval
     )
-    config.couple_prefix_caches = HybridKVOptions.from_vllm_config(
-        vllm_config
-    ).couple_prefix_caches
+    options = HybridKVOptions.from_vllm_config(vllm_config)
+    config.couple_prefix_caches = options.couple_prefix_caches
+    config.retain_turn_ends = options.retain_turn_ends
     logger.info(describe_plan(config))
     return [copy.deepcopy(config) for _ in kv_cache_specs]
 

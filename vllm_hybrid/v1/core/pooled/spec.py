@@ -271,6 +271,8 @@ class PooledKVCacheConfig(KVCacheConfig):
     max_state_blocks_per_request: int = 1
     #: Couple the pools' prefix-cache eviction (see :mod:`.coupling`).
     couple_prefix_caches: bool = True
+    #: Keep each request's last decode checkpoint (turn-end retention).
+    retain_turn_ends: bool = True
 
     @property
     def layout(self) -> ArenaLayout:

@@ -1,0 +1,93 @@
+"""Turn-end retention's bookkeeping without an engine: which earlier decode
+checkpoint is evicted when a later one is cached (retention.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
+
+BLOCK = 32
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    block_hash: object = None
+    ref_cnt: int = 0
+    is_null: bool = False
+
+
+@dataclass
+class FakePool:
+    evicted: list[int] = field(default_factory=list)
+
+    def evict_blocks(self, ids: set[int]) -> None:
+        self.evicted += sorted(ids)
+
+
+@dataclass
+class FakeManager:
+    block_size: int = BLOCK
+    block_pool: FakePool = field(default_factory=FakePool)
+    req_to_blocks: dict[str, list[FakeBlock]] = field(default_factory=dict)
+
+
+class Coordinator(TurnEndRetentionMixin):
+    def __init__(self, interval: int | None) -> None:
+        self.retention_interval = interval
+        self._init_turn_ends(True)
+
+
+def _decode(coord: Coordinator, manager: FakeManager, blocks: int) -> None:
+    """A request fills ``blocks`` blocks one by one; each gets cached."""
+    owned = manager.req_to_blocks.setdefault("r", [])
+    for i in range(blocks):
+        owned.append(FakeBlock(i, block_hash=("key", i)))
+        coord._supersede(0, manager, "r", (i + 1) * BLOCK + 5)
+
+
+def test_each_later_checkpoint_evicts_the_previous_one():
+    coord, manager = Coordinator(interval=0), FakeManager()
+    _decode(coord, manager, 4)
+    assert manager.block_pool.evicted == [0, 1, 2]
+    counts = coord.turn_end_counts
+    assert (counts.cached, counts.superseded, counts.kept) == (4, 3, 0)
+    assert counts.by_request["r"][0].num_tokens == 4 * BLOCK
+
+
+def test_the_retention_interval_keeps_its_edges():
+    coord, manager = Coordinator(interval=2 * BLOCK), FakeManager()
+    _decode(coord, manager, 4)
+    # edges 64 and 128 are periodic checkpoints; 32 and 96 are superseded
+    assert manager.block_pool.evicted == [0, 2]
+    assert coord.turn_end_counts.kept == 1  # 64 (128 is still the latest)
+
+
+def test_a_checkpoint_another_request_uses_is_kept():
+    coord, manager = Coordinator(interval=0), FakeManager()
+    _decode(coord, manager, 1)
+    manager.req_to_blocks["r"][0].ref_cnt = 1  # a hit by another request
+    manager.req_to_blocks["r"].append(FakeBlock(1, block_hash=("key", 1)))
+    coord._supersede(0, manager, "r", 2 * BLOCK)
+    assert manager.block_pool.evicted == []
+    assert coord.turn_end_counts.kept == 1
+
+
+def test_a_reused_block_is_not_evicted_for_its_old_key():
+    coord, manager = Coordinator(interval=0), FakeManager()
+    _decode(coord, manager, 1)
+    manager.req_to_blocks["r"][0].block_hash = ("someone else's key",)
+    manager.req_to_blocks["r"].append(FakeBlock(1, block_hash=("key", 1)))
+    coord._supersede(0, manager, "r", 2 * BLOCK)
+    assert manager.block_pool.evicted == []
+
+
+@pytest.mark.parametrize("position", [BLOCK - 1, 2 * BLOCK + 1])
+def test_positions_without_a_cached_block_record_nothing(position):
+    coord, manager = Coordinator(interval=0), FakeManager()
+    manager.req_to_blocks["r"] = [FakeBlock(0), FakeBlock(1)]  # no hashes
+    coord._supersede(0, manager, "r", position)
+    assert coord.turn_end_counts.cached == 0

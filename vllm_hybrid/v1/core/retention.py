@@ -1,0 +1,184 @@
+"""Turn-end state checkpoints: the state a follow-up turn resumes from.
+
+In align mode a request's recurrent state is copied into a fresh block at
+every state block edge it crosses; the block it leaves holds the state at that
+edge. vLLM 0.32 caches such a block only at "semantic" positions
+(``--prefix-cache-retention-interval 0``, the default): the latest replay
+boundary of the prompt and shared-prefix junctions, plus every Nth edge with a
+positive interval. A chat follow-up sends the whole conversation again: the
+previous prompt, the answer, then a new message. Its longest possible hit is
+the last edge the previous turn reached while decoding, which the default
+never keeps, so the follow-up falls back to the previous prompt's boundary
+and recomputes the whole answer (with 32-token blocks: a 1,300-token prompt
+and 24 output tokens hit 1,280 tokens on the next turn instead of 1,312).
+
+The turn end is one more semantic position. While a request decodes, the
+block it just filled is cached as the checkpoint of its edge; when it fills
+the next one, the previous decode checkpoint is evicted again (unless the
+retention interval keeps it, or another request already uses it). A request
+therefore leaves exactly one decode checkpoint behind: the last edge it
+reached. This costs no copy (align mode copies at every edge anyway) and no
+held memory (the checkpoint is a free, evictable cached block like any other).
+With ``--prefix-cache-retention-interval`` unset to dense retention (None)
+upstream already keeps every edge and nothing here runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    replay_boundaries,
+)
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.request import Request
+
+
+@dataclass
+class DecodeCheckpoint:
+    """The latest decode checkpoint a request cached in one state group."""
+
+    block: KVCacheBlock
+    #: The block's cache key when it was cached; the block may have been
+    #: evicted and reused since.
+    block_hash: Any
+    #: Tokens the checkpoint covers (a state block edge).
+    num_tokens: int
+
+
+@dataclass
+class TurnEndCounts:
+    """What turn-end retention did, for benchmarks and tests."""
+
+    #: Decode checkpoints cached (one per state block edge crossed while
+    #: decoding, per state group).
+    cached: int = 0
+    #: Earlier decode checkpoints evicted when a later one was cached.
+    superseded: int = 0
+    #: Earlier decode checkpoints kept: another request used them, or the
+    #: retention interval keeps their edge.
+    kept: int = 0
+    by_request: dict[str, dict[int, DecodeCheckpoint]] = field(default_factory=dict)
+
+
+class TurnEndRetentionMixin:
+    """Keeps each request's latest decode checkpoint cached (module doc).
+
+    For subclasses of upstream's ``KVCacheCoordinator`` with prefix caching;
+    their constructor calls :meth:`_init_turn_ends`.
+    """
+
+    single_type_managers: tuple[Any, ...]
+    scheduler_block_size: int
+    retention_interval: int | None
+    eagle_group_ids: Any
+
+    def _init_turn_ends(self, retain: bool) -> None:
+        #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
+        self.retain_turn_ends = retain
+        self.turn_end_counts = TurnEndCounts()
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Upstream's caching, with the decode position as one more
+        reachable boundary of align-mode state groups."""
+        boundaries = replay_boundaries(
+            request.num_prompt_tokens,
+            self.scheduler_block_size,
+            use_eagle=bool(self.eagle_group_ids),
+        )
+        for group_id, manager in enumerate(self.single_type_managers):
+            if not manager.enable_caching:
+                continue
+            num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
+            decoding = self._keeps_turn_end(manager, request, num_tokens)
+            manager.cache_blocks(
+                request,
+                num_tokens,
+                retention_interval=self.retention_interval,
+                replay_boundaries=(*boundaries, num_tokens) if decoding else boundaries,
+            )
+            if decoding:
+                self._supersede(group_id, manager, request.request_id, num_tokens)
+
+    def _keeps_turn_end(self, manager: Any, request: Request, num_tokens: int) -> bool:
+        return (
+            self.retain_turn_ends
+            and self.retention_interval is not None
+            and isinstance(manager, MambaManager)
+            and manager.mamba_cache_mode == "align"
+            and num_tokens > request.num_prompt_tokens
+        )
+
+    def _supersede(
+        self, group_id: int, manager: Any, request_id: str, num_tokens: int
+    ) -> None:
+        """Record the checkpoint cached for ``num_tokens``, if any, and evict
+        the request's previous decode checkpoint of this group."""
+        edge = num_tokens // manager.block_size * manager.block_size
+        blocks = manager.req_to_blocks.get(request_id) or []
+        index = edge // manager.block_size - 1
+        if index < 0 or index >= len(blocks):
+            return
+        block = blocks[index]
+        if block.is_null or block.block_hash is None:
+            return
+        counts = self.turn_end_counts
+        latest = counts.by_request.setdefault(request_id, {})
+        previous = latest.get(group_id)
+        if previous is not None and previous.num_tokens == edge:
+            return
+        latest[group_id] = DecodeCheckpoint(block, block.block_hash, edge)
+        counts.cached += 1
+        if previous is None:
+            return
+        if self._interval_keeps(previous.num_tokens) or previous.block.ref_cnt > 0:
+            counts.kept += 1
+            return
+        if previous.block.block_hash == previous.block_hash:
+            manager.block_pool.evict_blocks({previous.block.block_id})
+            counts.superseded += 1
+
+    def _interval_keeps(self, num_tokens: int) -> bool:
+        interval = self.retention_interval
+        return bool(interval) and num_tokens % interval == 0
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self.turn_end_counts.by_request.pop(request_id, None)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self.turn_end_counts.by_request.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+
+#: Attribute carrying ``hybrid_kv.retain_turn_ends`` on a single-pool
+#: ``KVCacheConfig`` from the planning step to the scheduler's coordinator.
+RETAIN_ATTRIBUTE = "retain_turn_ends"
+
+
+def has_align_state_groups(kv_cache_config: Any) -> bool:
+    """Whether the config has a state (Mamba) group next to other groups."""
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 and any(
+        isinstance(g.kv_cache_spec, MambaSpec) for g in groups
+    )
+
+
+def mark_turn_end_retention(kv_cache_config: Any, retain: bool) -> None:
+    """Record the option on a hybrid single-pool config (registry:
+    ADDED_ATTRIBUTES); other configs are left exactly as upstream made them."""
+    if has_align_state_groups(kv_cache_config):
+        setattr(kv_cache_config, RETAIN_ATTRIBUTE, retain)
+
+
+class TurnEndHybridKVCacheCoordinator(TurnEndRetentionMixin, HybridKVCacheCoordinator):
+    """Single shared pool, prefix caching on: upstream's hybrid coordinator
+    keeping turn-end checkpoints."""
+
+    def __init__(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(kv_cache_config, *args, **kwargs)
+        self._init_turn_ends(getattr(kv_cache_config, RETAIN_ATTRIBUTE, True))
