@@ -18,6 +18,8 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
+    #: False: measured and reported, but the run was too short to judge it.
+    judged: bool = True
 
 
 # -- health ----------------------------------------------------------------
@@ -118,13 +120,15 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def process_rss(pid: int) -> dict[str, int]:
-    """``{"name pid": VmRSS bytes}`` of the server process and its children
-    (API server, engine core, workers, multiprocessing helpers)."""
+def process_rss(pid: int, kind: str = "VmRSS") -> dict[str, int]:
+    """``{"name pid": bytes}`` of the server process and its children (API
+    server, engine core, workers, multiprocessing helpers): resident memory
+    (``VmRSS``), or one part of it (``RssAnon``: heap and other private
+    memory; ``RssFile``: mapped files such as the libraries' code)."""
     out = {}
     for proc in descendants(pid):
         fields = _status_fields(proc)
-        rss = fields.get("VmRSS")
+        rss = fields.get(kind)
         if rss is None:
             continue
         kib = int(rss.split()[0])

@@ -44,9 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
     p.add_argument("--rss-growth-mib", type=float, default=d.rss_growth_mib)
+    p.add_argument("--flat-process-mib", type=float, default=d.flat_process_mib)
     p.add_argument("--model-dir", type=Path, default=REPO_ROOT / ".tiny-models")
     p.add_argument("--log-dir", type=Path, default=None)
     p.add_argument("--compile", action="store_true", help="no --enforce-eager")
+    p.add_argument(
+        "--request-seeds",
+        action="store_true",
+        help="give sampled requests a per-request seed (vLLM 0.32 on CPU then "
+        "crashes on prompts longer than one prefill step, in both modes)",
+    )
     p.add_argument("--json", type=Path, help="also write every report to this file")
     return p
 
@@ -69,9 +76,11 @@ def config_from_args(args: argparse.Namespace) -> SoakConfig:
         rounds=args.rounds,
         request_timeout=args.request_timeout,
         rss_growth_mib=args.rss_growth_mib,
+        flat_process_mib=args.flat_process_mib,
         model_dir=args.model_dir,
         log_dir=args.log_dir,
         compile=args.compile,
+        request_seeds=args.request_seeds,
     )
 
 

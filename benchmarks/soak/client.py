@@ -37,8 +37,14 @@ RESULTS = (
     "transport",
 )
 FAILURES = frozenset(RESULTS[3:])
-#: What a 400 for a prompt beyond --max-model-len says.
-TOO_LONG_MARKERS = ("maximum context length", "max_model_len")
+#: What a 400 for a prompt beyond --max-model-len says. A prompt of exactly
+#: max_model_len tokens leaves no room: vLLM lowers max_tokens to 0 and
+#: answers with its max_tokens error.
+TOO_LONG_MARKERS = (
+    "maximum context length",
+    "max_model_len",
+    "max_tokens must be at least 1, got 0",
+)
 
 
 @dataclass

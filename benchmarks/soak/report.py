@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .client import RESULTS
 from .config import MIB
-from .runner import ModeReport
+from .runner import ModeReport, rss_growth_by_role
 
 SHORT = {
     "ok": "ok",
@@ -44,7 +44,7 @@ def summary(report: ModeReport) -> str:
         peaks = phase.peaks
         row += f"{peaks.get('running', 0):>5.0f}{peaks.get('waiting', 0):>5.0f}"
         row += f"{phase.rss_bytes / MIB:>9.0f}  "
-        if phase.skipped and not phase.sent:
+        if phase.skipped and not phase.sent and phase.ok:
             row += "skipped (time limit)"
         else:
             bad = [c.name for c in phase.checks if not c.ok]
@@ -68,8 +68,15 @@ def summary(report: ModeReport) -> str:
     for where, check in report.all_checks:
         if where == "end" or not check.ok:
             mark = "PASS" if check.ok else "FAIL"
+            mark = mark if check.judged else "INFO"
             lines.append(f"{mark} [{where}] {check.name}: {check.detail}")
     rss = ", ".join(f"{k} {v / MIB:.0f}" for k, v in report.rss.items())
     lines.append(f"RSS MiB (all server processes): {rss}")
+    anon = ", ".join(f"{k} {v / MIB:.0f}" for k, v in report.rss_anon.items())
+    lines.append(f"  of which RssAnon: {anon}")
+    growth = rss_growth_by_role(report, report.rss_middle_phase, "end")
+    if growth:
+        parts = ", ".join(f"{k} {v / MIB:+.1f}" for k, v in growth.items())
+        lines.append(f"RSS growth {report.rss_middle_phase} -> end, MiB: {parts}")
     lines.append(f"RESULT {report.mode}: {'PASS' if report.ok else 'FAIL'}")
     return "\n".join(lines)

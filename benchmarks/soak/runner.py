@@ -70,12 +70,16 @@ class ModeReport:
     probes_start: list = field(default_factory=list)
     probes_end: list = field(default_factory=list)
     rss: dict[str, int] = field(default_factory=dict)
-    rss_processes: dict[str, int] = field(default_factory=dict)
+    #: ``{sample: {"Name pid": bytes}}`` for the samples in ``rss``.
+    rss_processes: dict[str, dict[str, int]] = field(default_factory=dict)
     rss_middle_phase: str = ""
+    #: Anonymous (private, heap) part of ``rss``, per sample.
+    rss_anon: dict[str, int] = field(default_factory=dict)
     plan_lines: list[str] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     log_path: str = ""
     error: str = ""
+    server_pid: int = 0
 
     @property
     def all_checks(self) -> list[tuple[str, Check]]:
@@ -186,7 +190,13 @@ def run_mode(cfg: SoakConfig, mode: str, log: callable = print) -> ModeReport:
     report.log_path = str(log_file)
     env = dict(os.environ, VLLM_HYBRID_KV=MODES[mode])
     pooled = mode == "pooled"
-    ctx = WorkloadContext(vocab_size(path), cfg.max_model_len, cfg.seed)
+    ctx = WorkloadContext(
+        vocab_size(path),
+        cfg.max_model_len,
+        cfg.seed,
+        cfg.request_seeds,
+        cfg.large_max_tokens,
+    )
     plan = phase_plan(cfg)
     report.rss_middle_phase = middle_phase(plan)
     begin = time.monotonic()
@@ -199,6 +209,7 @@ def run_mode(cfg: SoakConfig, mode: str, log: callable = print) -> ModeReport:
             ready_timeout=cfg.ready_timeout,
         ) as handle:
             report.startup_seconds = round(time.monotonic() - begin, 1)
+            report.server_pid = handle.process.pid
             log(
                 f"[{mode}] server ready in {report.startup_seconds:.0f}s; "
                 f"log {log_file}"
@@ -228,6 +239,43 @@ def run_mode(cfg: SoakConfig, mode: str, log: callable = print) -> ModeReport:
     return report
 
 
+def _exited(handle) -> Check:
+    code = handle.process.returncode
+    return Check("server alive", False, f"server exited with code {code}")
+
+
+def _sample_rss(report: ModeReport, key: str, pid: int) -> int:
+    processes = process_rss(pid)
+    report.rss_processes[key] = processes
+    report.rss[key] = sum(processes.values())
+    report.rss_anon[key] = sum(process_rss(pid, "RssAnon").values())
+    return report.rss[key]
+
+
+def rss_by_role(report: ModeReport, sample: str) -> dict[str, int]:
+    """RSS bytes of one sample by role: ``api_server`` (the process
+    ``serve`` started), ``engine_core``, ``workers``, ``other`` (helpers)."""
+    out = {"api_server": 0, "engine_core": 0, "workers": 0, "other": 0}
+    for key, rss in report.rss_processes.get(sample, {}).items():
+        name, _, pid = key.rpartition(" ")
+        if int(pid) == report.server_pid:
+            role = "api_server"
+        elif name.startswith("VLLM::EngineCor"):
+            role = "engine_core"
+        elif name.startswith("VLLM::Worker"):
+            role = "workers"
+        else:
+            role = "other"
+        out[role] += rss
+    return out
+
+
+def rss_growth_by_role(report: ModeReport, first: str, last: str) -> dict[str, int]:
+    """Bytes each role's processes grew between two samples."""
+    a, b = rss_by_role(report, first), rss_by_role(report, last)
+    return {role: b[role] - a[role] for role in b}
+
+
 def _soak(cfg, report, handle, target, ctx, plan, pooled, log) -> None:
     probes = probe_specs(ctx, cfg.probes, cfg.probe_tokens)
     report.probes_start = run_probes(target, probes)
@@ -235,15 +283,19 @@ def _soak(cfg, report, handle, target, ctx, plan, pooled, log) -> None:
     check = _idle_check(start_idle, pooled)
     check.name = "idle KV = 0 at start"
     report.checks.append(check)
-    report.rss["start"] = sum(process_rss(handle.process.pid).values())
+    _sample_rss(report, "start", handle.process.pid)
     stop_at = time.monotonic() + cfg.seconds
     for step in plan:
-        jobs = make_jobs(ctx, step.name, step.requests)
+        jobs = make_jobs(ctx, step.name, step.requests, step.kind == "burst")
         threads = len(jobs) if step.kind == "burst" else cfg.concurrency
         phase = PhaseReport(step.name, step.kind, step.requests, threads)
         report.phases.append(phase)
         if time.monotonic() > stop_at:
             phase.skipped = len(jobs)
+            continue
+        if handle.process.poll() is not None:
+            phase.skipped = len(jobs)
+            phase.checks.append(_exited(handle))
             continue
         join_bound = (
             max(0.0, stop_at - time.monotonic())
@@ -268,20 +320,21 @@ def _soak(cfg, report, handle, target, ctx, plan, pooled, log) -> None:
         _phase_checks(phase, cfg, target)
         phase.idle = idle_kv(target, pooled, cfg.idle_timeout)
         phase.checks.append(_idle_check(phase.idle, pooled))
-        phase.rss_bytes = sum(process_rss(handle.process.pid).values())
-        report.rss[phase.name] = phase.rss_bytes
+        phase.rss_bytes = _sample_rss(report, phase.name, handle.process.pid)
         log(
             f"[{report.mode}] {phase.name}: {phase.sent} requests in "
             f"{phase.seconds:.0f}s {phase.counts} "
             f"{'ok' if phase.ok else 'FAILED'}"
         )
+    if handle.process.poll() is not None:
+        report.checks.append(_exited(handle))
+        return
     report.probes_end = run_probes(target, probes)
     report.checks.append(same_tokens(report.probes_start, report.probes_end))
     report.checks.append(health(target))
     end_idle = idle_kv(target, pooled, cfg.idle_timeout)
     report.checks.append(_idle_check(end_idle, pooled))
-    report.rss_processes = process_rss(handle.process.pid)
-    report.rss["end"] = sum(report.rss_processes.values())
+    _sample_rss(report, "end", handle.process.pid)
     middle = report.rss.get(report.rss_middle_phase)
     if middle is None:
         report.checks.append(
@@ -289,12 +342,24 @@ def _soak(cfg, report, handle, target, ctx, plan, pooled, log) -> None:
         )
     else:
         growth = (report.rss["end"] - middle) / MIB
+        detail = (
+            f"{growth:+.1f} MiB from {report.rss_middle_phase} to end "
+            f"(bound < {cfg.rss_growth_mib:g} MiB)"
+        )
+        judged = cfg.requests >= cfg.rss_min_requests
+        if not judged:
+            detail += f"; not judged below {cfg.rss_min_requests} requests"
+        ok = growth < cfg.rss_growth_mib or not judged
+        report.checks.append(Check("RSS stable", ok, detail, judged))
+        roles = rss_growth_by_role(report, report.rss_middle_phase, "end")
+        flat = {r: roles[r] / MIB for r in ("api_server", "engine_core")}
         report.checks.append(
             Check(
-                "RSS stable",
-                growth < cfg.rss_growth_mib,
-                f"{growth:+.1f} MiB from {report.rss_middle_phase} to end "
-                f"(bound < {cfg.rss_growth_mib:g} MiB)",
+                "API server and engine core RSS flat",
+                max(flat.values()) < cfg.flat_process_mib,
+                ", ".join(f"{r} {v:+.1f} MiB" for r, v in flat.items())
+                + f" from {report.rss_middle_phase} to end "
+                f"(bound < {cfg.flat_process_mib:g} MiB each)",
             )
         )
     problems = log_problems(handle.log_text())

@@ -85,6 +85,12 @@ class WorkloadContext:
     vocab_size: int
     max_model_len: int
     seed: int
+    #: Give sampled requests a ``seed``. Off by default: on CPU, vLLM 0.32
+    #: kills its engine on a seeded request whose prefill takes more than
+    #: one step (``CPU Generator does not use offset``), in both modes.
+    request_seeds: bool = False
+    #: Upper end of ``max_tokens`` in the "large" kind (None: max_model_len).
+    large_max_tokens: int | None = None
 
     def words(self) -> list[str]:
         rng = random.Random(self.seed * 7919 + 1)
@@ -98,7 +104,7 @@ class WorkloadContext:
     def system_prompt(self) -> str:
         """The system prompt every chat request shares (about 200 tokens)."""
         rng = random.Random(self.seed * 104729 + 2)
-        return "You are a soak test. " + " ".join(rng.choices(self.words(), k=80))
+        return "You are a soak test. " + " ".join(rng.choices(self.words(), k=45))
 
     def shared_prefix(self) -> list[int]:
         rng = random.Random(self.seed * 15485863 + 3)
@@ -151,8 +157,9 @@ class MixBuilder:
             "temperature": temperature,
             "ignore_eos": self.rng.random() < 0.5,
         }
-        if temperature > 0:
-            body["seed"] = self.rng.randrange(2**31)
+        seed = self.rng.randrange(2**31)
+        if temperature > 0 and self.ctx.request_seeds:
+            body["seed"] = seed
         return body
 
     def _stream(self, body: dict, stream: bool) -> dict:
@@ -161,11 +168,15 @@ class MixBuilder:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def _chat(self, kind: str, stream: bool, **sampling) -> RequestSpec:
+    def _chat(
+        self, kind: str, stream: bool, words: int = 60, **sampling
+    ) -> RequestSpec:
+        """A chat request: the shared system prompt and 1 to ``words`` words
+        (about 4.4 tokens each with the tiny models' 960-token vocabulary)."""
         body = {
             "messages": [
                 {"role": "system", "content": self.system},
-                {"role": "user", "content": self._text(1, 60)},
+                {"role": "user", "content": self._text(1, words)},
             ],
             **self._sampling(),
             **sampling,
@@ -204,22 +215,26 @@ class MixBuilder:
             prompt = self.prefix + self._tokens(self._length(1, 200))
             return Job(kind, [self._completion(kind, rng.random() < 0.5, prompt)])
         if kind == "conversation":
+            # at most ~200 system + 4 x (90 user + 32 reply) tokens + template:
+            # the whole conversation fits in max_model_len 1024
             turns = rng.randint(2, 4)
-            specs = []
-            for _ in range(turns):
-                spec = self._chat(
-                    kind, rng.random() < 0.5, max_tokens=rng.randint(4, 32)
-                )
-                specs.append(spec)
+            specs = [
+                self._chat(kind, rng.random() < 0.5, 20, max_tokens=rng.randint(4, 32))
+                for _ in range(turns)
+            ]
             return Job(kind, specs)
         if kind == "n_gt_1":
-            return Job(kind, [self._any(kind, n=rng.randint(2, 4))])
+            # vLLM refuses n > 1 with greedy sampling
+            spec = self._any(kind, n=rng.randint(2, 4), temperature=1.0)
+            return Job(kind, [spec])
         if kind == "stop":
             return Job(kind, [self._any(kind, stop=list(rng.choice(STOP_SETS)))])
         if kind == "max_tokens_1":
             return Job(kind, [self._any(kind, max_tokens=1)])
         if kind == "max_tokens_large":
-            return Job(kind, [self._any(kind, max_tokens=rng.randint(200, mml))])
+            high = self.ctx.large_max_tokens or mml
+            spec = self._any(kind, max_tokens=rng.randint(min(200, high), high))
+            return Job(kind, [spec])
         if kind == "too_long":
             if rng.random() < 0.3:
                 # far beyond: every word is at least one token
@@ -246,9 +261,11 @@ class MixBuilder:
             return Job(kind, [spec])
         raise ValueError(f"unknown job kind {kind!r}")
 
-    def jobs(self, requests: int) -> list[Job]:
-        """Jobs of the mix holding exactly ``requests`` requests."""
-        kinds, weights = list(MIX), list(MIX.values())
+    def jobs(self, requests: int, burst: bool = False) -> list[Job]:
+        """Jobs of the mix holding exactly ``requests`` requests. A burst has
+        no conversations: every request is its own job, all sent at once."""
+        kinds = [k for k in MIX if not (burst and k == "conversation")]
+        weights = [MIX[k] for k in kinds]
         out: list[Job] = []
         left = requests
         while left > 0:
@@ -259,8 +276,10 @@ class MixBuilder:
         return out
 
 
-def make_jobs(ctx: WorkloadContext, phase: str, requests: int) -> list[Job]:
-    return MixBuilder(ctx, phase).jobs(requests)
+def make_jobs(
+    ctx: WorkloadContext, phase: str, requests: int, burst: bool = False
+) -> list[Job]:
+    return MixBuilder(ctx, phase).jobs(requests, burst)
 
 
 def probe_specs(ctx: WorkloadContext, count: int, max_tokens: int) -> list[RequestSpec]:
