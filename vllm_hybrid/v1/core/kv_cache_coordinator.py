@@ -38,44 +38,8 @@ def get_kv_cache_coordinator(
     num_prefill_lookahead: int = 0,
     allow_partial_hash_hits: bool = True,
 ) -> KVCacheCoordinator:
-    """Upstream's factory; pooled configs get the pooled coordinators."""
-    if (
-        not isinstance(kv_cache_config, PooledKVCacheConfig)
-        and enable_caching
-        and has_align_state_groups(kv_cache_config)
-        and getattr(kv_cache_config, RETAIN_ATTRIBUTE, True)
-    ):
-        return TurnEndHybridKVCacheCoordinator(
-            kv_cache_config,
-            max_model_len,
-            max_in_flight_tokens,
-            use_eagle,
-            enable_caching,
-            enable_kv_cache_events,
-            dcp_world_size=dcp_world_size,
-            pcp_world_size=pcp_world_size,
-            scheduler_block_size=scheduler_block_size,
-            hash_block_size=hash_block_size,
-            metrics_collector=metrics_collector,
-            num_prefill_lookahead=num_prefill_lookahead,
-            allow_partial_hash_hits=allow_partial_hash_hits,
-        )
-    if not isinstance(kv_cache_config, PooledKVCacheConfig):
-        return upstream_of(__name__, "get_kv_cache_coordinator")(
-            kv_cache_config,
-            max_model_len,
-            max_in_flight_tokens,
-            use_eagle,
-            enable_caching,
-            enable_kv_cache_events,
-            dcp_world_size,
-            pcp_world_size,
-            scheduler_block_size,
-            hash_block_size,
-            metrics_collector=metrics_collector,
-            num_prefill_lookahead=num_prefill_lookahead,
-            allow_partial_hash_hits=allow_partial_hash_hits,
-        )
+    """Upstream's factory; pooled configs get the pooled coordinators, hybrid
+    single-pool configs with prefix caching keep turn-end checkpoints."""
     common = dict(
         dcp_world_size=dcp_world_size,
         pcp_world_size=pcp_world_size,
@@ -84,21 +48,26 @@ def get_kv_cache_coordinator(
         metrics_collector=metrics_collector,
         num_prefill_lookahead=num_prefill_lookahead,
     )
-    if not enable_caching:
-        return PooledNoPrefixCacheCoordinator(
-            kv_cache_config,
-            max_model_len,
-            max_in_flight_tokens,
-            use_eagle,
-            enable_kv_cache_events,
-            **common,
+    head = (kv_cache_config, max_model_len, max_in_flight_tokens, use_eagle)
+    if isinstance(kv_cache_config, PooledKVCacheConfig):
+        if not enable_caching:
+            return PooledNoPrefixCacheCoordinator(
+                *head, enable_kv_cache_events, **common
+            )
+        return PooledHybridKVCacheCoordinator(
+            *head, enable_caching, enable_kv_cache_events, **common
         )
-    return PooledHybridKVCacheCoordinator(
-        kv_cache_config,
-        max_model_len,
-        max_in_flight_tokens,
-        use_eagle,
+    factory = upstream_of(__name__, "get_kv_cache_coordinator")
+    if (
+        enable_caching
+        and has_align_state_groups(kv_cache_config)
+        and getattr(kv_cache_config, RETAIN_ATTRIBUTE, True)
+    ):
+        factory = TurnEndHybridKVCacheCoordinator
+    return factory(
+        *head,
         enable_caching,
         enable_kv_cache_events,
         **common,
+        allow_partial_hash_hits=allow_partial_hash_hits,
     )
