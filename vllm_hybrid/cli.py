@@ -122,8 +122,15 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     apply_all(CLI_PATCHES)
     from vllm.entrypoints.cli.main import main as vllm_main
 
+    from vllm_hybrid.config.engine_args import OverlayConfigError
+
     sys.argv = ["vllm-hybrid", *args]
-    return vllm_main()
+    try:
+        return vllm_main()
+    except OverlayConfigError as exc:
+        # Found before any engine process started: the message is all.
+        print(exc, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -121,3 +121,36 @@ def test_bad_hybrid_kv_option_in_llm_raises_before_any_engine_process(
     )
     assert "EngineCore" not in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_checkpoint_interval_in_llm_raises_before_any_engine_process(
+    tiny_model_dir,
+):
+    """On CPU the attention block is final where the configuration is made,
+    so a --mamba-block-size that pooled mode cannot use is refused there."""
+    model = tiny_model_dir("qwen3_5")
+    code = (
+        "from vllm import LLM\n"
+        "try:\n"
+        f"    LLM({str(model)!r}, mamba_block_size=200,\n"
+        "        enable_prefix_caching=True)\n"
+        "except ValueError as exc:\n"
+        "    print('ERROR:', type(exc).__name__, exc)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (
+        proc.stdout.strip()
+        .splitlines()[-1]
+        .startswith(
+            "ERROR: OverlayConfigError vllm-hybrid: --mamba-block-size 200 must be a "
+            "multiple of the attention block size 128"
+        )
+    )
+    assert "EngineCore" not in proc.stderr

@@ -15,11 +15,23 @@ from typing import Any
 
 from vllm_hybrid.config.hybrid_kv import options_error
 from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.platforms.hybrid_block_size import early_interval_error
+
+
+class OverlayConfigError(ValueError):
+    """A bad overlay option, found before any engine process starts; its
+    message is the whole story (``vllm-hybrid`` prints it as one line)."""
 
 
 def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """Upstream's ``create_engine_config`` after the ``hybrid_kv`` check."""
+    """Upstream's ``create_engine_config`` between the overlay's checks: the
+    ``hybrid_kv`` options before it, the state checkpoint interval after it
+    (where the block size is known)."""
     problem = options_error(getattr(self, "additional_config", None))
     if problem is not None:
-        raise ValueError(f"vllm-hybrid: {problem}")
-    return upstream_of(__name__, "create_engine_config")(self, *args, **kwargs)
+        raise OverlayConfigError(f"vllm-hybrid: {problem}")
+    config = upstream_of(__name__, "create_engine_config")(self, *args, **kwargs)
+    problem = early_interval_error(config)
+    if problem is not None:
+        raise OverlayConfigError(f"vllm-hybrid: {problem}")
+    return config

@@ -70,4 +70,32 @@ def checkpoint_interval(block_size: int, requested: int | None) -> int:
     return requested
 
 
+def early_interval_error(vllm_config: Any) -> str | None:
+    """The :func:`checkpoint_interval` error for ``vllm_config``, found where
+    the engine's configuration is made, or None.
+
+    The platform hook above runs in the workers, after the model load, where
+    an error ends in one traceback per process. The block size is final in the
+    front-end only when the user set it or the platform is the CPU (its
+    attention keeps its block); otherwise the workers decide, as before.
+    """
+    from vllm.platforms import current_platform
+
+    cache_config = vllm_config.cache_config
+    if cache_config.mamba_cache_mode != "align" or not cache_config.block_size:
+        return None
+    if not (
+        getattr(cache_config, "user_specified_block_size", False)
+        or current_platform.is_cpu()
+    ):
+        return None
+    if not pooled_mode_decision(vllm_config).enabled:
+        return None
+    try:
+        checkpoint_interval(cache_config.block_size, cache_config.mamba_block_size)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 align_hybrid_block_size = classmethod(_align_hybrid_block_size)
