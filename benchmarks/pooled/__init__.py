@@ -6,8 +6,11 @@ runs, in layers:
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
 * :mod:`.prompts`: seeded prompt generation, the same ids in both modes;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
+* :mod:`.checkpoints`: counters of align-mode state blocks, worker state
+  copies and prefix-cache checkpoints, wrapped around a running engine;
 * :mod:`.engine`: engines and the step-by-step drive loop;
-* :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines;
+* :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
+  (many_short, one_long, multi_turn, chat_server, two_turn, same_tokens);
 * :mod:`.worker`: one model in one mode, in its own process;
 * :mod:`.driver`: the worker subprocesses (``--jobs``, core pinning);
 * :mod:`.report`: the table of overlay/upstream ratios;

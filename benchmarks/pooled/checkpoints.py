@@ -83,7 +83,7 @@ def install_copy_probe() -> None:
             ids = getattr(req_state, "block_ids", None)
             if ids is not None and group_ids:
                 column = ids[group_ids[0]]
-                if src < len(column) and column[src] == column[dst]:
+                if max(src, dst) < len(column) and column[src] == column[dst]:
                     _TALLY.self_copies += 1
         return original(
             copy_bufs, kv_cache_config, funcs, group_ids, src, dst, bias, *rest
@@ -171,9 +171,13 @@ def _wrap(obj: Any, name: str, make: Any) -> None:
 
 def attach(scheduler: Any) -> CheckpointCounters:
     """Install the counting wrappers on a scheduler's state managers, their
-    block pool(s) and ``schedule``; the worker-side copy probe too."""
+    block pool(s) and ``schedule``; the worker-side copy probe too. A second
+    call returns the counters the first one attached."""
     from vllm.v1.core.kv_cache_utils import get_group_id
 
+    attached = getattr(getattr(scheduler, "schedule", None), "_bench_counters", None)
+    if attached is not None:
+        return attached
     install_copy_probe()
     managers = _state_managers(scheduler)
     counters = CheckpointCounters(state_groups=len(managers))
@@ -260,6 +264,7 @@ def attach(scheduler: Any) -> CheckpointCounters:
             counters.tokens_scheduled += int(output.total_num_scheduled_tokens)
             return output
 
+        counted._bench_counters = counters
         return counted
 
     _wrap(scheduler, "schedule", schedule)
