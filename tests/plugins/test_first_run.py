@@ -93,47 +93,13 @@ def test_hybrid_kv_errors_are_found_in_both_argument_forms():
     assert hybrid_kv_error(["serve", "model"]) is None
 
 
-def test_bad_hybrid_kv_option_in_llm_raises_before_any_engine_process(
-    tiny_model_dir,
-):
-    """``LLM(...)`` gets one ValueError in the caller's process, raised where
-    the engine's configuration is made: no engine core starts."""
-    model = tiny_model_dir("qwen3_5")
+def _llm_error(model, arguments: str) -> tuple[str, str]:
+    """``LLM(model, <arguments>)`` in a fresh process: the ValueError it
+    raised (``"<type> <message>"``) and the process's stderr."""
     code = (
         "from vllm import LLM\n"
         "try:\n"
-        f"    LLM({str(model)!r},\n"
-        "        additional_config={'hybrid_kv': {'pooled': 'maybe'}})\n"
-        "except ValueError as exc:\n"
-        "    print('ERROR:', exc)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == (
-        "ERROR: vllm-hybrid: --additional-config hybrid_kv.pooled "
-        "must be true or false, got 'maybe'"
-    )
-    assert "EngineCore" not in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_bad_checkpoint_interval_in_llm_raises_before_any_engine_process(
-    tiny_model_dir,
-):
-    """On CPU the attention block is final where the configuration is made,
-    so a --mamba-block-size that pooled mode cannot use is refused there."""
-    model = tiny_model_dir("qwen3_5")
-    code = (
-        "from vllm import LLM\n"
-        "try:\n"
-        f"    LLM({str(model)!r}, mamba_block_size=200,\n"
-        "        enable_prefix_caching=True)\n"
+        f"    LLM({str(model)!r}, {arguments})\n"
         "except ValueError as exc:\n"
         "    print('ERROR:', type(exc).__name__, exc)\n"
     )
@@ -145,12 +111,36 @@ def test_bad_checkpoint_interval_in_llm_raises_before_any_engine_process(
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (
-        proc.stdout.strip()
-        .splitlines()[-1]
-        .startswith(
-            "ERROR: OverlayConfigError vllm-hybrid: --mamba-block-size 200 must be a "
-            "multiple of the attention block size 128"
-        )
+    return proc.stdout.strip().splitlines()[-1], proc.stderr
+
+
+def test_bad_hybrid_kv_option_in_llm_raises_before_any_engine_process(
+    tiny_model_dir,
+):
+    """``LLM(...)`` gets one ValueError in the caller's process, raised where
+    the engine's configuration is made: no engine core starts."""
+    error, stderr = _llm_error(
+        tiny_model_dir("qwen3_5"),
+        "additional_config={'hybrid_kv': {'pooled': 'maybe'}}",
     )
-    assert "EngineCore" not in proc.stderr
+    assert error == (
+        "ERROR: OverlayConfigError vllm-hybrid: --additional-config "
+        "hybrid_kv.pooled must be true or false, got 'maybe'"
+    )
+    assert "EngineCore" not in stderr
+    assert "Traceback" not in stderr
+
+
+def test_bad_checkpoint_interval_in_llm_raises_before_any_engine_process(
+    tiny_model_dir,
+):
+    """On CPU the attention block is final where the configuration is made,
+    so a --mamba-block-size that pooled mode cannot use is refused there."""
+    error, stderr = _llm_error(
+        tiny_model_dir("qwen3_5"), "mamba_block_size=200, enable_prefix_caching=True"
+    )
+    assert error.startswith(
+        "ERROR: OverlayConfigError vllm-hybrid: --mamba-block-size 200 must be a "
+        "multiple of the attention block size 128"
+    )
+    assert "EngineCore" not in stderr
