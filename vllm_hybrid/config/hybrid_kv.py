@@ -19,7 +19,8 @@ from vllm_hybrid import envs
 ADDITIONAL_CONFIG_KEY = "hybrid_kv"
 MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
 MAX_PAGE_GROWTH = "max_page_growth"
-_FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends")
+#: Boolean options and their defaults.
+_FLAGS = {"pooled": True, "couple_prefix_caches": True, "retain_turn_ends": False}
 #: Every option of the ``hybrid_kv`` object.
 KNOWN_OPTIONS = frozenset({*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH})
 
@@ -64,8 +65,11 @@ class HybridKVOptions:
     couple_prefix_caches: bool = True
     #: Prefix caching in align mode: keep the state checkpoint at the last
     #: state block edge each request reached while decoding, the state a
-    #: follow-up turn resumes from (default on; :mod:`vllm_hybrid.v1.core.retention`).
-    retain_turn_ends: bool = True
+    #: follow-up turn resumes from (:mod:`vllm_hybrid.v1.core.retention`).
+    #: Off by default: the extra checkpoints push prompt checkpoints out of
+    #: a full cache, which costs workloads that resend prompts without the
+    #: answers (docs/pooled-mode.md#turn-end-checkpoints).
+    retain_turn_ends: bool = False
     #: Limits of the single shared pool's page unification.
     page_limits: PageUnificationLimits = PageUnificationLimits()
 
@@ -82,7 +86,7 @@ class HybridKVOptions:
                 f"Unknown --additional-config {ADDITIONAL_CONFIG_KEY} option(s) "
                 f"{unknown}; known options: {sorted(KNOWN_OPTIONS)}"
             )
-        flags = {name: raw.get(name, True) for name in _FLAGS}
+        flags = {name: raw.get(name, default) for name, default in _FLAGS.items()}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(

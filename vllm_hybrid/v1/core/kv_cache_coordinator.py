@@ -61,7 +61,7 @@ def get_kv_cache_coordinator(
     if (
         enable_caching
         and has_align_state_groups(kv_cache_config)
-        and getattr(kv_cache_config, RETAIN_ATTRIBUTE, True)
+        and getattr(kv_cache_config, RETAIN_ATTRIBUTE, False)
     ):
         factory = TurnEndHybridKVCacheCoordinator
     return factory(

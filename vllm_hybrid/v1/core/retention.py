@@ -181,4 +181,4 @@ class TurnEndHybridKVCacheCoordinator(TurnEndRetentionMixin, HybridKVCacheCoordi
 
     def __init__(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(kv_cache_config, *args, **kwargs)
-        self._init_turn_ends(getattr(kv_cache_config, RETAIN_ATTRIBUTE, True))
+        self._init_turn_ends(getattr(kv_cache_config, RETAIN_ATTRIBUTE, False))
