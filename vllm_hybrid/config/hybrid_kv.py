@@ -19,8 +19,8 @@ from vllm_hybrid import envs
 ADDITIONAL_CONFIG_KEY = "hybrid_kv"
 MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
 MAX_PAGE_GROWTH = "max_page_growth"
-#: Boolean options and their defaults.
-_FLAGS = {"pooled": True, "couple_prefix_caches": True, "retain_turn_ends": False}
+#: Boolean options (defaults: the fields of :class:`HybridKVOptions`).
+_FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends")
 #: Every option of the ``hybrid_kv`` object.
 KNOWN_OPTIONS = frozenset({*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH})
 
@@ -86,7 +86,7 @@ class HybridKVOptions:
                 f"Unknown --additional-config {ADDITIONAL_CONFIG_KEY} option(s) "
                 f"{unknown}; known options: {sorted(KNOWN_OPTIONS)}"
             )
-        flags = {name: raw.get(name, default) for name, default in _FLAGS.items()}
+        flags = {name: raw.get(name, getattr(cls, name)) for name in _FLAGS}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES
 from vllm_hybrid.tools.plan.presets import PRESETS
 
 _SIZE_UNITS = {
@@ -51,10 +52,7 @@ KV_CACHE_DTYPES = (
     "fp8_inc",
     "fp8_ds_mla",
     "nvfp4_ds_mla",
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
+    *TQ_CACHE_DTYPES,
     "ultraquant_4bit",
     "int4_per_token_head",
     "int8_per_token_head",

@@ -398,12 +398,12 @@ def _upstream_within_limits(
     kv_cache_spec: dict[str, KVCacheSpec],
     plan: PageSizePlan,
     limits: PageUnificationLimits,
+    violations: PlanViolations,
     upstream_unify: Callable[[dict[str, KVCacheSpec]], dict[str, KVCacheSpec]],
 ) -> dict[str, KVCacheSpec]:
-    """Upstream's unification for a plan beyond the limits, with one line
-    saying why; where upstream gives up too, the error naming the option."""
-    violations = page_plan_violations(plan, limits)
-    assert violations is not None
+    """Upstream's unification for a plan beyond the limits (``violations``),
+    with one line saying why; where upstream gives up too, the error naming
+    the option."""
     try:
         unified = upstream_unify(kv_cache_spec)
     except NotImplementedError:
@@ -468,9 +468,12 @@ def unify_page_sizes(
         )
 
     plan = plan_page_size_unification(kv_cache_spec)
-    violations = page_plan_violations(plan, limits())
+    plan_limits = limits()
+    violations = page_plan_violations(plan, plan_limits)
     if violations is not None:
-        return _upstream_within_limits(kv_cache_spec, plan, limits(), upstream_unify)
+        return _upstream_within_limits(
+            kv_cache_spec, plan, plan_limits, violations, upstream_unify
+        )
     scales = sorted(set(plan.block_scale.values()))
     logger.info_once(
         "vllm-hybrid: KV cache pages do not divide each other; common page is "

@@ -84,7 +84,11 @@ class TurnEndRetentionMixin:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Upstream's caching, with the decode position as one more
-        reachable boundary of align-mode state groups."""
+        reachable boundary of align-mode state groups (upstream's method
+        itself when turn ends are not kept)."""
+        if not self.retain_turn_ends:
+            super().cache_blocks(request, num_computed_tokens)
+            return
         boundaries = replay_boundaries(
             request.num_prompt_tokens,
             self.scheduler_block_size,
@@ -106,8 +110,7 @@ class TurnEndRetentionMixin:
 
     def _keeps_turn_end(self, manager: Any, request: Request, num_tokens: int) -> bool:
         return (
-            self.retain_turn_ends
-            and self.retention_interval is not None
+            self.retention_interval is not None
             and isinstance(manager, MambaManager)
             and manager.mamba_cache_mode == "align"
             and num_tokens > request.num_prompt_tokens
@@ -177,8 +180,9 @@ def mark_turn_end_retention(kv_cache_config: Any, retain: bool) -> None:
 
 class TurnEndHybridKVCacheCoordinator(TurnEndRetentionMixin, HybridKVCacheCoordinator):
     """Single shared pool, prefix caching on: upstream's hybrid coordinator
-    keeping turn-end checkpoints."""
+    keeping turn-end checkpoints. Built only when the option is on (the
+    factory reads :data:`RETAIN_ATTRIBUTE`)."""
 
-    def __init__(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(kv_cache_config, *args, **kwargs)
-        self._init_turn_ends(getattr(kv_cache_config, RETAIN_ATTRIBUTE, False))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init_turn_ends(True)
