@@ -193,9 +193,12 @@ def serve(
     log_path: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
     ready_timeout: float = 300.0,
+    port: int | None = None,
 ) -> Iterator[ServerHandle]:
-    """Run ``vllm-hybrid serve MODEL`` on a free loopback port."""
-    port = free_port()
+    """Run ``vllm-hybrid serve MODEL`` on a loopback port (``port``, or a
+    free one: a caller that sends requests while the server starts picks the
+    port first)."""
+    port = free_port() if port is None else port
     log_file = Path(log_path) if log_path else Path(f"/tmp/vllm-hybrid-{port}.log")
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("HF_HUB_OFFLINE", "1")

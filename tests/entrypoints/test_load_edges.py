@@ -1,0 +1,227 @@
+"""Load a live pooled-mode server must absorb without failing a request:
+clients that arrive while it is still starting, and a burst of
+``--max-num-seqs 256`` requests on an arena that holds far fewer request
+states than that (the scheduler must queue what does not fit, not fail it)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from engine_utils import BENCHMARKS
+
+from vllm_hybrid.tools.server import LOOPBACK, free_port, serve
+
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+
+from soak.checks import idle_values, log_problems  # noqa: E402
+from soak.client import parse_metrics  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+WORDS = ("state", "space", "model", "delta", "gated", "token", "cache", "page")
+
+
+def _complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float):
+    """``(status, completion tokens or error text)`` of one completion."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())["usage"]["completion_tokens"]
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode(errors="replace")[:300]
+
+
+def _refused(err: OSError) -> bool:
+    reason = getattr(err, "reason", err)
+    return isinstance(reason, ConnectionRefusedError)
+
+
+def _metrics(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
+def _wait_idle(url: str) -> dict[str, float]:
+    """The KV gauges once nothing runs (polled every 0.5 s, up to 60 s)."""
+    values: dict[str, float] = {}
+    for _ in range(120):
+        values = idle_values(_metrics(url), pooled=True)
+        if values and all(v == 0 for v in values.values()):
+            break
+        time.sleep(0.5)
+    return values
+
+
+# -- clients arriving during start-up -------------------------------------
+
+#: Clients sending a completion while the server starts, each retrying a
+#: refused connection every 0.25 s (up to about 5 minutes).
+FLOOD = 24
+FLOOD_TOKENS = 8
+FLOOD_ATTEMPTS = 1200
+
+
+def test_clients_arriving_during_start_up_are_served(tiny_model_dir, tmp_path):
+    model = str(tiny_model_dir("qwen3_5"))
+    port = free_port()
+    url = f"http://{LOOPBACK}:{port}"
+    results: list[object] = [None] * FLOOD
+    refused = [0] * FLOOD
+    probes: Counter[object] = Counter()
+    done = threading.Event()
+
+    def client(i: int) -> None:
+        prompt = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(20 + i))
+        for _ in range(FLOOD_ATTEMPTS):
+            try:
+                results[i] = _complete(url, model, prompt, FLOOD_TOKENS, 300.0)
+                return
+            except OSError as err:
+                if not _refused(err):
+                    results[i] = type(getattr(err, "reason", err)).__name__
+                    return
+                refused[i] += 1
+                time.sleep(0.25)
+        results[i] = "gave up"
+
+    def readiness_probe() -> None:
+        # /health polled as an orchestrator's readiness probe would
+        while not done.is_set():
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                    probes[resp.status] += 1
+            except urllib.error.HTTPError as err:
+                probes[err.code] += 1
+            except OSError:
+                probes["no answer"] += 1
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(FLOOD)]
+    threads.append(threading.Thread(target=readiness_probe))
+    for thread in threads:
+        thread.start()
+    try:
+        with serve(
+            model,
+            ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(16 * 2**20)],
+            log_path=tmp_path / "server.log",
+            port=port,
+        ) as server:
+            for thread in threads[:-1]:
+                thread.join(timeout=300)
+            status, _ = server.request("/health")
+            problems = log_problems(server.log_text())
+    finally:
+        done.set()
+        threads[-1].join(timeout=30)
+    # every client was there before the server listened, and every one of
+    # them got its whole completion
+    assert all(n > 0 for n in refused), refused
+    assert results == [(200, FLOOD_TOKENS)] * FLOOD, results
+    assert status == 200
+    assert problems == []
+    # the probe saw the server come up; no probe ever got a 5xx
+    assert probes[200] > 0, probes
+    assert not [code for code in probes if isinstance(code, int) and code >= 500]
+
+
+# -- a burst of max_num_seqs requests on a small arena ---------------------
+
+BURST = 256
+BURST_BUDGET = 16 * 2**20
+
+
+def _state_ids(plan_line: str) -> int:
+    """State blocks the whole arena could hold (the plan line's state ids)."""
+    match = re.search(r"state pool: .*?, (\d+) ids, (\d+) per request", plan_line)
+    assert match, plan_line
+    return int(match.group(1))
+
+
+def test_burst_of_max_num_seqs_on_an_arena_of_few_states(tiny_model_dir, tmp_path):
+    rng = random.Random(0)
+    jobs = [
+        (
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 400))),
+            rng.randint(1, 32),
+        )
+        for _ in range(BURST)
+    ]
+    peaks = {"running": 0.0, "waiting": 0.0}
+    done = threading.Event()
+    with serve(
+        str(tiny_model_dir("qwen3_5")),
+        [
+            "--max-model-len",
+            "1024",
+            "--kv-cache-memory-bytes",
+            str(BURST_BUDGET),
+            "--max-num-seqs",
+            str(BURST),
+        ],
+        log_path=tmp_path / "server.log",
+    ) as server:
+        plan = [ln for ln in server.plan_lines() if "KV cache plan (pooled)" in ln]
+        assert len(plan) == 1, server.plan_lines()
+        states = _state_ids(plan[0])
+
+        def watch() -> None:
+            while not done.is_set():
+                metrics = parse_metrics(_metrics(server.url))
+                for key in peaks:
+                    value = sum(metrics.get(f"vllm:num_requests_{key}", {}).values())
+                    peaks[key] = max(peaks[key], value)
+                time.sleep(0.2)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(BURST) as pool:
+                results = list(
+                    pool.map(
+                        lambda job: _complete(server.url, server.model, *job, 600.0),
+                        jobs,
+                    )
+                )
+        finally:
+            done.set()
+            watcher.join(timeout=60)
+        idle = _wait_idle(server.url)
+        problems = log_problems(server.log_text())
+    # the arena could never hold a state for each of the 256 at once ...
+    assert states * 4 <= BURST, states
+    # ... so the scheduler queued the rest, ran no more than the arena holds
+    assert peaks["waiting"] > 0, peaks
+    assert 1 < peaks["running"] <= states, (peaks, states)
+    # and every request got all its tokens; afterwards nothing is held
+    assert results == [(200, max_tokens) for _, max_tokens in jobs]
+    assert idle == {
+        "running": 0.0,
+        "waiting": 0.0,
+        "kv_cache_usage_perc": 0.0,
+        "token_used_bytes": 0.0,
+        "state_used_bytes": 0.0,
+    }
+    assert problems == []
