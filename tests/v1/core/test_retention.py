@@ -46,7 +46,7 @@ def _decode(coord: Coordinator, manager: FakeManager, blocks: int) -> None:
     owned = manager.req_to_blocks.setdefault("r", [])
     for i in range(blocks):
         owned.append(FakeBlock(i, block_hash=("key", i)))
-        coord._supersede(0, manager, "r", (i + 1) * BLOCK + 5)
+        coord._supersede(0, manager, "r", (i + 1) * BLOCK + 5, prompt_len=0)
 
 
 def test_each_later_checkpoint_evicts_the_previous_one():
@@ -71,7 +71,7 @@ def test_a_checkpoint_another_request_uses_is_kept():
     _decode(coord, manager, 1)
     manager.req_to_blocks["r"][0].ref_cnt = 1  # a hit by another request
     manager.req_to_blocks["r"].append(FakeBlock(1, block_hash=("key", 1)))
-    coord._supersede(0, manager, "r", 2 * BLOCK)
+    coord._supersede(0, manager, "r", 2 * BLOCK, prompt_len=0)
     assert manager.block_pool.evicted == []
     assert coord.turn_end_counts.kept == 1
 
@@ -81,7 +81,7 @@ def test_a_reused_block_is_not_evicted_for_its_old_key():
     _decode(coord, manager, 1)
     manager.req_to_blocks["r"][0].block_hash = ("someone else's key",)
     manager.req_to_blocks["r"].append(FakeBlock(1, block_hash=("key", 1)))
-    coord._supersede(0, manager, "r", 2 * BLOCK)
+    coord._supersede(0, manager, "r", 2 * BLOCK, prompt_len=0)
     assert manager.block_pool.evicted == []
 
 
@@ -89,5 +89,28 @@ def test_a_reused_block_is_not_evicted_for_its_old_key():
 def test_positions_without_a_cached_block_record_nothing(position):
     coord, manager = Coordinator(interval=0), FakeManager()
     manager.req_to_blocks["r"] = [FakeBlock(0), FakeBlock(1)]  # no hashes
-    coord._supersede(0, manager, "r", position)
+    coord._supersede(0, manager, "r", position, prompt_len=0)
     assert coord.turn_end_counts.cached == 0
+
+
+def test_the_prompts_own_checkpoint_is_never_superseded():
+    """A 100-token prompt: its last full block (edge 96) is the prompt's
+    checkpoint. The first output tokens (positions 101..128) still see edge
+    96; the first decode edge is 128. Crossing 160 evicts 128, never 96."""
+    coord, manager = Coordinator(interval=0), FakeManager()
+    manager.req_to_blocks["r"] = [FakeBlock(i, block_hash=("key", i)) for i in range(5)]
+    for position in range(101, 5 * BLOCK + 1):
+        coord._supersede(0, manager, "r", position, prompt_len=100)
+    assert manager.block_pool.evicted == [3]  # edge 128, not 2 (edge 96)
+    counts = coord.turn_end_counts
+    assert (counts.cached, counts.superseded) == (2, 1)
+    assert counts.by_request["r"][0].num_tokens == 5 * BLOCK
+
+
+def test_a_prompt_ending_on_an_edge_keeps_its_checkpoint():
+    coord, manager = Coordinator(interval=0), FakeManager()
+    manager.req_to_blocks["r"] = [FakeBlock(i, block_hash=("key", i)) for i in range(3)]
+    for position in range(2 * BLOCK + 1, 3 * BLOCK + 1):
+        coord._supersede(0, manager, "r", position, prompt_len=2 * BLOCK)
+    assert manager.block_pool.evicted == []
+    assert coord.turn_end_counts.cached == 1

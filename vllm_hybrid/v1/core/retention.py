@@ -106,7 +106,13 @@ class TurnEndRetentionMixin:
                 replay_boundaries=(*boundaries, num_tokens) if decoding else boundaries,
             )
             if decoding:
-                self._supersede(group_id, manager, request.request_id, num_tokens)
+                self._supersede(
+                    group_id,
+                    manager,
+                    request.request_id,
+                    num_tokens,
+                    request.num_prompt_tokens,
+                )
 
     def _keeps_turn_end(self, manager: Any, request: Request, num_tokens: int) -> bool:
         return (
@@ -117,11 +123,25 @@ class TurnEndRetentionMixin:
         )
 
     def _supersede(
-        self, group_id: int, manager: Any, request_id: str, num_tokens: int
+        self,
+        group_id: int,
+        manager: Any,
+        request_id: str,
+        num_tokens: int,
+        prompt_len: int,
     ) -> None:
         """Record the checkpoint cached for ``num_tokens``, if any, and evict
-        the request's previous decode checkpoint of this group."""
+        the request's previous decode checkpoint of this group.
+
+        Only edges past the prompt are decode checkpoints. While the first
+        output tokens are computed, the last full block is still the prompt's
+        own checkpoint (its replay boundary, which upstream keeps): it must
+        never be recorded here, or the next decode edge would evict it and a
+        resent prompt would lose its hit.
+        """
         edge = num_tokens // manager.block_size * manager.block_size
+        if edge <= prompt_len:
+            return
         blocks = manager.req_to_blocks.get(request_id) or []
         index = edge // manager.block_size - 1
         if index < 0 or index >= len(blocks):
