@@ -30,6 +30,7 @@ from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
+from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
 HBS = 16
 LAYOUT = ArenaLayout(
@@ -70,6 +71,10 @@ class Req:
         self.request = SimpleNamespace(block_hashes=hashes)
         self.attn: list[KVCacheBlock] = []
         self.state: list[KVCacheBlock] = []
+        #: blocks of the prompt; later ones were decoded
+        self.prompt_blocks = 0
+        #: index of the state block at the latest decode edge
+        self.last_decode: int | None = None
 
     def compute(self, n_blocks: int, checkpoints: list[int]) -> None:
         """Allocate and cache ``n_blocks`` attention blocks and a state block
@@ -258,17 +263,30 @@ def test_option_must_be_a_bool():
         HybridKVOptions.from_vllm_config(config)
 
 
+class Retention(TurnEndRetentionMixin):
+    """Turn-end retention's eviction rule alone (upstream's default
+    retention interval 0: only semantic checkpoints are kept)."""
+
+    def __init__(self) -> None:
+        self.retention_interval = 0
+        self._init_turn_ends(True)
+
+
 class CoupledArenaMachine(RuleBasedStateMachine):
-    """Random requests over a small tree of shared prefixes: compute, free,
-    hit, evict by id, allocate under pressure, reset. Invariants: the arena's
-    own, the links agree with both caches, and no free cached block in either
-    pool is dead (every cached entry can still be part of a hit)."""
+    """Random requests over a small tree of shared prefixes: compute, decode
+    with turn-end retention, free, hit, evict by id, allocate under pressure,
+    reset. Invariants: the arena's own, the links agree with both caches, no
+    free cached block in either pool is dead (every cached entry can still be
+    part of a hit), and each request has at most one decode checkpoint
+    cached."""
 
     def __init__(self) -> None:
         super().__init__()
         self.arena: KVArena | None = None
         self.live: list[Req] = []
         self.held: list[tuple[object, list[KVCacheBlock]]] = []
+        self.retention = Retention()
+        self.decoded = 0
 
     @initialize(extra=st.integers(0, 200))
     def build(self, extra):
@@ -316,13 +334,45 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         for i in points:
             req.state[i] = sta.get_new_blocks(1)[0]
         sta.cache_full_blocks(req.request, req.state, 0, n, HBS, 1)
+        req.prompt_blocks = n
         self.live.append(req)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def decode(self, data):
+        """A live request decodes across one more block edge: its new
+        attention block and the state at the edge are cached, align mode
+        retires the state block of its previous decode edge, and turn-end
+        retention evicts that previous decode checkpoint."""
+        req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="who")]
+        arena = self.arena
+        if not arena.ensure(1, 1):
+            return
+        tok, sta = arena.token_pool, arena.state_pool
+        n = len(req.attn)
+        self.decoded += 1
+        req.request.block_hashes.append(BlockHash(f"d{self.decoded}".encode()))
+        req.attn.append(tok.get_new_blocks(1)[0])
+        tok.cache_full_blocks(req.request, req.attn, n, n + 1, HBS, 0)
+        req.state.append(sta.get_new_blocks(1)[0])
+        sta.cache_full_blocks(req.request, req.state, n, n + 1, HBS, 1)
+        if req.last_decode is not None:
+            sta.free_blocks([req.state[req.last_decode]])
+            req.state[req.last_decode] = sta.null_block
+        req.last_decode = n
+        manager = SimpleNamespace(
+            block_size=HBS, block_pool=sta, req_to_blocks={id(req): req.state}
+        )
+        self.retention._supersede(
+            0, manager, id(req), (n + 1) * HBS, req.prompt_blocks * HBS
+        )
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def free(self, data):
         req = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
         req.free()
+        self.retention.turn_end_counts.by_request.pop(id(req), None)
 
     @rule(data=st.data(), state_side=st.booleans())
     def evict_by_id(self, data, state_side):
@@ -356,6 +406,14 @@ class CoupledArenaMachine(RuleBasedStateMachine):
     def coupled(self):
         if self.arena is not None:
             self.arena.check_invariants()
+
+    @invariant()
+    def one_decode_checkpoint_per_request(self):
+        if self.arena is None:
+            return
+        for req in self.live:
+            decoded = req.request.block_hashes[req.prompt_blocks :]
+            assert sum(cached(self.arena.state_pool, map(skey, decoded))) <= 1
 
     def teardown(self):
         if self.arena is None:
