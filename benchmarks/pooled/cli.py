@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(each pool evicts by its own LRU), to measure what coupling buys",
     )
     parser.add_argument(
+        "--no-retain-turn-ends",
+        action="store_true",
+        help="the overlay without turn-end checkpoints (hybrid_kv."
+        "retain_turn_ends false), to measure what they buy",
+    )
+    parser.add_argument(
         "--preempt-budget-mib",
         type=float,
         default=None,
@@ -217,6 +223,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         budget_bytes=int(args.budget_mib * MIB),
         couple_prefix_caches=not args.no_couple_prefix_caches,
+        retain_turn_ends=not args.no_retain_turn_ends,
         same_tokens_threads=args.same_tokens_threads,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         same_tokens_uncached=not args.same_tokens_cached_only,

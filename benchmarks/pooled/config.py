@@ -114,6 +114,9 @@ class BenchConfig:
     #: Pooled mode's coordinated prefix-cache eviction across its pools
     #: (``hybrid_kv.couple_prefix_caches``); upstream ignores the option.
     couple_prefix_caches: bool = True
+    #: Pooled and single-pool mode keep turn-end checkpoints
+    #: (``hybrid_kv.retain_turn_ends``); upstream ignores the option.
+    retain_turn_ends: bool = True
 
 
 def quick_config(cfg: BenchConfig) -> BenchConfig:

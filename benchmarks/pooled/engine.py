@@ -38,11 +38,17 @@ class EngineSpec:
     couple_prefix_caches: bool = True
     mamba_ssm_cache_dtype: str = BenchConfig.mamba_ssm_cache_dtype
     kv_cache_dtype: str = BenchConfig.kv_cache_dtype
+    retain_turn_ends: bool = True
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
-        if not self.couple_prefix_caches:
-            extra["additional_config"] = {"hybrid_kv": {"couple_prefix_caches": False}}
+        hybrid_kv = {
+            name: False
+            for name in ("couple_prefix_caches", "retain_turn_ends")
+            if not getattr(self, name)
+        }
+        if hybrid_kv:
+            extra["additional_config"] = {"hybrid_kv": hybrid_kv}
         if self.mamba_block_size is not None and self.prefix_caching:
             extra["mamba_block_size"] = self.mamba_block_size
         return extra | {

@@ -100,6 +100,7 @@ def engine_specs(model_path: str, kind: str, cfg: BenchConfig) -> dict[str, Engi
             cfg.couple_prefix_caches,
             cfg.mamba_ssm_cache_dtype,
             cfg.kv_cache_dtype,
+            cfg.retain_turn_ends,
         )
 
     specs = {

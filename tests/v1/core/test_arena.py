@@ -168,8 +168,6 @@ def test_allocation_order_token_lowest_state_highest():
 def test_cached_blocks_after_clean_ones_in_lru_order():
     arena = make_arena()
     tok = arena.token_pool
-    # the state pool holds all its blocks: no clean bytes to move over
-    arena.state_pool.get_new_blocks(5)
     held = tok.get_new_blocks(9)
     for block, name in zip(held, b"abcdefghi", strict=True):
         if block.block_id in (5, 7, 9):
@@ -188,36 +186,6 @@ def test_cached_blocks_after_clean_ones_in_lru_order():
     assert tok.get_cached_block(BlockHash(b"g"), [0]) is None  # was block 9
     assert tok.get_cached_block(BlockHash(b"c"), [0]) is None  # was block 5
     assert tok.get_cached_block(BlockHash(b"e"), [0]) == [tok.blocks[7]]
-    assert arena.state_floor == SMALL.initial_state_floor
-    arena.check_invariants()
-
-
-def test_clean_bytes_of_the_other_pool_before_evicting_cached_blocks():
-    """Same frees as above, but the state pool has clean blocks next to the
-    boundary: the token pool grows over them instead of evicting."""
-    arena = make_arena()
-    tok = arena.token_pool
-    held = tok.get_new_blocks(9)
-    for block, name in zip(held, b"abcdefghi", strict=True):
-        if block.block_id in (5, 7, 9):
-            cache(tok, block, bytes([name]))
-    tok.free_blocks([tok.blocks[9], tok.blocks[10], tok.blocks[5]])
-    tok.free_blocks([tok.blocks[4], tok.blocks[7]])
-
-    assert arena.ensure(4, 0)  # what the scheduler asks before allocating
-    got = tok.get_new_blocks(4)
-    # 2 clean blocks short: one state block (10 B) gives token ids 12..14
-    assert arena.state_floor == SMALL.initial_state_floor + 1
-    assert tok.owned_ids == range(3, 15)
-    assert ids(got) == [4, 10, 12, 13]
-    assert tok.free_block_queue.cached_ids() == [9, 5, 7]  # nothing evicted
-    for name, block_id in ((b"g", 9), (b"c", 5), (b"e", 7)):
-        assert tok.get_cached_block(BlockHash(name), [0]) == [tok.blocks[block_id]]
-    # once the state pool has no clean block left, the LRU entry goes
-    arena.state_pool.get_new_blocks(arena.state_pool.get_num_free_blocks())
-    assert arena.ensure(2, 0)
-    assert ids(tok.get_new_blocks(2)) == [14, 9]
-    assert tok.get_cached_block(BlockHash(b"g"), [0]) is None
     arena.check_invariants()
 
 
@@ -475,12 +443,8 @@ def test_free_blocks_routes_mixed_list_to_owning_pools():
 # ---------------------------------------------------------------------------
 
 
-def oracle_floors(
-    arena: KVArena, need_token: int, need_state: int, clean: bool = False
-) -> list[int]:
-    """State floors that satisfy both needs, computed from bytes directly;
-    with ``clean``, out of blocks without a prefix-cache hash only, moving
-    only over such blocks (a move that evicts nothing)."""
+def oracle_floors(arena: KVArena, need_token: int, need_state: int) -> list[int]:
+    """State floors that satisfy both needs, computed from bytes directly."""
     lay = arena.layout
     tb, sb = lay.token_block_bytes, lay.state_block_bytes
     # overlapping null blocks keep only the smaller block clear, and align
@@ -506,14 +470,10 @@ def oracle_floors(
         leaving = [tok.blocks[t] for t in tok.owned_ids if t not in t_new] + [
             st_.blocks[s] for s in st_.owned_ids if s not in s_new
         ]
-        if any(b.ref_cnt or (clean and b.block_hash is not None) for b in leaving):
+        if any(b.ref_cnt for b in leaving):
             continue
-
-        def usable(block: KVCacheBlock) -> bool:
-            return block.ref_cnt == 0 and not (clean and block.block_hash is not None)
-
-        free_t = sum(1 for t in t_new if usable(tok.blocks[t]))
-        free_s = sum(1 for s in s_new if usable(st_.blocks[s]))
+        free_t = sum(1 for t in t_new if tok.blocks[t].ref_cnt == 0)
+        free_s = sum(1 for s in s_new if st_.blocks[s].ref_cnt == 0)
         if free_t >= need_token and free_s >= need_state:
             floors.append(floor)
     return floors
@@ -614,9 +574,7 @@ class ArenaMachine(RuleBasedStateMachine):
         floor = arena.state_floor
         lost_t = lost_s = []
         if floors:
-            # a move that evicts nothing if there is one (the smallest)
-            spare = oracle_floors(arena, nt, ns, clean=True)
-            target = min(spare or floors, key=lambda f: abs(f - floor))
+            target = min(floors, key=lambda f: abs(f - floor))
             lost_t = [
                 t for t in tok.owned_ids if t not in arena.layout.token_ids_at(target)
             ]

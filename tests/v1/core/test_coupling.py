@@ -267,8 +267,9 @@ class Retention(TurnEndRetentionMixin):
     """Turn-end retention's eviction rule alone (upstream's default
     retention interval 0: only semantic checkpoints are kept)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_pool) -> None:
         self.retention_interval = 0
+        self.single_type_managers = (SimpleNamespace(block_pool=state_pool),)
         self._init_turn_ends(True)
 
 
@@ -285,8 +286,10 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         self.arena: KVArena | None = None
         self.live: list[Req] = []
         self.held: list[tuple[object, list[KVCacheBlock]]] = []
-        self.retention = Retention()
+        self.retention: Retention | None = None
         self.decoded = 0
+        #: (block id, key) of decode checkpoints put first in the LRU order
+        self.ranked: set[tuple[int, object]] = set()
 
     @initialize(extra=st.integers(0, 200))
     def build(self, extra):
@@ -294,6 +297,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
             200 + extra, 4, 10, 2, 2, initial_boundary=(200 + extra) // 2
         )
         self.arena = make_arena(layout=layout)
+        self.retention = Retention(self.arena.state_pool)
 
     def _chain(self, data) -> list[BlockHash]:
         # Prefixes from a 2-ary tree of depth 5: many shared prefixes.
@@ -372,7 +376,13 @@ class CoupledArenaMachine(RuleBasedStateMachine):
     def free(self, data):
         req = self.live.pop(data.draw(st.integers(0, len(self.live) - 1)))
         req.free()
-        self.retention.turn_end_counts.by_request.pop(id(req), None)
+        # the request's last decode checkpoint goes first in the LRU order
+        latest = self.retention.turn_end_counts.by_request.pop(id(req), None)
+        if latest:
+            self.retention._evict_first(latest)
+            self.ranked |= {
+                (c.block.block_id, c.block_hash) for c in latest.values() if c.ranked
+            }
 
     @rule(data=st.data(), state_side=st.booleans())
     def evict_by_id(self, data, state_side):
@@ -406,6 +416,17 @@ class CoupledArenaMachine(RuleBasedStateMachine):
     def coupled(self):
         if self.arena is not None:
             self.arena.check_invariants()
+
+    @invariant()
+    def ranked_checkpoints_are_evicted_first(self):
+        """Freed decode checkpoints still cached lead the state pool's LRU
+        queue: every other cached block is evicted after them."""
+        if self.arena is None:
+            return
+        pool = self.arena.state_pool
+        order = pool.free_block_queue.cached_ids()
+        first = [(i, pool.blocks[i].block_hash) in self.ranked for i in order]
+        assert first == sorted(first, reverse=True), order
 
     @invariant()
     def one_decode_checkpoint_per_request(self):

@@ -21,8 +21,22 @@ class FakeBlock:
 
 
 @dataclass
+class FakeQueue:
+    """A free queue as a list, LRU head first."""
+
+    order: list[int] = field(default_factory=list)
+
+    def remove(self, block) -> None:
+        self.order.remove(block.block_id)
+
+    def prepend_n(self, blocks) -> None:
+        self.order[:0] = [b.block_id for b in blocks]
+
+
+@dataclass
 class FakePool:
     evicted: list[int] = field(default_factory=list)
+    free_block_queue: FakeQueue = field(default_factory=FakeQueue)
 
     def evict_blocks(self, ids: set[int]) -> None:
         self.evicted += sorted(ids)
@@ -35,9 +49,21 @@ class FakeManager:
     req_to_blocks: dict[str, list[FakeBlock]] = field(default_factory=dict)
 
 
-class Coordinator(TurnEndRetentionMixin):
-    def __init__(self, interval: int | None) -> None:
+class Upstream:
+    """What the mixin calls through super(): freeing returns nothing here;
+    tests put blocks in the fake queue themselves."""
+
+    def free(self, request_id: str) -> None:
+        pass
+
+    def remove_skipped_blocks(self, request_id: str, *args) -> None:
+        pass
+
+
+class Coordinator(TurnEndRetentionMixin, Upstream):
+    def __init__(self, interval: int | None, manager=None) -> None:
         self.retention_interval = interval
+        self.single_type_managers = (manager,)
         self._init_turn_ends(True)
 
 
@@ -114,3 +140,38 @@ def test_a_prompt_ending_on_an_edge_keeps_its_checkpoint():
         coord._supersede(0, manager, "r", position, prompt_len=2 * BLOCK)
     assert manager.block_pool.evicted == []
     assert coord.turn_end_counts.cached == 1
+
+
+def test_a_freed_decode_checkpoint_is_evicted_first():
+    """Retired while its request runs, or freed with it: either way the
+    decode checkpoint goes to the head of the LRU queue (evicted before the
+    prompt checkpoints freed before it), once."""
+    manager = FakeManager()
+    coord = Coordinator(interval=0, manager=manager)
+    manager.req_to_blocks["r"] = [FakeBlock(i, block_hash=("k", i)) for i in range(4)]
+    queue = manager.block_pool.free_block_queue
+    queue.order = [7, 8]  # older cached blocks, e.g. prompt checkpoints
+    coord._supersede(0, manager, "r", 3 * BLOCK + 1, prompt_len=2 * BLOCK)
+    held = manager.req_to_blocks["r"][2]  # edge 96, the decode checkpoint
+    held.ref_cnt = 1
+    coord.remove_skipped_blocks("r", 3 * BLOCK)
+    assert queue.order == [7, 8]  # still held by the request
+    held.ref_cnt = 0
+    queue.order.append(held.block_id)  # retired: upstream appends at the tail
+    coord.remove_skipped_blocks("r", 3 * BLOCK + 5)
+    assert queue.order == [2, 7, 8]
+    coord.free("r")  # already ranked: not moved again
+    assert queue.order == [2, 7, 8]
+    assert coord.turn_end_counts.ranked_first == 1
+
+
+def test_a_checkpoint_that_changed_is_not_ranked():
+    manager = FakeManager()
+    coord = Coordinator(interval=0, manager=manager)
+    manager.req_to_blocks["r"] = [FakeBlock(i, block_hash=("k", i)) for i in range(2)]
+    coord._supersede(0, manager, "r", 2 * BLOCK, prompt_len=BLOCK)
+    manager.req_to_blocks["r"][1].block_hash = ("reused elsewhere",)
+    manager.block_pool.free_block_queue.order = [1, 5]
+    coord.free("r")
+    assert manager.block_pool.free_block_queue.order == [1, 5]
+    assert coord.turn_end_counts.ranked_first == 0

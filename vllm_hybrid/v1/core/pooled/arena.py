@@ -14,24 +14,14 @@ Allocation order
 When the boundary moves (policy)
     Only on demand, in :meth:`KVArena.ensure`, which the scheduler calls before
     allocating (and which :meth:`ArenaBlockPool.get_new_blocks` calls itself
-    when short, for its own side). Two kinds of move, tried in this order:
-
-    1. *No eviction*: one pool lacks clean free blocks for the request at hand
-       and the other can hand over clean ones (every id in the way free and
-       without a prefix-cache hash). A pool evicts its own cached entries only
-       when the arena has no clean memory to give it: otherwise a pool full of
-       cached entries (say, state checkpoints) would throw away reusable
-       prefixes while the other pool sits on never-used bytes.
-    2. *With eviction*: one pool lacks free blocks at all (clean or cached).
-       The ids of the shrinking pool that lie in the way must all be free;
-       cached ones among them are evicted first (``BlockRemoved`` events are
-       emitted by the usual eviction path).
-
-    Either moves by the smallest whole number of state blocks that covers the
-    deficit and never rebalances in advance. A move is all-or-nothing: either
-    every condition holds and the boundary moves, or nothing changes. Live
-    blocks are never moved (migration by copy is a possible later
-    optimisation).
+    when short, for its own side). A move happens only when one pool lacks free
+    blocks for the request at hand, moves by the smallest whole number of state
+    blocks that covers the deficit, and never rebalances in advance. The ids of
+    the shrinking pool that lie in the way must all be free; cached ones among
+    them are evicted first (``BlockRemoved`` events are emitted by the usual
+    eviction path). The move is all-or-nothing: either every condition holds
+    and the boundary moves, or nothing changes. Live blocks are never moved
+    (migration by copy is a possible later optimisation).
 
 Worst case
     A long-lived block at the boundary (the state block at ``s_floor`` or the
@@ -53,7 +43,7 @@ zero them where the receiving kernels expect zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm.distributed.kv_events import MEDIUM_GPU
@@ -211,41 +201,14 @@ class KVArena:
     def _plan(
         self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
     ) -> int | None:
-        """State floor that satisfies both needs, or None if none does: one
-        that evicts nothing if there is one, else one that may evict cached
-        blocks (module docstring, "When the boundary moves").
+        """State floor that satisfies both needs, or None if none does.
 
         ``keep`` are free cached blocks about to be reused (prefix hits not
         yet touched): a move must not evict them or hand their bytes over.
         """
         kept = {(id(block.pool), block.block_id) for block in keep}
-        spare = self._target(
-            need_token,
-            need_state,
-            self.token_pool.free_block_queue.num_clean_blocks,
-            self.state_pool.free_block_queue.num_clean_blocks,
-            _all_clean,
-        )
-        if spare is not None:
-            return spare
-        return self._target(
-            need_token,
-            need_state,
-            self.token_pool.get_num_free_blocks(),
-            self.state_pool.get_num_free_blocks(),
-            lambda pool, ids: _all_free(pool, ids, kept),
-        )
-
-    def _target(
-        self,
-        need_token: int,
-        need_state: int,
-        free_token: int,
-        free_state: int,
-        can_give: Callable[[ArenaBlockPool, range], bool],
-    ) -> int | None:
-        """State floor giving each pool its need out of ``free_*`` blocks,
-        moving only over ids ``can_give`` accepts; None if none does."""
+        free_token = self.token_pool.get_num_free_blocks()
+        free_state = self.state_pool.get_num_free_blocks()
         short_token = need_token > free_token
         short_state = need_state > free_state
         if not short_token and not short_state:
@@ -261,19 +224,30 @@ class KVArena:
             lost = range(self._state_floor, target)
             if free_state - len(lost) < need_state:
                 return None
-            return target if can_give(self.state_pool, lost) else None
+            if not self._all_free(self.state_pool, lost, kept):
+                return None
+            return target
         target = self._state_floor - (need_state - free_state)
         if target < layout.min_state_floor:
             return None
         lost = self._token_ids_lost(target)
         if free_token - len(lost) < need_token:
             return None
-        return target if can_give(self.token_pool, lost) else None
+        if not self._all_free(self.token_pool, lost, kept):
+            return None
+        return target
 
     def _token_ids_lost(self, target: int) -> range:
         """Owned token ids at or above the token limit of state floor ``target``."""
         owned = self.token_pool.owned_ids
         return range(max(owned.start, self.layout.token_limit_at(target)), owned.stop)
+
+    @staticmethod
+    def _all_free(
+        pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]] = frozenset()
+    ) -> bool:
+        blocks = pool.blocks
+        return all(blocks[i].ref_cnt == 0 and (id(pool), i) not in kept for i in ids)
 
     def _move_to(self, target: int) -> None:
         old_boundary = self.boundary_bytes
@@ -368,18 +342,6 @@ class KVArena:
             _check_pool(pool)
         if self.coupling is not None:
             self.coupling.check()
-
-
-def _all_free(
-    pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]] = frozenset()
-) -> bool:
-    blocks = pool.blocks
-    return all(blocks[i].ref_cnt == 0 and (id(pool), i) not in kept for i in ids)
-
-
-def _all_clean(pool: ArenaBlockPool, ids: range) -> bool:
-    blocks = pool.blocks
-    return all(blocks[i].ref_cnt == 0 and blocks[i].block_hash is None for i in ids)
 
 
 def _require(condition: bool, message: str) -> None:

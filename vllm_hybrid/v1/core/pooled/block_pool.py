@@ -167,12 +167,7 @@ class ArenaBlockPool(BlockPool):
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Upstream's allocation, after asking the arena to move the boundary
-        in this pool's favour when it is short (may still raise ValueError).
-
-        Only a pool short of free blocks asks here: the scheduler's
-        :meth:`KVArena.ensure` has already made room for both pools' needs of
-        this step (clean bytes first), and a move made here for one pool
-        alone could take the clean blocks the other pool is about to use."""
+        in this pool's favour when it is short (may still raise ValueError)."""
         lent, self._lent = self._lent, None
         if lent is not None and num_blocks == 1:
             assert lent.ref_cnt >= 1 and not lent.is_null

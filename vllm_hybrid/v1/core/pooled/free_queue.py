@@ -45,11 +45,6 @@ class ArenaFreeBlockQueue:
     def num_free_blocks(self) -> int:
         return len(self._clean) + len(self._cached)
 
-    @property
-    def num_clean_blocks(self) -> int:
-        """Free blocks without a prefix-cache hash (reused without evicting)."""
-        return len(self._clean)
-
     def __len__(self) -> int:
         return self.num_free_blocks
 
