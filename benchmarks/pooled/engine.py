@@ -42,13 +42,11 @@ class EngineSpec:
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
-        hybrid_kv = {
-            name: False
-            for name in ("couple_prefix_caches", "retain_turn_ends")
-            if not getattr(self, name)
-        }
-        if hybrid_kv:
-            extra["additional_config"] = {"hybrid_kv": hybrid_kv}
+        # turn-end retention explicitly, whatever the overlay's default
+        hybrid_kv: dict[str, bool] = {"retain_turn_ends": self.retain_turn_ends}
+        if not self.couple_prefix_caches:
+            hybrid_kv["couple_prefix_caches"] = False
+        extra["additional_config"] = {"hybrid_kv": hybrid_kv}
         if self.mamba_block_size is not None and self.prefix_caching:
             extra["mamba_block_size"] = self.mamba_block_size
         return extra | {

@@ -66,10 +66,9 @@ class HybridKVOptions:
     #: Prefix caching in align mode: keep the state checkpoint at the last
     #: state block edge each request reached while decoding, the state a
     #: follow-up turn resumes from (:mod:`vllm_hybrid.v1.core.retention`).
-    #: Off by default: the extra checkpoints push prompt checkpoints out of
-    #: a full cache, which costs workloads that resend prompts without the
-    #: answers (docs/pooled-mode.md#turn-end-checkpoints).
-    retain_turn_ends: bool = False
+    #: Such a checkpoint is the first cached block its pool evicts, so it
+    #: never pushes another entry out (docs/pooled-mode.md#turn-end-checkpoints).
+    retain_turn_ends: bool = True
     #: Limits of the single shared pool's page unification.
     page_limits: PageUnificationLimits = PageUnificationLimits()
 

@@ -54,6 +54,7 @@ SUBCLASSES: list[SubclassEntry] = [
             "get_num_blocks_to_allocate",
             "allocate_new_blocks",
             "cache_blocks",
+            "remove_skipped_blocks",
             "free",
             "pop_blocks_for_free",
         ),
@@ -66,8 +67,9 @@ SUBCLASSES: list[SubclassEntry] = [
             "the arena for both pools at once and may advance a state in "
             "place. cache_blocks passes the decode position as one more "
             "reachable boundary to align-mode state managers and evicts the "
-            "request's previous decode checkpoint; free/pop_blocks_for_free "
-            "drop the request's record."
+            "request's previous decode checkpoint; remove_skipped_blocks and "
+            "free put a freed decode checkpoint first in its pool's eviction "
+            "order; free/pop_blocks_for_free drop the request's record."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
@@ -75,7 +77,12 @@ SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
         base="vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator",
         subclass=("vllm_hybrid.v1.core.retention:TurnEndHybridKVCacheCoordinator"),
-        overrides=("cache_blocks", "free", "pop_blocks_for_free"),
+        overrides=(
+            "cache_blocks",
+            "remove_skipped_blocks",
+            "free",
+            "pop_blocks_for_free",
+        ),
         why=(
             "Upstream's default retention never keeps the state at the last "
             "edge a request reached while decoding, the longest hit a chat "
@@ -84,7 +91,8 @@ SUBCLASSES: list[SubclassEntry] = [
         how=(
             "Returned by the get_kv_cache_coordinator entry for single-pool "
             "configs with a Mamba group and prefix caching; the same mixin as "
-            "the pooled coordinator's turn-end retention."
+            "the pooled coordinator's turn-end retention (a freed decode "
+            "checkpoint is the first cached block evicted)."
         ),
         upstream_status=(
             "none; related: https://github.com/vllm-project/vllm/pull/50551 "

@@ -272,7 +272,7 @@ class PooledKVCacheConfig(KVCacheConfig):
     #: Couple the pools' prefix-cache eviction (see :mod:`.coupling`).
     couple_prefix_caches: bool = True
     #: Keep each request's last decode checkpoint (turn-end retention).
-    retain_turn_ends: bool = False
+    retain_turn_ends: bool = True
 
     @property
     def layout(self) -> ArenaLayout:
