@@ -7,6 +7,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from vllm_hybrid.tools.server import parse_metrics as parse_samples
+
 #: Counters and gauges of vLLM's ``/metrics`` the benchmark reads. The
 #: prefix cache counters count tokens: queried prompt tokens, and those of
 #: them found in the cache.
@@ -198,16 +200,5 @@ def ratio_values(
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text exposition -> ``{sample name: value}``, summed over
     label sets (one engine here, but data-parallel servers label each)."""
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0].strip()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        totals[name] = totals.get(name, 0.0) + number
-    return totals
+    samples = parse_samples(text)
+    return {name: sum(by_labels.values()) for name, by_labels in samples.items()}

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from vllm_hybrid.tools.server import parse_metrics
+
 from .workload import CHAT, Job, RequestSpec
 
 #: ok: 200 and a valid response; expected_4xx: the 400 a too-long prompt
@@ -321,21 +323,6 @@ def run_phase(
         run.unresolved = started[0]
     run.seconds = time.monotonic() - begin
     return run
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.M)
-
-
-def parse_metrics(text: str) -> dict[str, dict[str, float]]:
-    """``{name: {labels text: value}}`` from Prometheus text format."""
-    out: dict[str, dict[str, float]] = {}
-    for match in _SAMPLE.finditer(text):
-        name, labels, value = match.groups()
-        try:
-            out.setdefault(name, {})[labels or ""] = float(value)
-        except ValueError:
-            continue
-    return out
 
 
 def pool_label(labels: str) -> str:

@@ -19,7 +19,7 @@ import urllib.request
 import psutil
 import pytest
 
-from vllm_hybrid.tools.server import serve, shutdown_report
+from vllm_hybrid.tools.server import post_json, serve, shutdown_report
 from vllm_hybrid.v1.engine.async_llm import SHUTDOWN_MESSAGE
 
 pytestmark = pytest.mark.slow
@@ -39,13 +39,7 @@ def _complete(url: str, model: str, max_tokens: int, timeout: float = 120.0):
         "temperature": 0.0,
         "ignore_eos": True,
     }
-    req = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.status, json.loads(resp.read())
+    return post_json(url + "/v1/completions", body, timeout)
 
 
 def _load(url: str, model: str, n: int) -> tuple[list[object], list[threading.Thread]]:
@@ -54,12 +48,14 @@ def _load(url: str, model: str, n: int) -> tuple[list[object], list[threading.Th
 
     def one() -> None:
         try:
-            status, body = _complete(url, model, max_tokens=LONG)
-            outcomes.append((status, body["usage"]["completion_tokens"]))
-        except urllib.error.HTTPError as exc:
-            outcomes.append((exc.code, exc.read().decode(errors="replace")))
+            status, raw = _complete(url, model, max_tokens=LONG)
         except (OSError, http.client.HTTPException) as exc:  # connection gone
             outcomes.append(type(getattr(exc, "reason", exc)).__name__)
+            return
+        if status == 200:
+            outcomes.append((status, json.loads(raw)["usage"]["completion_tokens"]))
+        else:
+            outcomes.append((status, raw.decode(errors="replace")))
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
     for thread in threads:

@@ -19,13 +19,18 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from engine_utils import BENCHMARKS
 
-from vllm_hybrid.tools.server import LOOPBACK, free_port, serve
+from vllm_hybrid.tools.server import (
+    LOOPBACK,
+    free_port,
+    parse_metrics,
+    post_json,
+    serve,
+)
 
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
 from soak.checks import idle_values, log_problems  # noqa: E402
-from soak.client import parse_metrics  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +46,10 @@ def _complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float
         "temperature": 0.0,
         "ignore_eos": True,
     }
-    req = urllib.request.Request(
-        url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())["usage"]["completion_tokens"]
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode(errors="replace")[:300]
+    status, raw = post_json(url + "/v1/completions", body, timeout)
+    if status != 200:
+        return status, raw.decode(errors="replace")[:300]
+    return status, json.loads(raw)["usage"]["completion_tokens"]
 
 
 def _refused(err: OSError) -> bool:

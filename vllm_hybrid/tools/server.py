@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,37 @@ PLAN_LINE_MARKERS = (
     "page unification",
     "KV cache plan",
 )
+
+
+#: One sample line of Prometheus' text format: name, optional labels, value.
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.M)
+
+
+def parse_metrics(text: str) -> dict[str, dict[str, float]]:
+    """``{name: {labels text: value}}`` from a server's ``/metrics`` text."""
+    out: dict[str, dict[str, float]] = {}
+    for match in _SAMPLE.finditer(text):
+        name, labels, value = match.groups()
+        try:
+            out.setdefault(name, {})[labels or ""] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, bytes]:
+    """POST ``body`` as JSON; ``(status, body)`` for 2xx and HTTP errors alike
+    (connection errors raise)."""
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
 
 
 def free_port() -> int:
@@ -67,15 +99,10 @@ class ServerHandle:
         self, path: str, body: dict | None = None, timeout: float = 120.0
     ) -> tuple[int, bytes]:
         """One HTTP request; returns ``(status, body)`` even for 4xx/5xx."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path,
-            data=data,
-            headers={"Content-Type": "application/json"},
-            method="GET" if body is None else "POST",
-        )
+        if body is not None:
+            return post_json(self.url + path, body, timeout)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as resp:
                 return resp.status, resp.read()
         except urllib.error.HTTPError as err:
             return err.code, err.read()
