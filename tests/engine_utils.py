@@ -153,14 +153,23 @@ def generate_greedy(llm: Any, prompts: Sequence[Any], max_tokens: int) -> Greedy
 
 
 def near_tie_differences(
-    reference: Greedy, tokens: Sequence[list[int]]
+    reference: Greedy,
+    tokens: Sequence[list[int]],
+    other_gaps: Sequence[list[float | None]] | None = None,
 ) -> list[tuple[int, int, float | None]]:
     """(prompt, first differing position, the reference's top-2 gap there)
     for every prompt whose ``tokens`` differ from the reference's other than
     by starting at a near-tie (:data:`NEAR_TIE`). Empty: equal up to bf16
     rounding. The reference is the run whose behaviour is trusted (upstream,
     or the uncached run): where it was confident, a different token is a
-    fault, not rounding."""
+    fault, not rounding.
+
+    With ``other_gaps`` (the other run's top-2 gaps) a difference also counts
+    as a near-tie when the two runs' gaps there add up to at most
+    ``2 * NEAR_TIE``: each run put its own token ahead by less than one
+    rounding step. Runs that score a token in batches of another shape
+    (speculative decoding verifies several tokens per forward pass) round
+    both ways."""
     first_difference = bench_pooled().first_difference
     found = []
     for i, (ref, ids) in enumerate(zip(reference.tokens, tokens, strict=True)):
@@ -169,6 +178,10 @@ def near_tie_differences(
             continue
         gaps = reference.gaps[i]
         gap = gaps[at] if at < len(gaps) else None
+        if gap is not None and gap > NEAR_TIE and other_gaps is not None:
+            theirs = other_gaps[i][at] if at < len(other_gaps[i]) else None
+            if theirs is not None and gap + theirs <= 2 * NEAR_TIE:
+                continue
         if gap is None or gap > NEAR_TIE:
             found.append((i, at, gap))
     return found

@@ -21,3 +21,15 @@ def test_differences_where_the_reference_was_confident_are_reported():
     # a shorter completion differs where it ends; no gap: not a tie
     ref = Greedy([[1, 2]], [[0.5, None]])
     assert near_tie_differences(ref, [[1]]) == [(0, 1, None)]
+
+
+def test_two_runs_each_within_rounding_of_a_tie_are_rounding():
+    ref = Greedy([[1, 2, 3]], [[0.5, 1.25 * NEAR_TIE, 0.3]])
+    # the other run put its own token ahead by 0.25 NEAR_TIE: 1.5 together
+    assert near_tie_differences(ref, [[1, 9, 9]], [[0.5, 0.25 * NEAR_TIE, 0.1]]) == []
+    # ahead by a whole NEAR_TIE: 2.25 together, not rounding
+    assert near_tie_differences(ref, [[1, 9, 9]], [[0.5, NEAR_TIE, 0.1]]) == [
+        (0, 1, 1.25 * NEAR_TIE)
+    ]
+    # without the other run's gaps the reference's rule alone applies
+    assert near_tie_differences(ref, [[1, 9, 9]]) == [(0, 1, 1.25 * NEAR_TIE)]

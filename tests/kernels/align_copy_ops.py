@@ -128,3 +128,54 @@ def fused_precopy(
     )
     sizes = [ctx.state_inner_sizes, ctx.state_elem_sizes, ctx.state_conv_widths]
     return torch.stack([s.long() for s in sizes]).cpu()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One request's post-step bookkeeping for ``postprocess_mamba_fused_kernel``:
+    tokens computed before the step, scheduled in it (1 + drafts), drafts,
+    tokens accepted, and the column its running state is in."""
+
+    row: tuple[int, ...]
+    computed: int
+    scheduled: int
+    drafts: int
+    accepted: int
+    state_col: int
+
+
+def fused_postprocess(
+    arena: ArenaViews,
+    states: Mapping[str, tuple[torch.Tensor, ...]],
+    steps: Sequence[Step],
+) -> torch.Tensor:
+    """Speculative decoding after the forward pass: the state of the last
+    accepted token is saved at the block edge it reached. Returns the
+    accepted-token counts the kernel leaves for the next step."""
+    config, funcs = arena.config, copy_funcs(arena)
+    n = len(steps)
+    ctx = mamba_utils.MambaSpecDecodeGPUContext.create(
+        n, config, funcs, DEVICE, _make_buffer
+    )
+    width = max(len(s.row) for s in steps)
+    table = torch.zeros((n, width), dtype=torch.int32, device=DEVICE)
+    for i, s in enumerate(steps):
+        table[i, : len(s.row)] = torch.tensor(s.row, dtype=torch.int32)
+    ctx.initialize_from_forward_context(
+        config, _forward_context(states), funcs, [table]
+    )
+
+    def column(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+    accepted = column([s.accepted for s in steps])
+    ctx.num_accepted_tokens_out[:n].copy_(accepted)
+    ctx.run_fused_postprocess(
+        num_reqs=n,
+        num_accepted_tokens_gpu=accepted,
+        mamba_state_idx_gpu=column([s.state_col for s in steps]),
+        num_scheduled_tokens_gpu=column([s.scheduled for s in steps]),
+        num_computed_tokens_gpu=column([s.computed for s in steps]),
+        num_draft_tokens_gpu=column([s.drafts for s in steps]),
+    )
+    return ctx.num_accepted_tokens_out[:n].cpu().clone()

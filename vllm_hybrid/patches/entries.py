@@ -233,6 +233,65 @@ PATCHES: list[PatchEntry] = [
             "--attention-backend) or upstream ships a CPU TurboQuant backend."
         ),
     ),
+    # -- speculative decoding on hybrids without Triton (CPU) ---------------
+    *(
+        PatchEntry(
+            target=f"vllm.v1.worker.mamba_utils:{kernel}",
+            replacement=f"vllm_hybrid.v1.worker.cpu_mamba_align:{kernel}",
+            bindings=(),
+            why=(
+                "Align mode with speculative decoding (n-gram, EAGLE, MTP) "
+                "moves recurrent states with this fused Triton kernel. vLLM's "
+                "CPU platform registers host versions of the other kernels the "
+                "V1 worker launches (batch_memcpy_kernel among them) but not of "
+                "this one, so a hybrid model with speculative decoding and "
+                "prefix caching stops at its first step on CPU ('function' "
+                "object is not subscriptable). The dispatcher vLLM offers for "
+                "such overrides cannot take one back, which the overlay's "
+                "switch needs."
+            ),
+            how=(
+                "Module attribute replaced by a launcher: kernel[grid] returns "
+                "upstream's Triton launch where Triton runs (HAS_TRITON), the "
+                "host version otherwise (same arguments, memmove between the "
+                "addresses the kernel receives). Only MambaSpecDecodeGPUContext "
+                "launches it, through the module global."
+            ),
+            upstream_status="none (vLLM 0.32's CPU platform overrides 11 "
+            "kernels, not this one)",
+            removal="When the CPU platform registers a host version of it.",
+        )
+        for kernel in (
+            "precopy_mamba_align_fused_kernel",
+            "postprocess_mamba_fused_kernel",
+        )
+    ),
+    PatchEntry(
+        target="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_spec_forward",
+        replacement=(
+            "vllm_hybrid.model_executor.layers.mamba.ops.cpu.gdn_spec:spec_forward"
+        ),
+        bindings=(),
+        why=(
+            "The CPU gated-DeltaNet path for speculative decoding writes a "
+            "request's new tokens at the end of its rolling conv buffer, the "
+            "layout the next step reads only when the request ran a full set "
+            "of drafts. n-gram proposes fewer whenever the text has no longer "
+            "match: the next step reads stale columns or fails with a tensor "
+            "size mismatch, with or without prefix caching. A private "
+            "function of an op module; no hook."
+        ),
+        how=(
+            "Module attribute replaced; its only caller "
+            "(_cpu_gdn_attention_spec_aware, same module) looks it up at call "
+            "time. Batches where every request runs a full set of drafts go "
+            "to upstream's function unchanged; others run the conv with the "
+            "buffer kept at its start (the window read plus the new tokens, "
+            "minus its first column), then the same native recurrent kernel."
+        ),
+        upstream_status="none",
+        removal="When upstream's CPU spec-decode conv handles drafts of any length.",
+    ),
     PatchEntry(
         target="vllm.v1.attention.selector:_cached_get_attn_backend",
         replacement="vllm_hybrid.v1.attention.selector:cached_get_attn_backend",

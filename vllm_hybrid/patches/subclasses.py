@@ -272,4 +272,9 @@ PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
         "_get_routed_experts_shape",
         "v1.worker.routed_experts (bytes per token)",
     ),
+    PrivateAttribute(
+        "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",
+        "_unpacked_conv_weight",
+        "model_executor.layers.mamba.ops.cpu.gdn_spec (conv weight)",
+    ),
 ]

@@ -1,0 +1,1 @@
+"""Overlay modules at the matching vLLM path."""
