@@ -5,7 +5,7 @@ When a request crosses a ``mamba_block_size`` edge, ``preprocess_mamba``
 block column to the new one before the forward pass. Two upstream paths,
 both driven by byte addresses taken from the bound state views:
 
-* without speculative decoding (always, in pooled mode):
+* without speculative decoding:
   ``collect_mamba_copy_meta`` turns each (layer, state) into a source
   address, destination address and size via the copy specs, and
   ``do_mamba_copy_block`` runs ``batch_memcpy_kernel`` over them;

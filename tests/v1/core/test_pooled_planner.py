@@ -213,3 +213,20 @@ def test_checkpoint_interval_default_and_multiples():
     assert checkpoint_interval(128, 16) == 128
     with pytest.raises(ValueError, match="--mamba-block-size 200 must be a multiple"):
         checkpoint_interval(128, 200)
+
+
+@pytest.mark.parametrize(
+    "method, pooled",
+    [("ngram", True), ("eagle", False), ("mtp", False), ("draft_model", False)],
+)
+def test_scope_guard_takes_model_free_drafts_only(method, pooled):
+    from types import SimpleNamespace
+
+    from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+
+    config = planner_vllm_config()
+    config.speculative_config = SimpleNamespace(method=method)
+    decision = pooled_mode_decision(config)
+    assert decision.enabled is pooled
+    if not pooled:
+        assert decision.reason == "unsupported: speculative decoding with a draft model"

@@ -1,19 +1,21 @@
 """One engine of the n-gram test, in its own process (see the test module).
 
-Usage: ``python ngram_engine.py MODEL_DIR {plain,spec} {pc,no-pc} OUT.json``.
-Writes the greedy tokens and top-2 gaps of two passes over the prompts and
-how often the host copy kernels ran.
+Usage: ``python ngram_engine.py MODEL_DIR {plain,spec} {pc,no-pc}
+{pooled,single} OUT.json``. Writes the greedy tokens and top-2 gaps of two
+passes over the prompts, how often the host copy kernels ran, and the peak
+of running requests for 64 short random prompts submitted at once.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine_utils import generate_greedy, with_engine  # noqa: E402
+from engine_utils import generate_greedy, scheduler, with_engine  # noqa: E402
 
 MiB = 2**20
 NGRAM = {
@@ -28,15 +30,53 @@ PROMPTS = [{"prompt_token_ids": BASE[: 100 + 37 * i]} for i in range(4)]
 MAX_TOKENS = 24
 
 
-def main(model: str, mode: str, caching: str, out: str) -> None:
+def short_prompts(n: int = 64) -> list[dict]:
+    """Random prompts of 64-512 tokens (the benchmark's many_short shape)."""
+    rng = random.Random("ngram/many_short")
+    return [
+        {
+            "prompt_token_ids": [
+                rng.randrange(5, 900) for _ in range(rng.randint(64, 512))
+            ]
+        }
+        for _ in range(n)
+    ]
+
+
+def peak_running(llm) -> int:
+    """Most requests running at once while 64 short prompts are served."""
+    from vllm import SamplingParams
+
+    sched = scheduler(llm)
+    original = sched.schedule
+    peak = 0
+
+    def schedule(*args, **kwargs):
+        nonlocal peak
+        output = original(*args, **kwargs)
+        peak = max(peak, len(sched.running))
+        return output
+
+    sched.schedule = schedule
+    try:
+        params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        llm.generate(short_prompts(), params, use_tqdm=False)
+    finally:
+        sched.schedule = original
+    return peak
+
+
+def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
     from vllm.v1.worker import mamba_utils
 
     kwargs = {
         "kv_cache_memory_bytes": 48 * MiB,
         "max_model_len": 1024,
-        "max_num_seqs": 8,
         "enable_prefix_caching": caching == "pc",
+        "max_num_seqs": 64,
     }
+    if pool == "single":
+        kwargs["additional_config"] = {"hybrid_kv": {"pooled": False}}
     if mode == "spec":
         kwargs["speculative_config"] = dict(NGRAM)
     calls = {"precopy_mamba_align_fused_kernel": 0, "postprocess_mamba_fused_kernel": 0}
@@ -51,15 +91,27 @@ def main(model: str, mode: str, caching: str, out: str) -> None:
                 return _host(*args, **kw)
 
             launcher.host = counted
-        return [generate_greedy(llm, PROMPTS, MAX_TOKENS) for _ in range(2)]
+        from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 
-    passes = with_engine(model, True, kwargs, work)
+        arena = arena_of(scheduler(llm).kv_cache_manager)
+        passes = [generate_greedy(llm, PROMPTS, MAX_TOKENS) for _ in range(2)]
+        peak = peak_running(llm)
+        if arena is not None:
+            # every block back in its pool, ids and boundary consistent
+            arena.check_invariants()
+            assert [p.used_bytes for p in arena.usage().pools] == [0, 0]
+        plan = type(scheduler(llm).kv_cache_config).__name__
+        return passes, plan, peak
+
+    passes, plan, peak = with_engine(model, True, kwargs, work)
     result = {
         "passes": [{"tokens": p.tokens, "gaps": p.gaps} for p in passes],
         "calls": calls,
+        "kv_cache_config": plan,
+        "peak_running": peak,
     }
     Path(out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])
