@@ -84,15 +84,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """``tiny_model_dir(kind) -> Path``: build each tiny model once."""
+    """``tiny_model_dir(kind, mtp=False) -> Path``: build each tiny model
+    once (``mtp``: with one MTP layer)."""
     from vllm_hybrid.tools.tiny_models import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     cache: dict[str, Path] = {}
 
-    def get(kind: str) -> Path:
-        if kind not in cache:
-            cache[kind] = Path(build_tiny_model(root / kind, kind))
-        return cache[kind]
+    def get(kind: str, mtp: bool = False) -> Path:
+        name = f"{kind}-mtp" if mtp else kind
+        if name not in cache:
+            cache[name] = Path(build_tiny_model(root / name, kind, mtp=mtp))
+        return cache[name]
 
     return get

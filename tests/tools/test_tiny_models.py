@@ -210,6 +210,7 @@ def test_complete_build_is_reused_and_outdated_one_replaced(tmp_path: Path) -> N
         "kind": "dense",
         "seed": 0,
         "builder_version": tiny_models.BUILDER_VERSION,
+        "mtp": False,
     }
 
     assert build_tiny_model(out, "dense", seed=0) == out.resolve()
@@ -251,3 +252,41 @@ def test_cli_builds_and_prints_path(
     assert capsys.readouterr().out.strip() == str(out.resolve())
     marker = json.loads((out / tiny_models.MARKER_NAME).read_text())
     assert (marker["kind"], marker["seed"]) == ("nemotron_h", 1)
+
+
+def test_mtp_layer_is_what_vllms_qwen3_next_mtp_loads(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    plain = build_tiny_model(tmp_path / "plain", "qwen3_next", seed=0)
+    with_mtp = build_tiny_model(tmp_path / "mtp", "qwen3_next", seed=0, mtp=True)
+    again = build_tiny_model(tmp_path / "again", "qwen3_next", seed=0, mtp=True)
+    assert _digests(with_mtp) == _digests(again)
+    assert _config(with_mtp)["num_nextn_predict_layers"] == 1
+    assert "num_nextn_predict_layers" not in _config(plain)
+    base, weights = (
+        load_file(plain / "model.safetensors"),
+        load_file(with_mtp / "model.safetensors"),
+    )
+    # the model's own weights are unchanged; the MTP layer is a full-attention
+    # decoder layer (layer 3 of the 3:1 pattern) plus fc and three norms
+    assert all(torch.equal(weights[k], v) for k, v in base.items())
+    mtp = {k for k in weights if k.startswith("mtp.")}
+    layer = {
+        "mtp.layers.0." + k[len("model.layers.3.") :]
+        for k in base
+        if k.startswith("model.layers.3.")
+    }
+    assert mtp == layer | {
+        "mtp.fc.weight",
+        "mtp.norm.weight",
+        "mtp.pre_fc_norm_hidden.weight",
+        "mtp.pre_fc_norm_embedding.weight",
+    }
+    assert weights["mtp.fc.weight"].shape == (256, 512)
+    assert "mtp.layers.0.self_attn.q_proj.weight" in mtp
+
+
+def test_mtp_only_for_qwen3_next_family(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--mtp: kind 'nemotron_h' has no MTP layer"):
+        build_tiny_model(tmp_path / "n", "nemotron_h", mtp=True)

@@ -18,7 +18,11 @@ benchmark numbers can be compared across machines and runs.
 
 Usage::
 
-    python -m vllm_hybrid.tools.tiny_models OUT_DIR --kind qwen3_5 [--seed N]
+    python -m vllm_hybrid.tools.tiny_models OUT_DIR --kind qwen3_5 [--seed N] [--mtp]
+
+``--mtp`` adds one multi-token-prediction layer (``mtp.*`` weights and the
+``num_nextn_predict_layers`` config field, as the real Qwen3-Next/Qwen3.5
+checkpoints ship it), for MTP speculative decoding.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ BUILDER_VERSION = 2  # 2: files 0644 (safetensors wrote 0600)
 #: the Qwen3-Next architecture (see :func:`qwen3_5_config`).
 KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5", "nemotron_h", "dense")
 
+#: Kinds that can carry an MTP layer (``--mtp``).
+MTP_KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5")
+
 #: Name of the file that marks a finished build (written last).
 MARKER_NAME = "tiny_model_build.json"
 
@@ -72,6 +79,7 @@ class BuildMarker:
     kind: str
     seed: int
     builder_version: int = BUILDER_VERSION
+    mtp: bool = False
 
 
 # Model configs
@@ -238,6 +246,46 @@ def save_weights(
     model.save_pretrained(str(out_dir), safe_serialization=True)
 
 
+def add_mtp_layer(config: PretrainedConfig, out_dir: Path, seed: int) -> None:
+    """Add one MTP layer to a saved Qwen3-Next-family model.
+
+    vLLM's ``Qwen3NextMTP`` reads ``mtp.fc`` (hidden x 2 hidden), three
+    RMSNorms (``mtp.norm``, ``mtp.pre_fc_norm_hidden``,
+    ``mtp.pre_fc_norm_embedding``) and ``mtp.layers.0.*``, a full-attention
+    decoder layer named like the model's own, and shares the embedding and
+    the LM head. Matrices are drawn like the model's initialiser (normal,
+    std ``initializer_range``) from their own seeded stream; norms copy the
+    model's initial values.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out_dir / "model.safetensors"
+    weights = load_file(str(path))
+    source = config.layer_types.index("full_attention")
+    prefix = f"model.layers.{source}."
+    gen = torch.Generator().manual_seed(seed + 1)
+    std = config.initializer_range
+
+    def drawn(shape: torch.Size) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+
+    for name in sorted(n for n in weights if n.startswith(prefix)):
+        tensor = weights[name]
+        new = "mtp.layers.0." + name[len(prefix) :]
+        weights[new] = tensor.clone() if "norm" in name else drawn(tensor.shape)
+    hidden = config.hidden_size
+    weights["mtp.fc.weight"] = drawn(torch.Size((hidden, 2 * hidden)))
+    norm = weights["model.norm.weight"]
+    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        weights[f"mtp.{name}.weight"] = norm.clone()
+    save_file(weights, str(path), metadata={"format": "pt"})
+    config_path = out_dir / "config.json"
+    data = json.loads(config_path.read_text())
+    data["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def read_marker(out_dir: Path) -> BuildMarker | None:
     """The marker of a finished build in ``out_dir``, or None."""
     try:
@@ -247,19 +295,22 @@ def read_marker(out_dir: Path) -> BuildMarker | None:
         return None
 
 
-def is_complete_build(out_dir: Path, kind: str, seed: int) -> bool:
+def is_complete_build(out_dir: Path, kind: str, seed: int, mtp: bool = False) -> bool:
     """Whether ``out_dir`` already holds this exact build (so skip work)."""
-    if read_marker(out_dir) != BuildMarker(kind, seed):
+    if read_marker(out_dir) != BuildMarker(kind, seed, mtp=mtp):
         return False
     return all((out_dir / name).is_file() for name in REQUIRED_FILES)
 
 
-def _write_build(out_dir: Path, kind: str, seed: int) -> None:
+def _write_build(out_dir: Path, kind: str, seed: int, mtp: bool) -> None:
     """Write every file of a build into the (empty) directory ``out_dir``."""
     tokenizer_size, ids = save_tokenizer(out_dir)
     config = CONFIG_BUILDERS[kind](padded_vocab_size(tokenizer_size), ids)
     save_weights(config, ids, out_dir, seed)
-    marker = json.dumps(asdict(BuildMarker(kind, seed)), indent=2, sort_keys=True)
+    if mtp:
+        add_mtp_layer(config, out_dir, seed)
+    marker = BuildMarker(kind, seed, mtp=mtp)
+    marker = json.dumps(asdict(marker), indent=2, sort_keys=True)
     (out_dir / MARKER_NAME).write_text(marker + "\n")
 
 
@@ -283,7 +334,11 @@ def _clear_previous(out_dir: Path) -> None:
 
 
 def build_tiny_model(
-    out_dir: str | os.PathLike[str], kind: str, seed: int = 0, force: bool = False
+    out_dir: str | os.PathLike[str],
+    kind: str,
+    seed: int = 0,
+    force: bool = False,
+    mtp: bool = False,
 ) -> Path:
     """Build (or reuse) a tiny model of ``kind`` in ``out_dir``.
 
@@ -293,20 +348,25 @@ def build_tiny_model(
     """
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+    if mtp and kind not in MTP_KINDS:
+        raise ValueError(
+            f"--mtp: kind {kind!r} has no MTP layer; "
+            f"choose one of {', '.join(MTP_KINDS)}"
+        )
     out_path = Path(out_dir).expanduser().resolve()
-    if not force and is_complete_build(out_path, kind, seed):
+    if not force and is_complete_build(out_path, kind, seed, mtp):
         return out_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
-        _write_build(staging, kind, seed)
-        _publish(staging, out_path, kind, seed)
+        _write_build(staging, kind, seed, mtp)
+        _publish(staging, out_path, kind, seed, mtp)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_path
 
 
-def _publish(staging: Path, out_path: Path, kind: str, seed: int) -> None:
+def _publish(staging: Path, out_path: Path, kind: str, seed: int, mtp: bool) -> None:
     """Move a finished staging directory to ``out_path``.
 
     If a concurrent builder (another test worker, say) published the same
@@ -324,7 +384,7 @@ def _publish(staging: Path, out_path: Path, kind: str, seed: int) -> None:
     try:
         staging.rename(out_path)
     except OSError:
-        if not is_complete_build(out_path, kind, seed):
+        if not is_complete_build(out_path, kind, seed, mtp):
             raise
 
 
@@ -338,6 +398,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weight seed")
     parser.add_argument(
         "--force", action="store_true", help="rebuild even if up to date"
+    )
+    parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help=f"add one MTP layer (kinds {', '.join(MTP_KINDS)})",
     )
     return parser.parse_args(argv)
 
@@ -353,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Keep stdout/stderr to the one useful line: scripts capture the path.
     hf_logging.disable_progress_bar()
-    path = build_tiny_model(args.out_dir, args.kind, seed=args.seed, force=args.force)
+    path = build_tiny_model(
+        args.out_dir, args.kind, seed=args.seed, force=args.force, mtp=args.mtp
+    )
     print(path)
     return 0
 

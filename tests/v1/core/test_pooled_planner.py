@@ -217,9 +217,9 @@ def test_checkpoint_interval_default_and_multiples():
 
 @pytest.mark.parametrize(
     "method, pooled",
-    [("ngram", True), ("eagle", False), ("mtp", False), ("draft_model", False)],
+    [("ngram", True), ("mtp", True), ("eagle", False), ("draft_model", False)],
 )
-def test_scope_guard_takes_model_free_drafts_only(method, pooled):
+def test_scope_guard_takes_ngram_and_mtp_drafts(method, pooled):
     from types import SimpleNamespace
 
     from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision

@@ -43,7 +43,7 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
             "prefill context parallel",
         ),
         (parallel.pipeline_parallel_size > 1, "pipeline parallel"),
-        (_drafts_with_a_model(vllm_config), "speculative decoding with a draft model"),
+        (_unpooled_drafts(vllm_config), "speculative decoding with a draft model"),
         (bool(getattr(cache, "kv_cache_dtype_skip_layers", None)), "skip layers"),
         (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),
         (_v2_runner_forced(), "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
@@ -54,14 +54,16 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
     return None
 
 
-#: Speculative methods that propose from the token history alone: no draft
-#: layers, so no KV cache group beyond the target model's.
-MODEL_FREE_DRAFTS = frozenset({"ngram"})
+#: Speculative methods pooled mode plans: n-gram has no draft layers; an MTP
+#: head's layers are the target's own kind (attention layers of its spec join
+#: the token pool; a layer of another spec makes the planner fall back with
+#: the reason). Separate draft models (EAGLE, draft_model) are not tested.
+POOLED_DRAFT_METHODS = frozenset({"ngram", "mtp"})
 
 
-def _drafts_with_a_model(vllm_config: Any) -> bool:
+def _unpooled_drafts(vllm_config: Any) -> bool:
     spec = vllm_config.speculative_config
-    return spec is not None and spec.method not in MODEL_FREE_DRAFTS
+    return spec is not None and spec.method not in POOLED_DRAFT_METHODS
 
 
 def _v2_runner_forced() -> bool:

@@ -1,6 +1,7 @@
-"""One engine of the n-gram test, in its own process (see the test module).
+"""One engine of the speculative-decoding test, in its own process (see the
+test module).
 
-Usage: ``python ngram_engine.py MODEL_DIR {plain,spec} {pc,no-pc}
+Usage: ``python spec_engine.py MODEL_DIR {plain,ngram,mtp} {pc,no-pc}
 {pooled,single} OUT.json``. Writes the greedy tokens and top-2 gaps of two
 passes over the prompts, how often the host copy kernels ran, and the peak
 of running requests for 64 short random prompts submitted at once.
@@ -18,11 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine_utils import generate_greedy, scheduler, with_engine  # noqa: E402
 
 MiB = 2**20
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 3,
-    "prompt_lookup_max": 4,
-    "prompt_lookup_min": 2,
+SPECULATIVE = {
+    "ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    },
+    # the tiny models' one MTP layer, run twice per step
+    "mtp": {"method": "mtp", "num_speculative_tokens": 2},
 }
 # Repeating token patterns give the n-gram proposer matches of every length.
 BASE = list(range(5, 60)) * 6
@@ -32,7 +37,7 @@ MAX_TOKENS = 24
 
 def short_prompts(n: int = 64) -> list[dict]:
     """Random prompts of 64-512 tokens (the benchmark's many_short shape)."""
-    rng = random.Random("ngram/many_short")
+    rng = random.Random("spec_decode/many_short")
     return [
         {
             "prompt_token_ids": [
@@ -77,8 +82,8 @@ def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
     }
     if pool == "single":
         kwargs["additional_config"] = {"hybrid_kv": {"pooled": False}}
-    if mode == "spec":
-        kwargs["speculative_config"] = dict(NGRAM)
+    if mode in SPECULATIVE:
+        kwargs["speculative_config"] = dict(SPECULATIVE[mode])
     calls = {"precopy_mamba_align_fused_kernel": 0, "postprocess_mamba_fused_kernel": 0}
 
     def work(llm):

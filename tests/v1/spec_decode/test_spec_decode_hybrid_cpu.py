@@ -1,0 +1,124 @@
+"""n-gram and MTP speculative decoding on a hybrid (gated DeltaNet) model
+on CPU.
+
+vLLM 0.32 cannot run it here: with prefix caching align mode launches two
+Triton kernels the CPU platform has no host version of, and with or without
+prefix caching the CPU GDN conv mis-rolls its buffer after a step with fewer
+drafts than configured. The overlay replaces both (registry entries); this
+runs the tiny ``qwen3_next`` with n-gram drafts, and its MTP variant (one
+MTP layer) with MTP drafts, and compares the greedy tokens with the same
+engine without speculative decoding, and pooled mode with the overlay's
+single shared pool under the same flags.
+
+Each engine runs in its own process: once an n-gram proposer has imported
+numba, vLLM's kernel dispatcher fails at the next engine start in the same
+process (its module scan trips over llvmlite's ``ffi.lib``), with or without
+the overlay.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engine_utils import Greedy, near_tie_differences
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("spec_engine.py")
+
+
+def _run(model, mode: str, caching: str, pool: str, tmp: Path) -> dict:
+    out = tmp / f"{Path(model).name}-{mode}-{caching}-{pool}.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(model), mode, caching, pool, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    model = tiny_model_dir("qwen3_next")
+    mtp_model = tiny_model_dir("qwen3_next", mtp=True)
+    tmp = tmp_path_factory.mktemp("spec_decode")
+    engines = [
+        (model, "plain", "pc", "pooled"),
+        (model, "ngram", "pc", "pooled"),
+        (model, "ngram", "no-pc", "pooled"),
+        (model, "ngram", "pc", "single"),
+        (mtp_model, "plain", "pc", "pooled"),
+        (mtp_model, "mtp", "pc", "pooled"),
+        (mtp_model, "mtp", "pc", "single"),
+    ]
+    return {
+        (key[1], key[2], key[3], key[0] == mtp_model): _run(*key, tmp)
+        for key in engines
+    }
+
+
+def _greedy(run: dict, i: int) -> Greedy:
+    p = run["passes"][i]
+    return Greedy(p["tokens"], p["gaps"])
+
+
+#: (speculative method, whether it runs on the MTP variant of the model)
+METHODS = [("ngram", False), ("mtp", True)]
+
+
+@pytest.mark.parametrize("method, mtp", METHODS)
+def test_prefix_caching_runs_the_host_copy_kernels(runs, method, mtp):
+    calls = runs[method, "pc", "pooled", mtp]["calls"]
+    assert calls["precopy_mamba_align_fused_kernel"] > 0
+    assert calls["postprocess_mamba_fused_kernel"] > 0
+    assert set(runs["plain", "pc", "pooled", mtp]["calls"].values()) == {0}
+
+
+@pytest.mark.parametrize("method, mtp", METHODS)
+def test_tokens_equal_plain_decoding_up_to_near_ties(runs, method, mtp):
+    plain = _greedy(runs["plain", "pc", "pooled", mtp], 0)
+    keys = [k for k in runs if k[0] == method and k[2] == "pooled" and k[3] == mtp]
+    assert keys
+    for key in keys:
+        for i in (0, 1):
+            spec = _greedy(runs[key], i)
+            assert all(len(t) == len(plain.tokens[0]) for t in spec.tokens)
+            found = near_tie_differences(plain, spec.tokens, spec.gaps)
+            assert found == [], (key, i)
+
+
+def test_prefix_cache_hits_do_not_change_speculative_tokens(runs):
+    cached = runs["ngram", "pc", "pooled", False]["passes"]
+    uncached = runs["ngram", "no-pc", "pooled", False]["passes"]
+    assert cached[1]["tokens"] == cached[0]["tokens"]
+    assert cached[0]["tokens"] == uncached[0]["tokens"]
+
+
+@pytest.mark.parametrize("method, mtp", METHODS)
+def test_pooled_mode_takes_the_drafts(runs, method, mtp):
+    assert runs[method, "pc", "pooled", mtp]["kv_cache_config"] == "PooledKVCacheConfig"
+    assert runs[method, "pc", "single", mtp]["kv_cache_config"] == "KVCacheConfig"
+
+
+@pytest.mark.parametrize("method, mtp", METHODS)
+def test_pooled_tokens_equal_the_single_pool_with_the_same_flags(runs, method, mtp):
+    single = runs[method, "pc", "single", mtp]["passes"]
+    pooled = runs[method, "pc", "pooled", mtp]["passes"]
+    for i in (0, 1):
+        found = near_tie_differences(
+            _greedy({"passes": single}, i), pooled[i]["tokens"], pooled[i]["gaps"]
+        )
+        assert found == [], i
+
+
+@pytest.mark.parametrize("method, mtp", METHODS)
+def test_pooled_runs_more_requests_at_once_with_drafts(runs, method, mtp):
+    pooled = runs[method, "pc", "pooled", mtp]["peak_running"]
+    single = runs[method, "pc", "single", mtp]["peak_running"]
+    assert pooled > single > 0, (pooled, single)
