@@ -267,6 +267,30 @@ PATCHES: list[PatchEntry] = [
         )
     ),
     PatchEntry(
+        target="vllm.v1.worker.cpu_worker:CPUWorker.compile_or_warm_up_model",
+        replacement="vllm_hybrid.v1.worker.cpu_worker:compile_or_warm_up_model",
+        bindings=(),
+        why=(
+            "With pipeline parallelism every stage but the first receives "
+            "activations in intermediate_tensors, which the model runner "
+            "allocates in its first dummy run. The CPU worker skips that run "
+            "in eager mode with an explicit KV budget (nothing to compile), so "
+            "the second stage fails its first step (AssertionError in "
+            "sync_and_gather_intermediate_tensors) and the engine core follows "
+            "with a KeyError, for any model. No hook runs between the warm-up "
+            "and the first step."
+        ),
+        how=(
+            "Class attribute on CPUWorker replaced; the replacement calls "
+            "upstream's method, then allocates the buffer the way the dummy "
+            "run does (make_empty_intermediate_tensors for max_num_tokens) "
+            "when this stage is not the first and has none."
+        ),
+        upstream_status="none",
+        removal="When the CPU worker allocates intermediate tensors without a "
+        "warm-up run.",
+    ),
+    PatchEntry(
         target="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_spec_forward",
         replacement=(
             "vllm_hybrid.model_executor.layers.mamba.ops.cpu.gdn_spec:spec_forward"
