@@ -1,0 +1,129 @@
+"""Pooled mode under vLLM's multi-node executor: two "nodes" on loopback.
+
+Node 0 runs ``vllm-hybrid serve`` with ``--nnodes 2 --node-rank 0``, node 1
+the same command with ``--node-rank 1 --headless`` (vLLM's own multi-node
+executor: one process per node rank, 127.0.0.1 as master), tensor parallel
+2 so that each node holds one worker. The overlay must be active in every
+process of both nodes, and both workers must build the arena the engine core
+planned.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from vllm_hybrid.tools.server import free_port, serve
+
+pytestmark = pytest.mark.slow
+
+ACTIVE = re.compile(r"\((\S+) pid=\d+\).*vllm-hybrid \S+ active on vLLM 0\.32\.0")
+ARENA = re.compile(r"\((\S+) pid=\d+\).*pooled KV arena on this worker: (.*)$")
+
+
+def _args(master_port: int, rank: int) -> list[str]:
+    return [
+        "--tensor-parallel-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(master_port),
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(48 * 2**20),
+        "--max-model-len",
+        "1024",
+        "--mamba-ssm-cache-dtype",
+        "float32",
+    ]
+
+
+def _env(core: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("VLLM_HYBRID_KV", None)
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=str(core),
+        VLLM_LOGGING_COLOR="0",
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def nodes(tiny_model_dir, tmp_path_factory):
+    model = str(tiny_model_dir("qwen3_next"))
+    tmp = tmp_path_factory.mktemp("nodes")
+    master = free_port()
+    node1_log = tmp / "node1.log"
+    with open(node1_log, "wb") as log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "vllm_hybrid.cli", "serve", model, "--headless"]
+            + _args(master, 1),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(1),
+        )
+    try:
+        with serve(
+            model, _args(master, 0), log_path=tmp / "node0.log", env=_env(0)
+        ) as node0:
+            answer = node0.request(
+                "/v1/completions",
+                {"model": model, "prompt": "hello world", "max_tokens": 8},
+            )
+            log0 = node0.log_text()
+    finally:
+        if node1.poll() is None:
+            node1.terminate()
+            try:
+                node1.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                node1.kill()
+                node1.wait()
+    return answer, log0, node1_log.read_text(errors="replace")
+
+
+def test_both_nodes_serve_one_model(nodes):
+    (status, body), _, _ = nodes
+    assert status == 200, body[:500]
+
+
+def test_overlay_is_active_in_every_process_of_both_nodes(nodes):
+    _, node0, node1 = nodes
+    # node 0: the API server (logged as MainProcess), the engine core and its
+    # worker; node 1: its launcher and its worker
+    assert {m.group(1) for m in ACTIVE.finditer(node0)} >= {
+        "MainProcess",
+        "EngineCore",
+        "VllmWorker-0",
+    }
+    assert {m.group(1) for m in ACTIVE.finditer(node1)} >= {
+        "MainProcess",
+        "VllmWorker-1",
+    }
+
+
+def test_both_workers_build_the_planned_arena(nodes):
+    _, node0, node1 = nodes
+    arenas = [
+        m.group(2).strip()
+        for text in (node0, node1)
+        for line in text.splitlines()
+        if (m := ARENA.search(line))
+    ]
+    assert len(arenas) == 2, arenas
+    assert arenas[0] == arenas[1]
+    assert "KV cache plan (pooled)" in node0
+    # the worker's pools are the plan's: 48 MiB arena
+    assert arenas[0].endswith("arena 50331648 B")
