@@ -96,6 +96,35 @@ def batch_memcpy_copy(
     return bufs.sizes.cpu[: bufs.offset].clone()
 
 
+def _spec_decode_context(
+    arena: ArenaViews,
+    states: Mapping[str, tuple[torch.Tensor, ...]],
+    rows: Sequence[Sequence[int]],
+):
+    """Upstream's speculative-decoding copy context over the bound views,
+    with one block-table row (state ids per column) per request, and that
+    table: the context keeps only its address, so the caller must hold it
+    while the kernels run."""
+    config, funcs = arena.config, copy_funcs(arena)
+    n = len(rows)
+    ctx = mamba_utils.MambaSpecDecodeGPUContext.create(
+        n, config, funcs, DEVICE, _make_buffer
+    )
+    table = torch.zeros(
+        (n, max(len(r) for r in rows)), dtype=torch.int32, device=DEVICE
+    )
+    for i, row in enumerate(rows):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    ctx.initialize_from_forward_context(
+        config, _forward_context(states), funcs, [table]
+    )
+    return ctx, table
+
+
+def _column(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
 def fused_precopy(
     arena: ArenaViews,
     states: Mapping[str, tuple[torch.Tensor, ...]],
@@ -103,27 +132,12 @@ def fused_precopy(
 ) -> torch.Tensor:
     """The speculative-decoding path: layout metadata from the bound views,
     then ``precopy_mamba_align_fused_kernel`` over the batch."""
-    config, funcs = arena.config, copy_funcs(arena)
-    n = len(crossings)
-    ctx = mamba_utils.MambaSpecDecodeGPUContext.create(
-        n, config, funcs, DEVICE, _make_buffer
-    )
-    width = max(len(c.row) for c in crossings)
-    table = torch.zeros((n, width), dtype=torch.int32, device=DEVICE)
-    for i, c in enumerate(crossings):
-        table[i, : len(c.row)] = torch.tensor(c.row, dtype=torch.int32)
-    ctx.initialize_from_forward_context(
-        config, _forward_context(states), funcs, [table]
-    )
-
-    def column(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
+    ctx, _table = _spec_decode_context(arena, states, [c.row for c in crossings])
     ctx.run_fused_precopy(
-        num_reqs=n,
-        state_idx_gpu=column([c.dst_col for c in crossings]),
-        src_col_gpu=column([c.src_col for c in crossings]),
-        token_bias_gpu=column([c.bias for c in crossings]),
+        num_reqs=len(crossings),
+        state_idx_gpu=_column([c.dst_col for c in crossings]),
+        src_col_gpu=_column([c.src_col for c in crossings]),
+        token_bias_gpu=_column([c.bias for c in crossings]),
         idx_mapping=None,
     )
     sizes = [ctx.state_inner_sizes, ctx.state_elem_sizes, ctx.state_conv_widths]
@@ -152,30 +166,16 @@ def fused_postprocess(
     """Speculative decoding after the forward pass: the state of the last
     accepted token is saved at the block edge it reached. Returns the
     accepted-token counts the kernel leaves for the next step."""
-    config, funcs = arena.config, copy_funcs(arena)
     n = len(steps)
-    ctx = mamba_utils.MambaSpecDecodeGPUContext.create(
-        n, config, funcs, DEVICE, _make_buffer
-    )
-    width = max(len(s.row) for s in steps)
-    table = torch.zeros((n, width), dtype=torch.int32, device=DEVICE)
-    for i, s in enumerate(steps):
-        table[i, : len(s.row)] = torch.tensor(s.row, dtype=torch.int32)
-    ctx.initialize_from_forward_context(
-        config, _forward_context(states), funcs, [table]
-    )
-
-    def column(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=DEVICE)
-
-    accepted = column([s.accepted for s in steps])
+    ctx, _table = _spec_decode_context(arena, states, [s.row for s in steps])
+    accepted = _column([s.accepted for s in steps])
     ctx.num_accepted_tokens_out[:n].copy_(accepted)
     ctx.run_fused_postprocess(
         num_reqs=n,
         num_accepted_tokens_gpu=accepted,
-        mamba_state_idx_gpu=column([s.state_col for s in steps]),
-        num_scheduled_tokens_gpu=column([s.scheduled for s in steps]),
-        num_computed_tokens_gpu=column([s.computed for s in steps]),
-        num_draft_tokens_gpu=column([s.drafts for s in steps]),
+        mamba_state_idx_gpu=_column([s.state_col for s in steps]),
+        num_scheduled_tokens_gpu=_column([s.scheduled for s in steps]),
+        num_computed_tokens_gpu=_column([s.computed for s in steps]),
+        num_draft_tokens_gpu=_column([s.drafts for s in steps]),
     )
     return ctx.num_accepted_tokens_out[:n].cpu().clone()

@@ -111,31 +111,29 @@ class StateLayout:
         ctypes.memmove(dst, src + bias * token_bytes, kept * token_bytes)
 
 
-def _layout(
-    block_table_ptrs_ptr: Any,
-    block_table_stride_req: Any,
-    state_base_addrs_ptr: Any,
-    state_block_strides_ptr: Any,
-    state_elem_sizes_ptr: Any,
-    state_inner_sizes_ptr: Any,
-    state_conv_widths_ptr: Any,
-    state_group_indices_ptr: Any,
-    state_dim_row_count_ptr: Any,
-    state_dim_row_stride_ptr: Any,
-    conv_dim_first: bool,
-) -> StateLayout:
+#: Launch arguments describing the state layout, in StateLayout's order.
+_LAYOUT_ARGS = (
+    "block_table_ptrs_ptr",
+    "block_table_stride_req",
+    "state_base_addrs_ptr",
+    "state_block_strides_ptr",
+    "state_elem_sizes_ptr",
+    "state_inner_sizes_ptr",
+    "state_conv_widths_ptr",
+    "state_group_indices_ptr",
+    "state_dim_row_count_ptr",
+    "state_dim_row_stride_ptr",
+)
+
+
+def _layout(launch: dict[str, Any]) -> StateLayout:
+    """The state layout from a kernel's launch arguments (by name)."""
+    tables, stride, *per_state = (launch[name] for name in _LAYOUT_ARGS)
     return StateLayout(
-        block_table_addrs=_ints(block_table_ptrs_ptr),
-        block_table_stride=int(block_table_stride_req),
-        base_addrs=_ints(state_base_addrs_ptr),
-        block_strides=_ints(state_block_strides_ptr),
-        elem_sizes=_ints(state_elem_sizes_ptr),
-        inner_sizes=_ints(state_inner_sizes_ptr),
-        conv_widths=_ints(state_conv_widths_ptr),
-        group_of=_ints(state_group_indices_ptr),
-        dim_rows=_ints(state_dim_row_count_ptr),
-        dim_row_strides=_ints(state_dim_row_stride_ptr),
-        conv_dim_first=bool(conv_dim_first),
+        _ints(tables),
+        int(stride),
+        *(_ints(values) for values in per_state),
+        conv_dim_first=bool(launch["CONV_STATE_DIM_FIRST"]),
     )
 
 
@@ -175,19 +173,7 @@ def precopy_mamba_align_fused(
     """Host twin of ``precopy_mamba_align_fused_kernel``: each request whose
     running state sits in another column than the one it writes now (and is
     not fresh, column -1) gets every state copied there first."""
-    layout = _layout(
-        block_table_ptrs_ptr,
-        block_table_stride_req,
-        state_base_addrs_ptr,
-        state_block_strides_ptr,
-        state_elem_sizes_ptr,
-        state_inner_sizes_ptr,
-        state_conv_widths_ptr,
-        state_group_indices_ptr,
-        state_dim_row_count_ptr,
-        state_dim_row_stride_ptr,
-        CONV_STATE_DIM_FIRST,
-    )
+    layout = _layout(locals())
     dst_cols, src_cols = _ints(mamba_state_idx_ptr), _ints(src_col_ptr)
     biases = _ints(token_bias_ptr)
     for row in _rows(num_reqs, idx_mapping_ptr, HAS_IDX_MAPPING):
@@ -235,19 +221,7 @@ def postprocess_mamba_fused(
     stays in its column gets an accepted-token count of 1 in
     ``num_accepted_tokens_out_ptr`` (the caller pre-fills the others).
     """
-    layout = _layout(
-        block_table_ptrs_ptr,
-        block_table_stride_req,
-        state_base_addrs_ptr,
-        state_block_strides_ptr,
-        state_elem_sizes_ptr,
-        state_inner_sizes_ptr,
-        state_conv_widths_ptr,
-        state_group_indices_ptr,
-        state_dim_row_count_ptr,
-        state_dim_row_stride_ptr,
-        CONV_STATE_DIM_FIRST,
-    )
+    layout = _layout(locals())
     block = int(block_size)
     accepted_of = _ints(num_accepted_tokens_ptr)
     src_cols = _ints(mamba_state_idx_ptr)
