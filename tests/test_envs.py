@@ -46,3 +46,15 @@ def test_overlay_variables_are_known_to_vllm(monkeypatch):
     assert vllm_envs.environment_variables["VLLM_HYBRID_KV"]() == "0"
     # vLLM's own entries are untouched
     assert all(vllm_envs.environment_variables[k] is v for k, v in before.items())
+
+
+def test_every_overlay_variable_reaches_ray_workers():
+    """vLLM's Ray executor copies the variables of its known-variable table to
+    every Ray actor; the overlay declares its own there, so a switch set on
+    the driver (VLLM_HYBRID_KV=0 for an A/B run) holds on every node."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    from vllm_hybrid import envs, plugin
+
+    plugin.register()
+    assert set(envs.OVERLAY_ENV_VARS) <= get_env_vars_to_copy()
