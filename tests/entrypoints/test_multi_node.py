@@ -2,10 +2,11 @@
 
 Node 0 runs ``vllm-hybrid serve`` with ``--nnodes 2 --node-rank 0``, node 1
 the same command with ``--node-rank 1 --headless`` (vLLM's own multi-node
-executor: one process per node rank, 127.0.0.1 as master), tensor parallel
-2 so that each node holds one worker. The overlay must be active in every
-process of both nodes, and both workers must build the arena the engine core
-planned.
+executor: one process per node rank, 127.0.0.1 as master), with tensor
+parallel 2 and with pipeline parallel 2, so that each node holds one worker.
+The overlay must be active in every process of both nodes, and both workers
+must build the arena the engine core planned (with PP each stage's arena
+holds its own layers; the tiny model's stages are alike, so the lines match).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ ACTIVE = re.compile(r"\((\S+) pid=\d+\).*vllm-hybrid \S+ active on vLLM 0\.32\.0
 ARENA = re.compile(r"\((\S+) pid=\d+\).*pooled KV arena on this worker: (.*)$")
 
 
-def _args(master_port: int, rank: int) -> list[str]:
+def _args(parallel: str, master_port: int, rank: int) -> list[str]:
     return [
-        "--tensor-parallel-size",
+        f"--{parallel}-parallel-size",
         "2",
         "--nnodes",
         "2",
@@ -60,8 +61,9 @@ def _env(core: int) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def nodes(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def nodes(request, tiny_model_dir, tmp_path_factory):
+    parallel = request.param
     model = str(tiny_model_dir("qwen3_next"))
     tmp = tmp_path_factory.mktemp("nodes")
     master = free_port()
@@ -69,14 +71,14 @@ def nodes(tiny_model_dir, tmp_path_factory):
     with open(node1_log, "wb") as log:
         node1 = subprocess.Popen(
             [sys.executable, "-m", "vllm_hybrid.cli", "serve", model, "--headless"]
-            + _args(master, 1),
+            + _args(parallel, master, 1),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=_env(1),
         )
     try:
         with serve(
-            model, _args(master, 0), log_path=tmp / "node0.log", env=_env(0)
+            model, _args(parallel, master, 0), log_path=tmp / "node0.log", env=_env(0)
         ) as node0:
             answer = node0.request(
                 "/v1/completions",
@@ -91,16 +93,16 @@ def nodes(tiny_model_dir, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 node1.kill()
                 node1.wait()
-    return answer, log0, node1_log.read_text(errors="replace")
+    return answer, log0, node1_log.read_text(errors="replace"), parallel
 
 
 def test_both_nodes_serve_one_model(nodes):
-    (status, body), _, _ = nodes
+    (status, body), _, _, _ = nodes
     assert status == 200, body[:500]
 
 
 def test_overlay_is_active_in_every_process_of_both_nodes(nodes):
-    _, node0, node1 = nodes
+    _, node0, node1, _ = nodes
     # node 0: the API server (logged as MainProcess), the engine core and its
     # worker; node 1: its launcher and its worker
     assert {m.group(1) for m in ACTIVE.finditer(node0)} >= {
@@ -115,7 +117,7 @@ def test_overlay_is_active_in_every_process_of_both_nodes(nodes):
 
 
 def test_both_workers_build_the_planned_arena(nodes):
-    _, node0, node1 = nodes
+    _, node0, node1, parallel = nodes
     arenas = [
         m.group(2).strip()
         for text in (node0, node1)
@@ -125,5 +127,8 @@ def test_both_workers_build_the_planned_arena(nodes):
     assert len(arenas) == 2, arenas
     assert arenas[0] == arenas[1]
     assert "KV cache plan (pooled)" in node0
-    # the worker's pools are the plan's: 48 MiB arena
+    # the worker's pools are the plan's: 48 MiB arena; a TP rank has half
+    # the heads of every layer, a PP stage half the layers
     assert arenas[0].endswith("arena 50331648 B")
+    layers = "1 attention layers" if parallel == "pipeline" else "2 attention layers"
+    assert f"token pool: {layers}" in node0

@@ -230,3 +230,46 @@ def test_scope_guard_takes_ngram_and_mtp_drafts(method, pooled):
     assert decision.enabled is pooled
     if not pooled:
         assert decision.reason == "unsupported: speculative decoding with a draft model"
+
+
+def _stages(specs: dict, cuts: list[int]) -> list[dict]:
+    names = list(specs)
+    bounds = [0, *cuts, len(names)]
+    return [
+        {n: specs[n] for n in names[a:b]}
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
+
+
+def test_pipeline_stages_with_equal_bytes_get_one_plan_with_their_own_layers():
+    from vllm_hybrid.v1.core.pooled import engine as glue
+
+    config = planner_vllm_config()
+    config.parallel_config.pipeline_parallel_size = 2
+    stages = _stages(qwen3_5_specs("align"), [4])  # 3 GDN + 1 attention each
+    configs = glue.plan_pooled_configs(config, stages, [48 * MiB, 48 * MiB])
+    assert configs is not None and len(configs) == 2
+    first, second = configs
+    assert first.layout == second.layout and first.num_blocks == second.num_blocks
+    # each stage's arena holds its own four layers, twice the blocks of a
+    # whole-model plan of the same budget
+    whole = glue.plan_pooled_configs(
+        planner_vllm_config(), [qwen3_5_specs("align")], [48 * MiB]
+    )[0]
+    assert first.layout.token_block_bytes * 2 == whole.layout.token_block_bytes
+    assert first.layout.state_block_bytes * 2 == whole.layout.state_block_bytes
+    for stage, cfg in zip(stages, configs, strict=True):
+        layers = {n for g in cfg.kv_cache_groups for n in g.layer_names}
+        assert layers == set(stage)
+
+
+def test_pipeline_stages_with_other_bytes_keep_the_single_pool(caplog):
+    from vllm_hybrid.v1.core.pooled import engine as glue
+
+    config = planner_vllm_config()
+    config.parallel_config.pipeline_parallel_size = 2
+    # stage 0: layers 0-2 (GDN) + 3 (attention) + 4 (GDN); stage 1: 5, 6 (GDN), 7
+    stages = _stages(qwen3_5_specs("align"), [5])
+    with caplog.at_level("INFO"):
+        assert glue.plan_pooled_configs(config, stages, [48 * MiB] * 2) is None
+    assert "pipeline stage 1 needs other block bytes than stage 0" in caplog.text

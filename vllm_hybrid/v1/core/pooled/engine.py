@@ -98,21 +98,61 @@ def _unusable_layout(vllm_config: Any) -> str | None:
     )
 
 
+def _stage_mismatch(configs: list[PooledKVCacheConfig]) -> str | None:
+    """Why pipeline stages' plans cannot share one scheduler, or None.
+
+    The scheduler hands out one token-block and one state-block id space and
+    moves one boundary; each stage maps ids to its own layers' bytes. When
+    every stage has the same arena geometry (block bytes, id counts, floors)
+    and the same group specs, one id and boundary rule keeps every stage
+    inside its buffer. Stages with different bytes per block need a rule for
+    the tightest stage, which is not built.
+    """
+    first = configs[0]
+
+    def shape(config: PooledKVCacheConfig) -> tuple:
+        return (
+            config.layout,
+            [(p.kind, p.group_ids, p.block_bytes, p.num_blocks) for p in config.pools],
+            [g.kv_cache_spec for g in config.kv_cache_groups],
+        )
+
+    for stage, config in enumerate(configs[1:], start=1):
+        if shape(config) != shape(first):
+            return (
+                f"pipeline stage {stage} needs other block bytes than stage 0 "
+                f"(token {config.layout.token_block_bytes} vs "
+                f"{first.layout.token_block_bytes} B, state "
+                f"{config.layout.state_block_bytes} vs "
+                f"{first.layout.state_block_bytes} B)"
+            )
+    return None
+
+
 def plan_pooled_configs(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
 ) -> list[PooledKVCacheConfig] | None:
-    """Pooled configs for every worker, or None to use upstream's plan."""
+    """Pooled configs for every worker, or None to use upstream's plan.
+
+    Tensor-parallel ranks hold the same layers and get copies of one plan.
+    With pipeline parallelism each worker is planned from its own layers;
+    the plans must agree on everything but layer names (:func:`_stage_mismatch`).
+    """
     if not pooled_mode_decision(vllm_config).enabled:
         return None
-    merged = _merge_specs(kv_cache_specs)
-    split = split_layers(merged)
-    if split.token is None:
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1
+    if pipeline:
+        splits = [split_layers(specs) for specs in kv_cache_specs]
+    else:
+        splits = [split_layers(_merge_specs(kv_cache_specs))]
+    reason = next((split.reason for split in splits if split.token is None), None)
+    if reason is not None:
         logger.info(
             "vllm-hybrid pooled KV mode does not apply (%s); using upstream's "
             "single shared KV pool",
-            split.reason,
+            reason,
         )
         return None
     unusable = _unusable_layout(vllm_config)
@@ -129,7 +169,7 @@ def plan_pooled_configs(
     )
     model_config = vllm_config.model_config
     if getattr(model_config, "original_max_model_len", None) == -1:
-        fitted = auto_fit_max_model_len(split, budget)
+        fitted = min(auto_fit_max_model_len(split, budget) for split in splits)
         if fitted <= 0:
             raise PooledPlanError(
                 "Cannot auto-fit max_model_len in pooled mode: the KV cache "
@@ -146,15 +186,26 @@ def plan_pooled_configs(
             )
             model_config.max_model_len = fitted
             budget = dataclasses.replace(budget, max_model_len=fitted)
-    config = plan_pooled_kv_cache(split, budget)
-    config.prefix_cache_retention_interval = (
-        vllm_config.cache_config.prefix_cache_retention_interval
-    )
+    configs = [plan_pooled_kv_cache(split, budget) for split in splits]
+    mismatch = _stage_mismatch(configs) if pipeline else None
+    if mismatch is not None:
+        logger.info(
+            "vllm-hybrid pooled KV mode does not apply (%s); using upstream's "
+            "single shared KV pool",
+            mismatch,
+        )
+        return None
     options = HybridKVOptions.from_vllm_config(vllm_config)
-    config.couple_prefix_caches = options.couple_prefix_caches
-    config.retain_turn_ends = options.retain_turn_ends
-    logger.info(describe_plan(config))
-    return [copy.deepcopy(config) for _ in kv_cache_specs]
+    for config in configs:
+        config.prefix_cache_retention_interval = (
+            vllm_config.cache_config.prefix_cache_retention_interval
+        )
+        config.couple_prefix_caches = options.couple_prefix_caches
+        config.retain_turn_ends = options.retain_turn_ends
+    logger.info(describe_plan(configs[0]))
+    if pipeline:
+        return configs
+    return [copy.deepcopy(configs[0]) for _ in kv_cache_specs]
 
 
 def select_scheduler(vllm_config: Any, kv_cache_config: PooledKVCacheConfig) -> None:

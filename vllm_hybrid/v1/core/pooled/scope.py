@@ -42,7 +42,6 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
             getattr(parallel, "prefill_context_parallel_size", 1) > 1,
             "prefill context parallel",
         ),
-        (parallel.pipeline_parallel_size > 1, "pipeline parallel"),
         (_unpooled_drafts(vllm_config), "speculative decoding with a draft model"),
         (bool(getattr(cache, "kv_cache_dtype_skip_layers", None)), "skip layers"),
         (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),

@@ -316,7 +316,8 @@ class PooledKVCacheConfig(KVCacheConfig):
         worker's ``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) calls to
         shape each layer's view of its tensor: upstream's answer is the one
         shared ``num_blocks``, here each pool has its own id space. Logs the
-        worker's view of the arena once per process.
+        worker's view of the arena once in every worker process (tensor
+        ranks and pipeline stages alike: a stage's view has its own layers).
         """
         layer = tensor.layers[0]
         for group_id, group in enumerate(self.kv_cache_groups):
@@ -324,6 +325,7 @@ class PooledKVCacheConfig(KVCacheConfig):
                 logger.info_once(
                     "vllm-hybrid pooled KV arena on this worker: %s",
                     self.describe_pools(),
+                    scope="process",
                 )
                 return self.pool_of_group(group_id).num_blocks
         raise KeyError(f"layer {layer} is in no KV cache group")
