@@ -309,9 +309,10 @@ def _write_build(out_dir: Path, kind: str, seed: int, mtp: bool) -> None:
     save_weights(config, ids, out_dir, seed)
     if mtp:
         add_mtp_layer(config, out_dir, seed)
-    marker = BuildMarker(kind, seed, mtp=mtp)
-    marker = json.dumps(asdict(marker), indent=2, sort_keys=True)
-    (out_dir / MARKER_NAME).write_text(marker + "\n")
+    marker = asdict(BuildMarker(kind, seed, mtp=mtp))
+    (out_dir / MARKER_NAME).write_text(
+        json.dumps(marker, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def _clear_previous(out_dir: Path) -> None:

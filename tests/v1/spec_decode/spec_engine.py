@@ -16,7 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine_utils import generate_greedy, scheduler, with_engine  # noqa: E402
+from engine_utils import (  # noqa: E402
+    generate_greedy,
+    record_calls,
+    scheduler,
+    with_engine,
+)
 
 MiB = 2**20
 SPECULATIVE = {
@@ -84,18 +89,12 @@ def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
         kwargs["additional_config"] = {"hybrid_kv": {"pooled": False}}
     if mode in SPECULATIVE:
         kwargs["speculative_config"] = dict(SPECULATIVE[mode])
-    calls = {"precopy_mamba_align_fused_kernel": 0, "postprocess_mamba_fused_kernel": 0}
+    kernels = ("precopy_mamba_align_fused_kernel", "postprocess_mamba_fused_kernel")
+    launches: dict[str, list] = {}
 
     def work(llm):
-        for name in calls:
-            launcher = getattr(mamba_utils, name)
-            host = launcher.host
-
-            def counted(*args, _host=host, _name=name, **kw):
-                calls[_name] += 1
-                return _host(*args, **kw)
-
-            launcher.host = counted
+        for name in kernels:
+            launches[name] = record_calls(getattr(mamba_utils, name), "host")
         from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 
         arena = arena_of(scheduler(llm).kv_cache_manager)
@@ -111,7 +110,7 @@ def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
     passes, plan, peak = with_engine(model, True, kwargs, work)
     result = {
         "passes": [{"tokens": p.tokens, "gaps": p.gaps} for p in passes],
-        "calls": calls,
+        "calls": {name: len(calls) for name, calls in launches.items()},
         "kv_cache_config": plan,
         "peak_running": peak,
     }

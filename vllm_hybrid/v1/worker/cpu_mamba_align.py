@@ -145,8 +145,9 @@ def _rows(num_reqs: Any, idx_mapping_ptr: Any, has_idx_mapping: bool) -> list[in
     return list(range(n))
 
 
-# The parameter names below are the Triton kernels' own: vLLM's dispatcher
-# forwards keyword launch arguments by name when they match.
+# The parameters below are the Triton kernels' own, in their order: upstream
+# launches pass most arguments by position and the constexprs by name, and
+# _layout reads the layout arguments by name.
 
 
 def precopy_mamba_align_fused(

@@ -129,6 +129,14 @@ def _stage_mismatch(configs: list[PooledKVCacheConfig]) -> str | None:
     return None
 
 
+def _log_not_pooled(reason: str) -> None:
+    logger.info(
+        "vllm-hybrid pooled KV mode does not apply (%s); using upstream's "
+        "single shared KV pool",
+        reason,
+    )
+
+
 def plan_pooled_configs(
     vllm_config: Any,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
@@ -149,11 +157,7 @@ def plan_pooled_configs(
         splits = [split_layers(_merge_specs(kv_cache_specs))]
     reason = next((split.reason for split in splits if split.token is None), None)
     if reason is not None:
-        logger.info(
-            "vllm-hybrid pooled KV mode does not apply (%s); using upstream's "
-            "single shared KV pool",
-            reason,
-        )
+        _log_not_pooled(reason)
         return None
     unusable = _unusable_layout(vllm_config)
     if unusable is not None:
@@ -189,11 +193,7 @@ def plan_pooled_configs(
     configs = [plan_pooled_kv_cache(split, budget) for split in splits]
     mismatch = _stage_mismatch(configs) if pipeline else None
     if mismatch is not None:
-        logger.info(
-            "vllm-hybrid pooled KV mode does not apply (%s); using upstream's "
-            "single shared KV pool",
-            mismatch,
-        )
+        _log_not_pooled(mismatch)
         return None
     options = HybridKVOptions.from_vllm_config(vllm_config)
     for config in configs:
