@@ -263,7 +263,7 @@ def test_pipeline_stages_with_equal_bytes_get_one_plan_with_their_own_layers():
         assert layers == set(stage)
 
 
-def test_pipeline_stages_with_other_bytes_keep_the_single_pool(caplog):
+def test_pipeline_stages_with_other_bytes_get_blocks_padded_to_the_largest(caplog):
     from vllm_hybrid.v1.core.pooled import engine as glue
 
     config = planner_vllm_config()
@@ -271,5 +271,42 @@ def test_pipeline_stages_with_other_bytes_keep_the_single_pool(caplog):
     # stage 0: layers 0-2 (GDN) + 3 (attention) + 4 (GDN); stage 1: 5, 6 (GDN), 7
     stages = _stages(qwen3_5_specs("align"), [5])
     with caplog.at_level("INFO"):
-        assert glue.plan_pooled_configs(config, stages, [48 * MiB] * 2) is None
-    assert "pipeline stage 1 needs other block bytes than stage 0" in caplog.text
+        configs = glue.plan_pooled_configs(config, stages, [48 * MiB] * 2)
+    assert configs is not None and len(configs) == 2
+    state_page, token_page = 268_288, 262_144
+    heavy = 4 * state_page  # stage 0's state block; stage 1's is 2 pages
+    assert (
+        "stage 0: token 262,144 of 262,144 B, state 1,073,152 of 1,073,152 B; "
+        "stage 1: token 262,144 of 262,144 B, state 536,576 of 1,073,152 B"
+    ) in caplog.text
+    first, second = configs
+    assert first.layout == second.layout
+    assert first.layout.token_block_bytes == token_page
+    assert first.layout.state_block_bytes == heavy
+    for stage, cfg in zip(stages, configs, strict=True):
+        layers = {n for g in cfg.kv_cache_groups for n in g.layer_names}
+        assert layers == set(stage)
+        token_tensor, state_tensor = cfg.kv_cache_tensors
+        # each stage's layers sit inside the shared block stride
+        for tensor in cfg.kv_cache_tensors:
+            assert len(tensor.layers) * tensor.layer_stride <= tensor.block_stride
+        # the highest ids of both pools end inside the stage's buffer
+        layout = cfg.layout
+        assert layout.num_token_ids * token_tensor.block_stride <= token_tensor.size
+        assert (
+            state_tensor.offset + layout.num_state_ids * state_tensor.block_stride
+            <= state_tensor.size
+        )
+        # and at every boundary position the scheduler may choose, the token
+        # blocks end at or below the state pool's first byte on this stage
+        for floor in range(layout.min_state_floor, layout.max_state_floor + 1):
+            token_end = layout.token_limit_at(floor) * token_tensor.block_stride
+            state_start = state_tensor.offset + floor * state_tensor.block_stride
+            assert token_end <= state_start
+    # the cost: what the padded stage could hold alone at the same budget
+    own = [
+        glue.plan_pooled_configs(planner_vllm_config(), [stage], [48 * MiB])[0]
+        for stage in stages
+    ]
+    assert own[0].layout == first.layout  # the heaviest stage loses nothing
+    assert own[1].layout.num_state_ids == 2 * first.layout.num_state_ids + 1

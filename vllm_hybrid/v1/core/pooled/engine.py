@@ -21,8 +21,10 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     PooledPlanError,
+    PoolSplit,
     auto_fit_max_model_len,
     describe_plan,
+    equalize_stage_blocks,
     plan_pooled_kv_cache,
     pooled_capacity,
     split_layers,
@@ -102,11 +104,10 @@ def _stage_mismatch(configs: list[PooledKVCacheConfig]) -> str | None:
     """Why pipeline stages' plans cannot share one scheduler, or None.
 
     The scheduler hands out one token-block and one state-block id space and
-    moves one boundary; each stage maps ids to its own layers' bytes. When
-    every stage has the same arena geometry (block bytes, id counts, floors)
-    and the same group specs, one id and boundary rule keeps every stage
-    inside its buffer. Stages with different bytes per block need a rule for
-    the tightest stage, which is not built.
+    moves one boundary; each stage maps ids to its own layers' bytes. Stages
+    are planned with blocks of equal bytes (:func:`equalize_stage_blocks`),
+    so their arena geometry agrees; the group specs (block size, state shape
+    per layer) must agree too, since the scheduler reads them from one stage.
     """
     first = configs[0]
 
@@ -119,14 +120,27 @@ def _stage_mismatch(configs: list[PooledKVCacheConfig]) -> str | None:
 
     for stage, config in enumerate(configs[1:], start=1):
         if shape(config) != shape(first):
-            return (
-                f"pipeline stage {stage} needs other block bytes than stage 0 "
-                f"(token {config.layout.token_block_bytes} vs "
-                f"{first.layout.token_block_bytes} B, state "
-                f"{config.layout.state_block_bytes} vs "
-                f"{first.layout.state_block_bytes} B)"
-            )
+            return f"pipeline stage {stage} has other KV cache specs than stage 0"
     return None
+
+
+def _log_stage_padding(splits: list[PoolSplit], padded: list[PoolSplit]) -> None:
+    """One line naming what equal blocks cost the pipeline stages, when their
+    own blocks differ."""
+    own = [(split.token.block_bytes, split.state.block_bytes) for split in splits]
+    if len(set(own)) == 1:
+        return
+    token, state = padded[0].token.block_bytes, padded[0].state.block_bytes
+    used = "; ".join(
+        f"stage {stage}: token {tb:,} of {token:,} B, state {sb:,} of {state:,} B"
+        for stage, (tb, sb) in enumerate(own)
+    )
+    logger.info(
+        "vllm-hybrid pooled KV mode: pipeline stages hold blocks of different "
+        "bytes; every stage's blocks are padded to the largest so that one id "
+        "space and one boundary fit all (%s)",
+        used,
+    )
 
 
 def _log_not_pooled(reason: str) -> None:
@@ -159,6 +173,10 @@ def plan_pooled_configs(
     if reason is not None:
         _log_not_pooled(reason)
         return None
+    if pipeline:
+        padded = equalize_stage_blocks(splits)
+        _log_stage_padding(splits, padded)
+        splits = padded
     unusable = _unusable_layout(vllm_config)
     if unusable is not None:
         logger.info(unusable)

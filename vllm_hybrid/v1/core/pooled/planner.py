@@ -20,7 +20,7 @@ No engine is needed: tests build specs directly and check the numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm.utils.math_utils import cdiv, round_up
 from vllm.v1.kv_cache_interface import (
@@ -101,6 +101,9 @@ class PoolLayers:
 
     spec: KVCacheSpec
     layer_names: tuple[str, ...]
+    #: Lower bound of :attr:`block_bytes`: pipeline stages whose blocks have
+    #: other bytes are padded to the largest (:func:`equalize_stage_blocks`).
+    min_block_bytes: int = 0
 
     @property
     def layer_stride(self) -> int:
@@ -116,7 +119,7 @@ class PoolLayers:
 
     @property
     def block_bytes(self) -> int:
-        raw = len(self.layer_names) * self.layer_stride
+        raw = max(len(self.layer_names) * self.layer_stride, self.min_block_bytes)
         alignment = math.lcm(
             VIEW_ALIGNMENT_BYTES, max(1, self.spec.get_block_stride_alignment())
         )
@@ -161,6 +164,31 @@ def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
         PoolLayers(attn_spec, tuple(attention)),
         PoolLayers(state_spec, tuple(state)),
     )
+
+
+def equalize_stage_blocks(splits: list[PoolSplit]) -> list[PoolSplit]:
+    """Pad every pipeline stage's token and state block to the largest of
+    any stage.
+
+    One scheduler hands out one token-block and one state-block id space and
+    moves one boundary for all stages, while each stage maps an id to its own
+    layers' bytes. With blocks of one size on every stage, an id and a
+    boundary position mean the same bytes everywhere, so every stage stays
+    inside its buffer wherever the boundary is. The price is the padding of
+    the lighter stages: the arena holds the blocks the heaviest stage's
+    layers would (docs/pooled-mode.md, "Pipeline parallel").
+    """
+    token = max(split.token.block_bytes for split in splits if split.token)
+    state = max(split.state.block_bytes for split in splits if split.state)
+    return [
+        PoolSplit(
+            replace(split.token, min_block_bytes=token),
+            replace(split.state, min_block_bytes=state),
+        )
+        if split.token is not None and split.state is not None
+        else split
+        for split in splits
+    ]
 
 
 def max_state_blocks_per_request(spec: MambaSpec) -> int:
