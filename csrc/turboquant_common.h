@@ -93,15 +93,49 @@ inline const std::array<float, 256>& fp8_table() {
   return table;
 }
 
-// uint8 [blocks, block_size, H, slot], dense within a block; blocks may be
-// further apart (pages padded to a pool-wide size).
-inline void check_cache(const at::Tensor& c) {
+// Where the slots of a uint8 [blocks, block_size, H, slot] cache live, in
+// bytes. vLLM picks one KV cache layout per engine, so the page may be
+// token-major (LBNHC: [tokens, heads, slot]) or head-major (LBHNC:
+// [heads, tokens, slot]) depending on which other backends share the engine;
+// the kernels take both through these strides instead of assuming one order.
+struct CacheStrides {
+  int64_t block;  // may exceed one page (padded pages, pooled mode's layers)
+  int64_t token;
+  int64_t head;
+
+  uint8_t* slot(uint8_t* base, int64_t blk, int64_t off, int64_t h) const {
+    return base + blk * block + off * token + h * head;
+  }
+  const uint8_t* slot(const uint8_t* base, int64_t blk, int64_t off,
+                      int64_t h) const {
+    return base + blk * block + off * token + h * head;
+  }
+};
+
+// A dimension of size 1 is never stepped over, so its stride is free.
+inline bool stride_is(int64_t size, int64_t stride, int64_t want) {
+  return size == 1 || stride == want;
+}
+
+// Validates the cache and returns its strides. Each page must be dense in
+// one of the two orders (so slots neither overlap nor leave holes another
+// layer could own) and pages must not overlap; the block stride is free.
+inline CacheStrides cache_strides(const at::Tensor& c) {
   TORCH_CHECK(c.scalar_type() == at::kByte && c.dim() == 4,
               "kv_cache must be uint8 [blocks, block_size, H, slot]");
-  TORCH_CHECK(c.stride(3) == 1 && c.stride(2) == c.size(3) &&
-                  c.stride(1) == c.size(2) * c.size(3) &&
-                  c.stride(0) >= c.size(1) * c.stride(1),
-              "kv_cache must be dense within a block");
+  const int64_t bs = c.size(1), H = c.size(2), slot = c.size(3);
+  const int64_t tok = c.stride(1), head = c.stride(2);
+  const bool token_major =
+      stride_is(bs, tok, H * slot) && stride_is(H, head, slot);
+  const bool head_major =
+      stride_is(bs, tok, slot) && stride_is(H, head, bs * slot);
+  TORCH_CHECK(c.stride(3) == 1 && (token_major || head_major),
+              "kv_cache pages must be dense token-major or head-major, got "
+              "strides ", c.strides());
+  TORCH_CHECK(c.size(0) <= 1 || c.stride(0) >= bs * H * slot,
+              "kv_cache blocks overlap: block stride ", c.stride(0),
+              " < page ", bs * H * slot);
+  return {c.stride(0), tok, head};
 }
 
 // Defined in turboquant_store.cpp (compiled without FMA contraction).

@@ -42,7 +42,8 @@ struct HeadTask {
   const uint8_t* cache;
   const int32_t* blocks;  // this request's block table row
   const float* cents;     // centroids (MSE keys)
-  int64_t block_size, block_stride, H, Hq, kv_head, q_len, seq_len;
+  CacheStrides strides;
+  int64_t block_size, H, Hq, kv_head, q_len, seq_len;
   float scale;
 };
 
@@ -80,11 +81,9 @@ TQ_CLONES void attend_rows(const HeadTask& t, const Layout& L, int64_t q_begin,
   float* acc = buf.data() + D;
   std::vector<float> lo_sum(rows, 0.0f), row_max(rows, -INFINITY),
       row_sum(rows, 0.0f);
-  const int64_t slot_stride = t.H * L.slot_bytes;
   auto slot_of = [&](int64_t pos) {
-    const int64_t blk = t.blocks[pos / t.block_size];
-    return t.cache + blk * t.block_stride + (pos % t.block_size) * slot_stride +
-           t.kv_head * L.slot_bytes;
+    return t.strides.slot(t.cache, t.blocks[pos / t.block_size],
+                          pos % t.block_size, t.kv_head);
   };
   auto q_row = [&](int64_t r) {
     const int64_t qi = q_begin + r / G, h = t.kv_head * G + r % G;
@@ -151,7 +150,7 @@ at::Tensor tq_paged_attention(const at::Tensor& query,
                               int64_t value_bits, bool key_fp8,
                               bool norm_correction, int64_t key_bytes) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && query.is_contiguous());
-  check_cache(kv_cache);
+  const CacheStrides strides = cache_strides(kv_cache);
   TORCH_CHECK(block_table.scalar_type() == at::kInt);
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt);
   TORCH_CHECK(query_start_loc.scalar_type() == at::kInt);
@@ -206,8 +205,8 @@ at::Tensor tq_paged_attention(const at::Tensor& query,
                  kv_cache.data_ptr<uint8_t>(),
                  bt.data_ptr<int32_t>() + b * max_blocks,
                  key_fp8 ? nullptr : cents.data_ptr<float>(),
+                 strides,
                  block_size,
-                 kv_cache.stride(0),
                  H,
                  Hq,
                  h,

@@ -65,7 +65,7 @@ void tq_store(const at::Tensor& key, const at::Tensor& norms,
               int64_t key_bytes) {
   TORCH_CHECK(key.scalar_type() == at::kFloat && key.is_contiguous());
   TORCH_CHECK(value.scalar_type() == at::kFloat && value.is_contiguous());
-  check_cache(kv_cache);
+  const CacheStrides strides = cache_strides(kv_cache);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong);
   const int64_t H = kv_cache.size(2);
   const int64_t N = slot_mapping.numel();
@@ -75,7 +75,6 @@ void tq_store(const at::Tensor& key, const at::Tensor& norms,
                  kv_cache.size(3)};
   const int64_t num_slots = kv_cache.size(0) * kv_cache.size(1);
   const int64_t block_size = kv_cache.size(1);
-  const int64_t block_stride = kv_cache.stride(0);
   const float* k = key.data_ptr<float>();
   const float* v = value.data_ptr<float>();
   const float* nrm = key_fp8 ? nullptr : norms.data_ptr<float>();
@@ -92,10 +91,8 @@ void tq_store(const at::Tensor& key, const at::Tensor& norms,
     for (int64_t r = begin; r < end; ++r) {
       const int64_t tok = r / H, head = r % H;
       const int64_t blk = slots[tok] / block_size, off = slots[tok] % block_size;
-      uint8_t* slot =
-          cache + blk * block_stride + (off * H + head) * L.slot_bytes;
       store_row(k + r * D, nrm ? nrm[r] : 0.0f, v + r * D, mids, n_mids, L,
-                slot, codes.data());
+                strides.slot(cache, blk, off, head), codes.data());
     }
   });
 }

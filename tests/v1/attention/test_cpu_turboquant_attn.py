@@ -2,8 +2,10 @@
 
 Selection and validation go through the patched selector exactly as an
 attention layer does; the forward test drives the backend's builder and impl
-with vLLM's common metadata on a strided (pooled-mode-like) cache view and
-checks it against the TurboQuant ops on a plain dense cache.
+with vLLM's common metadata on the per-layer views vLLM itself builds
+(``create_kv_cache_views``) for both page layouts, single pool and pooled
+mode's interleaved layers, and checks them against the TurboQuant ops on a
+plain dense cache.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES
 from vllm_hybrid.v1.attention.backends.cpu_turboquant_attn import (
     BACKEND_NAME,
     CPUTurboQuantAttentionBackend,
-    dense_cache,
+    ops_view,
 )
 
 
@@ -140,35 +142,80 @@ def test_customize_spec_pages_are_packed_slots(dtype, head_size, slot):
         assert packed.page_size_bytes == 12_416
 
 
-def _cache_views(num_blocks, block_size, heads, slot, layers, layer):
-    """vLLM-style LBNHC views of one layer in a block-outer buffer that holds
-    ``layers`` pages per block (pooled mode's token pool)."""
-    page = block_size * heads * slot
-    raw = torch.zeros(num_blocks * layers * page, dtype=torch.uint8)
-    physical = raw.as_strided(
-        (num_blocks, block_size, heads, slot),
-        (layers * page, heads * slot, slot, 1),
-        layer * page,
+def _tq_spec(dtype: str, head_size: int, block_size: int, kv_heads: int):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    spec = FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
+        dtype=torch.uint8,
+        kv_quant_mode=get_kv_quant_mode(dtype),
     )
-    return raw, physical.transpose(1, 2)  # logical [B, H, N, C]
+    return CPUTurboQuantAttentionBackend.customize_spec(spec)
 
 
-def test_dense_cache_maps_strided_blocks_onto_the_same_bytes():
-    raw, view = _cache_views(5, 4, 2, 8, layers=3, layer=1)
-    dense = dense_cache(view)
-    assert dense.stride == 3
-    assert dense.cache.is_contiguous()
-    slots = torch.tensor([0, 5, 19, -1])
-    moved = dense.slot_mapping(slots)
-    assert moved.tolist() == [0, 13, 4 * 3 * 4 + 3, -1]
-    dense.cache.view(-1, 2, 8)[moved[:3]] = torch.tensor([7, 8, 9], dtype=torch.uint8)[
-        :, None, None
-    ]
-    token_major = view.transpose(1, 2)
-    assert int(token_major[0, 0, 0, 0]) == 7
-    assert int(token_major[1, 1, 1, 7]) == 8
-    assert int(token_major[4, 3, 0, 3]) == 9
-    assert int(raw.sum()) == 7 * 16 + 8 * 16 + 9 * 16
+def _cache_views(spec, num_blocks, layout_name, pooled, layers=2):
+    """vLLM's logical ``[B, H, N, C]`` views of ``layers`` layers for a
+    layout: layer after layer (single pool) or one page of every layer per
+    block (pooled mode's token pool). Returns the raw bytes and the views."""
+    from vllm.v1.kv_cache_interface import (
+        KVCacheLayout,
+        KVCacheTensor,
+        create_kv_cache_views,
+    )
+
+    page = spec.page_size_bytes
+    raw = torch.zeros(num_blocks * layers * page, dtype=torch.int8)
+    layer_stride, block_stride = (
+        (page, layers * page) if pooled else (num_blocks * page, page)
+    )
+    tensor = KVCacheTensor(
+        size=raw.numel(),
+        layers=[f"layer.{i}" for i in range(layers)],
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
+    layout = KVCacheLayout[layout_name]
+    return raw.view(torch.uint8), create_kv_cache_views(
+        raw, spec, num_blocks, layout, tensor
+    )
+
+
+def test_turboquant_alone_keeps_token_major_and_joins_cpu_attn_head_major():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    tq = CPUTurboQuantAttentionBackend
+    assert get_supported_kv_cache_layouts([tq])[0] is KVCacheLayout.LBNHC
+    assert get_supported_kv_cache_layouts([tq, tq])[0] is KVCacheLayout.LBNHC
+    mixed = get_supported_kv_cache_layouts([CPUAttentionBackend, tq])
+    assert mixed == [KVCacheLayout.LBHNC]
+    assert get_supported_kv_cache_layouts([tq, CPUAttentionBackend]) == mixed
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("layout_name", ["LBNHC", "LBHNC"])
+def test_ops_view_addresses_the_bytes_of_the_layout(layout_name, pooled):
+    """Slot (block b, token n, head h) of layer 1 through ``ops_view`` is at
+    the byte offset the layout defines, whatever the block stride."""
+    bs, heads, nb, layers = 4, 2, 5, 3
+    spec = _tq_spec("turboquant_k8v4", 64, bs, heads)
+    slot = spec.state_content_size_bytes
+    page = bs * heads * slot
+    raw, views = _cache_views(spec, nb, layout_name, pooled, layers)
+    view = ops_view(views[1])
+    assert view.shape == (nb, bs, heads, slot)
+    written = [(0, 0, 0, 7), (1, 3, 1, 8), (4, 2, 1, 9)]
+    for b, n, h, value in written:
+        view[b, n, h] = value
+    for b, n, h, value in written:
+        block = b * layers * page + page if pooled else nb * page + b * page
+        inner = n * heads + h if layout_name == "LBNHC" else h * bs + n
+        start = block + inner * slot
+        assert bool((raw[start : start + slot] == value).all())
+    assert int(raw.long().sum()) == (7 + 8 + 9) * slot
 
 
 def _common_metadata(seq_lens, query_lens, block_table, block_size):
@@ -196,10 +243,13 @@ def _common_metadata(seq_lens, query_lens, block_table, block_size):
     )
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+@pytest.mark.parametrize("layout_name", ["LBNHC", "LBHNC"])
 @pytest.mark.parametrize("dtype", ["turboquant_k8v4", "turboquant_3bit_nc"])
-def test_forward_on_pooled_view_equals_ops_on_dense_cache(dtype):
+def test_forward_on_vllm_views_equals_ops_on_dense_cache(dtype, layout_name, pooled):
     """Prefill, then a mixed step (decode + chunked prefill + prefix hit), on
-    a cache view whose blocks are two pages apart, against the ops."""
+    vLLM's view of layer 1 of 2 for each layout, against the ops on a
+    plain token-major cache: same slot bytes, bit-identical outputs."""
     from vllm_hybrid.ops.turboquant import TQLayout, paged_attention, store
 
     torch.manual_seed(0)
@@ -211,9 +261,12 @@ def test_forward_on_pooled_view_equals_ops_on_dense_cache(dtype):
     builder = CPUTurboQuantAttentionBackend.get_builder_cls().__new__(
         CPUTurboQuantAttentionBackend.get_builder_cls()
     )
-    _, view = _cache_views(nb, bs, kv_heads, layout.slot_bytes, layers=2, layer=1)
+    spec = _tq_spec(dtype, d, bs, kv_heads)
+    raw, views = _cache_views(spec, nb, layout_name, pooled)
+    view = views[1]
     reference = torch.zeros(nb, bs, kv_heads, layout.slot_bytes, dtype=torch.uint8)
     table = torch.tensor([[3, 7, 1, 0], [10, 2, 5, 0]], dtype=torch.int32)
+    used = table[:, :4].flatten().long()
     steps = [([20, 33], [20, 33]), ([21, 50], [1, 17])]
     for seq_lens, query_lens in steps:
         cam = _common_metadata(seq_lens, query_lens, table, bs)
@@ -229,8 +282,9 @@ def test_forward_on_pooled_view_equals_ops_on_dense_cache(dtype):
         expected = paged_attention(
             q, reference, table, cam.seq_lens, cam.query_start_loc, d**-0.5, layout
         )
-        assert torch.equal(
-            view.transpose(1, 2)[table[:, :4].flatten().long()],
-            reference[table[:, :4].flatten().long()],
-        )
+        assert torch.equal(view.transpose(1, 2)[used], reference[used])
+        assert float(expected.float().abs().max()) > 0.1
         torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0)
+    # Layer 0 shares the buffer and was never written.
+    assert not bool(views[0].any())
+    assert int(raw.ne(0).sum()) == int(reference.ne(0).sum())

@@ -44,9 +44,11 @@ def store(
 ) -> None:
     """Quantize ``[N, H, D]`` K/V into ``kv_cache`` at ``slot_mapping`` in place.
 
-    ``kv_cache`` is uint8 ``[num_blocks, block_size, H, slot_bytes]``; slot
-    ``s`` is block ``s // block_size``, offset ``s % block_size``; negative
-    slots (padding tokens) are skipped.
+    ``kv_cache`` is uint8 ``[num_blocks, block_size, H, slot_bytes]``, each
+    page token-major or head-major (a transposed view; strides are read from
+    the tensor) and blocks possibly more than a page apart; slot ``s`` is
+    block ``s // block_size``, offset ``s % block_size``; negative slots
+    (padding tokens) are skipped.
     """
     impl = native if _use_native() else reference
     impl.store(key, value, kv_cache, slot_mapping, layout)

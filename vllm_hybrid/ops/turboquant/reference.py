@@ -217,24 +217,41 @@ def select_tokens(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Te
 
 
 def _check_cache(kv_cache: torch.Tensor, layout: TQLayout) -> None:
-    """uint8 ``[blocks, block_size, H, slot]``, dense within a block.
+    """uint8 ``[blocks, block_size, H, slot]``, each page dense in either order.
 
-    Blocks may be further apart than their size (pages padded to a common
-    size when KV cache groups share one pool), so only stride(0) is free.
+    vLLM picks one KV cache layout for all backends of an engine, so a page
+    is token-major (``LBNHC``) or head-major (``LBHNC``) depending on the
+    other backends; both are a plain permutation of the indices, so indexing
+    serves either. Blocks may be further apart than a page (pages padded to
+    a common size, pooled mode's layers interleaved per block), so stride(0)
+    is free. Mirrors ``cache_strides`` in csrc/turboquant_common.h.
     """
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
         raise ValueError("kv_cache must be uint8 [num_blocks, block_size, H, slot]")
-    _, block_size, heads, slot = kv_cache.shape
+    num_blocks, block_size, heads, slot = kv_cache.shape
     if slot != layout.slot_bytes:
         raise ValueError(
             f"kv_cache slot is {slot} B, {layout.cache_dtype} at "
             f"head_dim {layout.head_dim} needs {layout.slot_bytes} B"
         )
-    dense = (heads * slot, slot, 1)
-    if kv_cache.stride()[1:] != dense or kv_cache.stride(0) < block_size * heads * slot:
+    page = block_size * heads * slot
+    token_major = (heads * slot, slot, 1)
+    head_major = (slot, block_size * slot, 1)
+    strides = kv_cache.stride()
+    dense = any(
+        _strides_match(kv_cache.shape[1:], strides[1:], want)
+        for want in (token_major, head_major)
+    )
+    if not dense or (num_blocks > 1 and strides[0] < page):
         raise ValueError(
-            f"kv_cache strides {kv_cache.stride()} are not dense within a block"
+            f"kv_cache strides {strides} are not a dense token-major or "
+            "head-major page per block"
         )
+
+
+def _strides_match(sizes, strides, want) -> bool:
+    """Equal strides, ignoring dimensions of size 1 (never stepped over)."""
+    return all(n == 1 or s == w for n, s, w in zip(sizes, strides, want, strict=True))
 
 
 # ----------------------------------------------------------------- attention

@@ -10,11 +10,13 @@ TurboQuant, and the numerics live in :mod:`vllm_hybrid.ops.turboquant`.
 
 Each layer's cache is the uint8 view vLLM allocates from the spec
 (``customize_spec`` makes the page ``block_size x num_kv_heads x
-slot_bytes``). The backend asks for the token-major ``LBNHC`` layout, so the
-logical ``[blocks, heads, tokens, slot]`` view vLLM binds is, transposed, the
-``[blocks, tokens, heads, slot]`` array the TurboQuant ops take; block
-strides may exceed one page (pooled mode interleaves layers per block) and
-are kept as they are.
+slot_bytes``). The backend prefers the token-major ``LBNHC`` layout and also
+takes head-major ``LBHNC`` (what ``CPU_ATTN`` needs when some layers keep
+their native dtype); the logical ``[blocks, heads, tokens, slot]`` view vLLM
+binds is, transposed, the ``[blocks, tokens, heads, slot]`` indexing the
+TurboQuant ops take, whose kernels follow the view's strides. Block strides
+may exceed one page (pooled mode interleaves layers per block) and are kept
+as they are.
 
 Forward = ``store`` (new K/V through the slot mapping, done by vLLM's
 separate KV-update op) then causal ``paged_attention`` over the cached
@@ -55,58 +57,18 @@ def tq_layout(cache_dtype: str, head_dim: int) -> Any:
     return TQLayout.from_cache_dtype(cache_dtype, head_dim)
 
 
-@dataclass(frozen=True)
-class DenseCache:
-    """A layer's cache as the dense array the ops take, and the block scale.
+def ops_view(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's logical ``[blocks, heads, tokens, slot]`` view -> the
+    ``[blocks, tokens, heads, slot]`` indexing the TurboQuant ops take.
 
-    vLLM's per-layer view may step from one block to the next by more than a
-    page (pooled mode puts one page of every attention layer in a block, and
-    a layer's next page follows the other layers' pages). When that step is
-    ``stride`` whole pages, the same bytes form a dense array in which block
-    ``b`` of the layer is row ``b * stride``; rows in between belong to other
-    layers and are never addressed.
+    Only the index order changes; the strides stay vLLM's. The ops read the
+    token, head and block strides from the tensor, so the same bytes serve
+    whichever layout vLLM resolved (token-major ``LBNHC`` alone, head-major
+    ``LBHNC`` next to ``CPU_ATTN`` layers) and block strides beyond one page
+    (pooled mode puts one page of every attention layer in a block) without
+    copying or remapping slots. The ops reject any other page layout.
     """
-
-    cache: torch.Tensor  # uint8 [rows, block_size, H, slot_bytes], contiguous
-    stride: int  # rows per block of the layer
-
-    def block_table(self, block_table: torch.Tensor) -> torch.Tensor:
-        return block_table if self.stride == 1 else block_table * self.stride
-
-    def slot_mapping(self, slot_mapping: torch.Tensor) -> torch.Tensor:
-        if self.stride == 1:
-            return slot_mapping
-        block_size = self.cache.shape[1]
-        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-        moved = slot_mapping + blocks * ((self.stride - 1) * block_size)
-        return torch.where(slot_mapping >= 0, moved, slot_mapping)
-
-
-def dense_cache(kv_cache: torch.Tensor) -> DenseCache:
-    """``[blocks, heads, tokens, slot]`` (vLLM's LBNHC view) -> :class:`DenseCache`
-    over ``[rows, tokens, heads, slot]`` (the ops' layout)."""
-    view = kv_cache.transpose(1, 2)
-    num_blocks, block_size, heads, slot = view.shape
-    page = block_size * heads * slot
-    if view[0].stride() != (heads * slot, slot, 1):
-        raise ValueError(
-            f"{BACKEND_NAME} needs token-major pages (KV cache layout LBNHC); "
-            f"got strides {tuple(kv_cache.stride())}"
-        )
-    step = view.stride(0)
-    if num_blocks > 1 and (step < page or step % page):
-        raise ValueError(
-            f"{BACKEND_NAME}: block stride {step} B is not a whole number of "
-            f"{page} B pages"
-        )
-    stride = step // page if num_blocks > 1 else 1
-    rows = (num_blocks - 1) * stride + 1
-    dense = view.as_strided(
-        (rows, block_size, heads, slot),
-        (page, heads * slot, slot, 1),
-        view.storage_offset(),
-    )
-    return DenseCache(dense, stride)
+    return kv_cache.transpose(1, 2)
 
 
 class CPUTurboQuantAttentionBackend(AttentionBackend):
@@ -151,7 +113,11 @@ class CPUTurboQuantAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBNHC,)
+        """Token-major first: an engine of TurboQuant layers alone resolves
+        ``LBNHC`` as it always did. Head-major too, because vLLM resolves
+        one layout per engine and ``CPU_ATTN`` (layers kept at native dtype
+        by ``--kv-cache-dtype-skip-layers``) only takes ``LBHNC``."""
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
@@ -245,16 +211,6 @@ class CPUTurboQuantAttentionImpl(AttentionImpl[CPUTurboQuantMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.layout = tq_layout(kv_cache_dtype, head_size)
-        self._dense_key: tuple | None = None
-        self._dense_value: DenseCache | None = None
-
-    def _dense(self, kv_cache: torch.Tensor) -> DenseCache:
-        """The dense form of this layer's cache, computed once per binding."""
-        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
-        if key != self._dense_key or self._dense_value is None:
-            self._dense_value = dense_cache(kv_cache)
-            self._dense_key = key
-        return self._dense_value
 
     def do_kv_cache_update(
         self,
@@ -270,14 +226,7 @@ class CPUTurboQuantAttentionImpl(AttentionImpl[CPUTurboQuantMetadata]):
         from vllm_hybrid.ops.turboquant import store
 
         n = slot_mapping.shape[0]
-        cache = self._dense(kv_cache)
-        store(
-            key[:n],
-            value[:n],
-            cache.cache,
-            cache.slot_mapping(slot_mapping),
-            self.layout,
-        )
+        store(key[:n], value[:n], ops_view(kv_cache), slot_mapping, self.layout)
 
     def forward(
         self,
@@ -302,11 +251,10 @@ class CPUTurboQuantAttentionImpl(AttentionImpl[CPUTurboQuantMetadata]):
 
         n = attn_metadata.num_actual_tokens
         out = output[:n]
-        cache = self._dense(kv_cache)
         result = paged_attention(
             query[:n],
-            cache.cache,
-            cache.block_table(attn_metadata.block_table),
+            ops_view(kv_cache),
+            attn_metadata.block_table,
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             self.scale,
