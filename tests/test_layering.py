@@ -19,6 +19,7 @@ MAX_LINES = 500
 #: Bottom to top; a pooled module may import only modules listed before it.
 POOLED_LAYERS = (
     "spec",
+    "layers",
     "usage",
     "links",
     "free_queue",

@@ -27,10 +27,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     plan_pooled_kv_cache,
-    split_layers,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 

@@ -143,6 +143,30 @@ PATCHES: list[PatchEntry] = [
         ),
     ),
     PatchEntry(
+        target="vllm.platforms.interface:Platform._align_heterogeneous_kv_block_size",
+        replacement=(
+            "vllm_hybrid.platforms.hybrid_block_size:align_heterogeneous_kv_block_size"
+        ),
+        bindings=(),
+        why=(
+            "With --kv-cache-dtype-skip-layers upstream raises the attention "
+            "block until a quantized page covers a native-dtype page and pads "
+            "the skip layers' pages to it, because all layers share one page "
+            "size. Pooled mode lays each layer's own page side by side in a "
+            "token block and needs the natural pages and block. Same hook "
+            "situation as _align_hybrid_block_size (a class method the "
+            "built-in platforms call through cls)."
+        ),
+        how=(
+            "Class attribute on Platform replaced by a classmethod. When "
+            "pooled mode does not apply, upstream's method runs unchanged; "
+            "otherwise skip_page_size_padded is left unset and the block size "
+            "is kept."
+        ),
+        upstream_status="none",
+        removal="With the _align_hybrid_block_size entry.",
+    ),
+    PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
         replacement=f"{_UTILS}:get_kv_cache_configs",
         bindings=("vllm.v1.engine.core",),

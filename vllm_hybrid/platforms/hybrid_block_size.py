@@ -98,4 +98,24 @@ def early_interval_error(vllm_config: Any) -> str | None:
     return None
 
 
+def _align_heterogeneous_kv_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+    """Upstream raises the attention block until a quantized page covers a
+    native-dtype skip layer's page and pads the skip pages to it (one pool,
+    one page). Pooled mode puts each layer's own page into the token block,
+    so every layer keeps its natural page and the block size stays."""
+    if not pooled_mode_decision(vllm_config).enabled:
+        upstream_of(__name__, "align_heterogeneous_kv_block_size").__func__(
+            cls, vllm_config, backend_cls
+        )
+        return
+    vllm_config.cache_config.skip_page_size_padded = None
+    logger.info_once(
+        "vllm-hybrid pooled KV mode: KV cache skip layers keep their native "
+        "page next to the %s layers in one token block of %d tokens",
+        vllm_config.cache_config.cache_dtype,
+        vllm_config.cache_config.block_size,
+    )
+
+
 align_hybrid_block_size = classmethod(_align_hybrid_block_size)
+align_heterogeneous_kv_block_size = classmethod(_align_heterogeneous_kv_block_size)

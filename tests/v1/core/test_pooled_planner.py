@@ -6,6 +6,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
+from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     PooledPlanError,
@@ -14,7 +15,6 @@ from vllm_hybrid.v1.core.pooled.planner import (
     min_state_blocks_per_request,
     plan_pooled_kv_cache,
     pooled_capacity,
-    split_layers,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
@@ -64,9 +64,44 @@ def test_split_groups_all_state_layers_in_one_pool():
 def test_split_rejects_padded_or_mixed_specs():
     specs = qwen3_5_specs()
     specs["model.layers.3"] = attn(block_size=64)
-    assert "different specs" in split_layers(specs).reason
+    assert "different types or block sizes" in split_layers(specs).reason
+    specs = qwen3_5_specs()
+    specs["model.layers.0"] = gdn(ckpt=1)
+    assert split_layers(specs).reason == "state layers have different specs"
     dense = {f"l{i}": attn() for i in range(4)}
     assert split_layers(dense).token is None
+
+
+def test_attention_layers_of_two_dtypes_share_one_token_block():
+    """A TurboQuant-like layer (1 B per value) next to a native bf16 skip
+    layer: one token block id covers both pages, each at its own stride."""
+    specs = qwen3_5_specs()
+    specs["model.layers.7"] = FullAttentionSpec(
+        block_size=128, num_kv_heads=2, head_size=256, dtype=torch.uint8
+    )
+    split = split_layers(specs)
+    assert split.token is not None and split.token.spec.block_size == 128
+    runs = split.token.runs
+    assert [(r.layer_names, r.page_bytes, r.offset) for r in runs] == [
+        (("model.layers.3",), 262_144, 0),
+        (("model.layers.7",), 131_072, 262_144),
+    ]
+    assert split.token.block_bytes == 262_144 + 131_072
+    assert split.token.padding_bytes == 0
+    budget = PooledBudget(arena_bytes=48 * MiB, max_model_len=4096, max_num_seqs=64)
+    config = plan_pooled_kv_cache(split, budget)
+    token_tensors = [t for t in config.kv_cache_tensors if t.block_stride == 393_216]
+    assert [
+        (t.layers, t.offset, t.layer_stride, t.block_stride) for t in token_tensors
+    ] == [
+        (["model.layers.3"], 0, 262_144, 393_216),
+        (["model.layers.7"], 262_144, 131_072, 393_216),
+    ]
+    assert config.pool_by_kind("token").num_blocks == 48 * MiB // 393_216 == 128
+    assert (
+        "pages 262144 B x 1 + 131072 B x 1, block 393216 B, 128 ids"
+        in describe_plan(config)
+    )
 
 
 @pytest.mark.parametrize("mode,per_req", [("align", 2), ("none", 1)])
@@ -310,3 +345,40 @@ def test_pipeline_stages_with_other_bytes_get_blocks_padded_to_the_largest(caplo
     ]
     assert own[0].layout == first.layout  # the heaviest stage loses nothing
     assert own[1].layout.num_state_ids == 2 * first.layout.num_state_ids + 1
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_skip_layer_alignment_keeps_natural_pages_in_pooled_mode(pooled, monkeypatch):
+    """On CUDA upstream's platform raises the block and pads skip layers'
+    pages (``skip_page_size_padded``) when ``--kv-cache-dtype-skip-layers``
+    is set; pooled mode keeps both (the single pool still gets upstream's)."""
+    from vllm_hybrid.platforms import hybrid_block_size
+
+    calls = []
+
+    def upstream(cls, vllm_config, backend_cls):
+        calls.append(backend_cls)
+        vllm_config.cache_config.block_size = 1024
+        vllm_config.cache_config.skip_page_size_padded = 99
+
+    monkeypatch.setattr(
+        hybrid_block_size,
+        "upstream_of",
+        lambda module, name: classmethod(upstream),
+    )
+    config = planner_vllm_config()
+    config.cache_config.block_size = 16
+    config.cache_config.skip_page_size_padded = None
+    config.cache_config.cache_dtype = "turboquant_k8v4"
+    config.cache_config.kv_cache_dtype_skip_layers = ["3"]
+    if not pooled:
+        config.additional_config = {"hybrid_kv": {"pooled": False}}
+    align = hybrid_block_size.align_heterogeneous_kv_block_size.__func__
+    align(object, config, "backend")
+    if pooled:
+        assert calls == []
+        assert config.cache_config.block_size == 16
+        assert config.cache_config.skip_page_size_padded is None
+    else:
+        assert calls == ["backend"]
+        assert config.cache_config.skip_page_size_padded == 99

@@ -214,10 +214,10 @@ def plan_pooled(
     """
     from vllm_hybrid.platforms.hybrid_block_size import align_hybrid_block_size
     from vllm_hybrid.v1.core.pooled.engine import plan_pooled_configs
+    from vllm_hybrid.v1.core.pooled.layers import split_layers
     from vllm_hybrid.v1.core.pooled.planner import (
         PooledPlanError,
         pooled_capacity,
-        split_layers,
     )
     from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
     from vllm_hybrid.v1.core.pooled.spec import PoolKind

@@ -18,16 +18,18 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.layers import (
+    PoolSplit,
+    equalize_stage_blocks,
+    split_layers,
+)
 from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     PooledPlanError,
-    PoolSplit,
     auto_fit_max_model_len,
     describe_plan,
-    equalize_stage_blocks,
     plan_pooled_kv_cache,
     pooled_capacity,
-    split_layers,
 )
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig

@@ -20,17 +20,12 @@ No engine is needed: tests build specs directly and check the numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from vllm.utils.math_utils import cdiv, round_up
-from vllm.v1.kv_cache_interface import (
-    AttentionSpec,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    KVCacheTensor,
-    MambaSpec,
-)
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor, MambaSpec
 
+from vllm_hybrid.v1.core.pooled.layers import PoolLayers, PoolSplit
 from vllm_hybrid.v1.core.pooled.spec import (
     VIEW_ALIGNMENT_BYTES,
     ArenaLayout,
@@ -38,7 +33,6 @@ from vllm_hybrid.v1.core.pooled.spec import (
     PooledKVCacheConfig,
     PoolKind,
     align_down,
-    align_up,
     null_region_bytes,
 )
 
@@ -93,102 +87,6 @@ class PooledPlanError(ValueError):
     def __init__(self, message: str, shortfall: BudgetShortfall | None = None):
         super().__init__(message)
         self.shortfall = shortfall
-
-
-@dataclass(frozen=True)
-class PoolLayers:
-    """Layers of one pool, all with the same spec."""
-
-    spec: KVCacheSpec
-    layer_names: tuple[str, ...]
-    #: Lower bound of :attr:`block_bytes`: pipeline stages whose blocks have
-    #: other bytes are padded to the largest (:func:`equalize_stage_blocks`).
-    min_block_bytes: int = 0
-
-    @property
-    def layer_stride(self) -> int:
-        """Bytes between two layers' pages in one block: the page, rounded up
-        so that every layer's view starts on ``VIEW_ALIGNMENT_BYTES`` (real
-        models' pages are multiples of it already; then nothing is padded)."""
-        return align_up(self.spec.page_size_bytes)
-
-    @property
-    def padding_bytes(self) -> int:
-        """Bytes per block that hold no page (alignment only)."""
-        return self.block_bytes - len(self.layer_names) * self.spec.page_size_bytes
-
-    @property
-    def block_bytes(self) -> int:
-        raw = max(len(self.layer_names) * self.layer_stride, self.min_block_bytes)
-        alignment = math.lcm(
-            VIEW_ALIGNMENT_BYTES, max(1, self.spec.get_block_stride_alignment())
-        )
-        return round_up(raw, alignment)
-
-
-@dataclass(frozen=True)
-class PoolSplit:
-    """The attention and state layers of a model, or why there is no split."""
-
-    token: PoolLayers | None
-    state: PoolLayers | None
-    reason: str = ""
-
-
-def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
-    """Sort layers into one token and one state pool of identical specs.
-
-    Pooled mode currently supports exactly one attention spec and one state
-    spec (Qwen3.5/3.6, Qwen3-Next, Nemotron-H, Jamba, Granite hybrids); any
-    other mix returns a reason and the engine keeps upstream's plan.
-    """
-    attention: dict[str, KVCacheSpec] = {}
-    state: dict[str, KVCacheSpec] = {}
-    for name, spec in kv_cache_spec.items():
-        if isinstance(spec, MambaSpec):
-            state[name] = spec
-        elif isinstance(spec, AttentionSpec):
-            attention[name] = spec
-        else:
-            return PoolSplit(None, None, f"layer {name} has a {type(spec).__name__}")
-    if not attention or not state:
-        return PoolSplit(None, None, "model is not attention + state hybrid")
-    for kind, layers in (("attention", attention), ("state", state)):
-        if len(set(layers.values())) != 1:
-            return PoolSplit(None, None, f"{kind} layers have different specs")
-    attn_spec = next(iter(attention.values()))
-    state_spec = next(iter(state.values()))
-    if getattr(state_spec, "page_size_padded", None) is not None:
-        return PoolSplit(None, None, "state pages are padded (platform alignment ran)")
-    return PoolSplit(
-        PoolLayers(attn_spec, tuple(attention)),
-        PoolLayers(state_spec, tuple(state)),
-    )
-
-
-def equalize_stage_blocks(splits: list[PoolSplit]) -> list[PoolSplit]:
-    """Pad every pipeline stage's token and state block to the largest of
-    any stage.
-
-    One scheduler hands out one token-block and one state-block id space and
-    moves one boundary for all stages, while each stage maps an id to its own
-    layers' bytes. With blocks of one size on every stage, an id and a
-    boundary position mean the same bytes everywhere, so every stage stays
-    inside its buffer wherever the boundary is. The price is the padding of
-    the lighter stages: the arena holds the blocks the heaviest stage's
-    layers would (docs/pooled-mode.md, "Pipeline parallel").
-    """
-    token = max(split.token.block_bytes for split in splits if split.token)
-    state = max(split.state.block_bytes for split in splits if split.state)
-    return [
-        PoolSplit(
-            replace(split.token, min_block_bytes=token),
-            replace(split.state, min_block_bytes=state),
-        )
-        if split.token is not None and split.state is not None
-        else split
-        for split in splits
-    ]
 
 
 def max_state_blocks_per_request(spec: MambaSpec) -> int:
@@ -267,12 +165,13 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     tensors = [
         KVCacheTensor(
             size=arena,
-            layers=list(layers.layer_names),
-            layer_stride=layers.layer_stride,
+            layers=list(run.layer_names),
+            layer_stride=run.layer_stride,
             block_stride=layers.block_bytes,
-            offset=offset,
+            offset=base + run.offset,
         )
-        for layers, offset in ((token, 0), (state, state_offset))
+        for layers, base in ((token, 0), (state, state_offset))
+        for run in layers.runs
     ]
     _check_alignment(tensors)
     return PooledKVCacheConfig(
@@ -426,12 +325,23 @@ def describe_plan(config: PooledKVCacheConfig) -> str:
     return (
         f"KV cache plan (pooled): arena {config.arena_bytes / 2**20:.2f} MiB; "
         f"token pool: {len(tok_group.layer_names)} attention layers, block "
-        f"{tok_group.kv_cache_spec.block_size} tokens, page "
-        f"{tok_group.kv_cache_spec.page_size_bytes} B, block {token.block_bytes} B, "
+        f"{tok_group.kv_cache_spec.block_size} tokens, "
+        f"{_describe_pages(tok_group)}, block {token.block_bytes} B, "
         f"{token.num_blocks} ids; state pool: {len(st_group.layer_names)} state "
         f"layers, page {state_page} B ({padding} B padding), "
         f"block {state.block_bytes} B, {state.num_blocks} ids, "
         f"{config.max_state_blocks_per_request} per request; boundary at "
         f"{config.initial_boundary / 2**20:.2f} MiB (moves on demand, "
         f"granularity gcd {gcd} B)"
+    )
+
+
+def _describe_pages(group: KVCacheGroupSpec) -> str:
+    """``page N B``, or with layers of several page sizes (per-layer KV
+    dtypes) ``pages N B x k + M B x j``."""
+    runs = PoolLayers(group.kv_cache_spec, tuple(group.layer_names)).runs
+    if len(runs) == 1:
+        return f"page {runs[0].page_bytes} B"
+    return "pages " + " + ".join(
+        f"{run.page_bytes} B x {len(run.layer_names)}" for run in runs
     )

@@ -43,7 +43,6 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
             "prefill context parallel",
         ),
         (_unpooled_drafts(vllm_config), "speculative decoding with a draft model"),
-        (bool(getattr(cache, "kv_cache_dtype_skip_layers", None)), "skip layers"),
         (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),
         (_v2_runner_forced(), "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
     ]

@@ -1,0 +1,114 @@
+"""Per-layer KV dtypes in pooled mode: TurboQuant layers next to skip layers.
+
+``--kv-cache-dtype turboquant_k8v4 --kv-cache-dtype-skip-layers 3`` keeps
+attention layer 3 of the tiny ``qwen3_next`` at bf16 (vLLM's CPU attention)
+and stores layer 7 with the project's CPU TurboQuant backend. Pooled mode
+puts both layers' natural pages side by side in one token block (one block
+id, two page sizes); the same engine in the single shared pool (upstream's
+planning with the overlay's fixes) is the reference, since vLLM 0.32 itself
+has no TurboQuant attention on CPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_utils import generate_greedy, scheduler, with_engine
+
+pytestmark = pytest.mark.slow
+
+MiB = 2**20
+FLAGS = dict(
+    kv_cache_dtype="turboquant_k8v4",
+    kv_cache_dtype_skip_layers=["3"],
+    # the single pool needs 0.08 GiB for one 2,048-token request here
+    kv_cache_memory_bytes=128 * MiB,
+    max_model_len=2048,
+    enable_prefix_caching=True,
+)
+#: bf16 page of 128 tokens x 2 KV heads x 128 x (K, V); TurboQuant k8v4 page
+#: of the same 128 tokens x 2 heads (196-byte slots).
+BF16_PAGE, TQ_PAGE = 131_072, 50_176
+
+
+def _prompts() -> list[dict]:
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 900) for _ in range(300)]
+    return [
+        {"prompt_token_ids": shared + [rng.randrange(3, 900) for _ in range(n)]}
+        for n in (40, 170, 300, 420)
+    ]
+
+
+def _run(llm, pooled: bool) -> dict:
+    ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+    out = {
+        "backends": {
+            name: (layer.attn_backend.get_name(), layer.kv_cache_dtype)
+            for name, layer in ctx.items()
+            if hasattr(layer, "attn_backend") and name.endswith("self_attn.attn")
+        },
+        "first": generate_greedy(llm, _prompts(), 16),
+        "again": generate_greedy(llm, _prompts(), 16),
+    }
+    sched = scheduler(llm)
+    out["config"] = sched.kv_cache_config
+    if pooled:
+        coordinator = sched.kv_cache_manager.coordinator
+        coordinator.arena.check_invariants()
+        llm.reset_prefix_cache()
+        out["used_after"] = {
+            kind.value: pool.get_num_used_blocks()
+            for kind, pool in coordinator.pools.items()
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir):
+    model = str(tiny_model_dir("qwen3_next"))
+    single = {"additional_config": {"hybrid_kv": {"pooled": False}}}
+    return {
+        "single": with_engine(
+            model, True, FLAGS | single, lambda llm: _run(llm, False)
+        ),
+        "pooled": with_engine(model, True, FLAGS, lambda llm: _run(llm, True)),
+    }
+
+
+def test_both_dtypes_run_side_by_side_in_one_token_block(runs):
+    pooled = runs["pooled"]
+    assert pooled["backends"] == {
+        "model.layers.3.self_attn.attn": ("CPU_ATTN", "auto"),
+        "model.layers.7.self_attn.attn": ("CPU_TURBOQUANT", "turboquant_k8v4"),
+    }
+    config = pooled["config"]
+    token = config.pool_by_kind("token")
+    assert token.block_bytes == BF16_PAGE + TQ_PAGE
+    token_tensors = sorted(
+        (t.offset, t.layers, t.layer_stride)
+        for t in config.kv_cache_tensors
+        if t.block_stride == token.block_bytes
+    )
+    assert token_tensors == [
+        (0, ["model.layers.3.self_attn.attn"], BF16_PAGE),
+        (BF16_PAGE, ["model.layers.7.self_attn.attn"], TQ_PAGE),
+    ]
+    assert token.num_blocks == 128 * MiB // (BF16_PAGE + TQ_PAGE) == 740
+
+
+def test_tokens_equal_the_single_pool_with_the_same_flags(runs):
+    single, pooled = runs["single"], runs["pooled"]
+    assert single["backends"] == pooled["backends"]
+    assert all(len(t) == 16 for t in pooled["first"].tokens)
+    assert pooled["first"].tokens == single["first"].tokens
+    assert pooled["again"].tokens == single["again"].tokens == single["first"].tokens
+
+
+def test_prefix_hits_and_an_empty_arena_afterwards(runs):
+    pooled = runs["pooled"]
+    # the second pass hits its own first pass at every 128-token edge the
+    # prompts reached (3 to 5 blocks each)
+    assert pooled["again"].cached == [256, 384, 512, 640]
+    assert pooled["used_after"] == {"token": 0, "state": 0}
