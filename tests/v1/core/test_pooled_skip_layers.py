@@ -1,12 +1,13 @@
-"""Per-layer KV dtypes in pooled mode: TurboQuant layers next to skip layers.
+"""Per-layer KV dtypes in pooled mode: quantized layers next to skip layers.
 
-``--kv-cache-dtype turboquant_k8v4 --kv-cache-dtype-skip-layers 3`` keeps
-attention layer 3 of the tiny ``qwen3_next`` at bf16 (vLLM's CPU attention)
-and stores layer 7 with the project's CPU TurboQuant backend. Pooled mode
+``--kv-cache-dtype-skip-layers 3`` keeps attention layer 3 of the tiny
+``qwen3_next`` at bf16 next to layer 7 in the quantized KV dtype. Pooled mode
 puts both layers' natural pages side by side in one token block (one block
-id, two page sizes); the same engine in the single shared pool (upstream's
-planning with the overlay's fixes) is the reference, since vLLM 0.32 itself
-has no TurboQuant attention on CPU.
+id, two page sizes). References with the same flags: for ``fp8`` upstream
+vLLM itself (overlay off; vLLM's CPU attention stores fp8); for
+``turboquant_k8v4`` the single shared pool with the overlay (upstream's
+planning), since vLLM 0.32 has no TurboQuant attention on CPU and the
+project's CPU TurboQuant backend serves layer 7.
 """
 
 from __future__ import annotations
@@ -19,17 +20,14 @@ from engine_utils import generate_greedy, scheduler, with_engine
 pytestmark = pytest.mark.slow
 
 MiB = 2**20
-FLAGS = dict(
-    kv_cache_dtype="turboquant_k8v4",
-    kv_cache_dtype_skip_layers=["3"],
-    # the single pool needs 0.08 GiB for one 2,048-token request here
-    kv_cache_memory_bytes=128 * MiB,
-    max_model_len=2048,
-    enable_prefix_caching=True,
-)
-#: bf16 page of 128 tokens x 2 KV heads x 128 x (K, V); TurboQuant k8v4 page
-#: of the same 128 tokens x 2 heads (196-byte slots).
-BF16_PAGE, TQ_PAGE = 131_072, 50_176
+#: bf16 page of 128 tokens x 2 KV heads x 128 x (K, V); the quantized layer's
+#: page of the same 128 tokens (fp8: 1 B per value; TurboQuant k8v4: one
+#: 196-byte slot per token and head) and its backend.
+BF16_PAGE = 131_072
+QUANTIZED = {
+    "fp8": (65_536, "CPU_ATTN"),
+    "turboquant_k8v4": (50_176, "CPU_TURBOQUANT"),
+}
 
 
 def _prompts() -> list[dict]:
@@ -65,27 +63,38 @@ def _run(llm, pooled: bool) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir):
+@pytest.fixture(scope="module", params=sorted(QUANTIZED))
+def runs(request, tiny_model_dir):
     model = str(tiny_model_dir("qwen3_next"))
-    single = {"additional_config": {"hybrid_kv": {"pooled": False}}}
-    return {
-        "single": with_engine(
-            model, True, FLAGS | single, lambda llm: _run(llm, False)
-        ),
-        "pooled": with_engine(model, True, FLAGS, lambda llm: _run(llm, True)),
-    }
+    flags = dict(
+        kv_cache_dtype=request.param,
+        kv_cache_dtype_skip_layers=["3"],
+        # upstream's single pool needs 0.08 GiB for one 2,048-token request
+        kv_cache_memory_bytes=128 * MiB,
+        max_model_len=2048,
+        enable_prefix_caching=True,
+    )
+    if request.param == "fp8":
+        reference = with_engine(model, False, flags, lambda llm: _run(llm, False))
+    else:
+        single = {"additional_config": {"hybrid_kv": {"pooled": False}}}
+        reference = with_engine(
+            model, True, flags | single, lambda llm: _run(llm, False)
+        )
+    pooled = with_engine(model, True, flags, lambda llm: _run(llm, True))
+    return {"dtype": request.param, "reference": reference, "pooled": pooled}
 
 
 def test_both_dtypes_run_side_by_side_in_one_token_block(runs):
-    pooled = runs["pooled"]
+    pooled, dtype = runs["pooled"], runs["dtype"]
+    page, backend = QUANTIZED[dtype]
     assert pooled["backends"] == {
         "model.layers.3.self_attn.attn": ("CPU_ATTN", "auto"),
-        "model.layers.7.self_attn.attn": ("CPU_TURBOQUANT", "turboquant_k8v4"),
+        "model.layers.7.self_attn.attn": (backend, dtype),
     }
     config = pooled["config"]
     token = config.pool_by_kind("token")
-    assert token.block_bytes == BF16_PAGE + TQ_PAGE
+    assert token.block_bytes == BF16_PAGE + page
     token_tensors = sorted(
         (t.offset, t.layers, t.layer_stride)
         for t in config.kv_cache_tensors
@@ -93,17 +102,19 @@ def test_both_dtypes_run_side_by_side_in_one_token_block(runs):
     )
     assert token_tensors == [
         (0, ["model.layers.3.self_attn.attn"], BF16_PAGE),
-        (BF16_PAGE, ["model.layers.7.self_attn.attn"], TQ_PAGE),
+        (BF16_PAGE, ["model.layers.7.self_attn.attn"], page),
     ]
-    assert token.num_blocks == 128 * MiB // (BF16_PAGE + TQ_PAGE) == 740
+    assert token.num_blocks == 128 * MiB // (BF16_PAGE + page)
 
 
-def test_tokens_equal_the_single_pool_with_the_same_flags(runs):
-    single, pooled = runs["single"], runs["pooled"]
-    assert single["backends"] == pooled["backends"]
+def test_tokens_equal_the_reference_with_the_same_flags(runs):
+    reference, pooled = runs["reference"], runs["pooled"]
+    assert reference["backends"] == pooled["backends"]
     assert all(len(t) == 16 for t in pooled["first"].tokens)
-    assert pooled["first"].tokens == single["first"].tokens
-    assert pooled["again"].tokens == single["again"].tokens == single["first"].tokens
+    assert pooled["first"].tokens == reference["first"].tokens
+    assert (
+        pooled["again"].tokens == reference["again"].tokens == reference["first"].tokens
+    )
 
 
 def test_prefix_hits_and_an_empty_arena_afterwards(runs):
