@@ -35,7 +35,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.block_pool import PROTECT_AFTER_HITS, ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -443,8 +443,11 @@ def test_free_blocks_routes_mixed_list_to_owning_pools():
 # ---------------------------------------------------------------------------
 
 
-def oracle_floors(arena: KVArena, need_token: int, need_state: int) -> list[int]:
-    """State floors that satisfy both needs, computed from bytes directly."""
+def oracle_floors(
+    arena: KVArena, need_token: int, need_state: int, spare_protected: bool = False
+) -> list[int]:
+    """State floors that satisfy both needs, computed from bytes directly;
+    with ``spare_protected`` a protected free block counts as held."""
     lay = arena.layout
     tb, sb = lay.token_block_bytes, lay.state_block_bytes
     # overlapping null blocks keep only the smaller block clear, and align
@@ -452,6 +455,10 @@ def oracle_floors(arena: KVArena, need_token: int, need_state: int) -> list[int]
     null = min(tb, sb) if lay.null_blocks_overlap else max(tb, sb)
     off = lay.arena_bytes % sb if lay.null_blocks_overlap else 0
     tok, st_ = arena.token_pool, arena.state_pool
+
+    def held(block: KVCacheBlock) -> bool:
+        queue = block.pool.free_block_queue
+        return block.ref_cnt > 0 or (spare_protected and queue.is_protected(block))
 
     def token_owned(t: int, floor: int) -> bool:
         return t * tb >= null and (t + 1) * tb <= off + floor * sb
@@ -470,10 +477,10 @@ def oracle_floors(arena: KVArena, need_token: int, need_state: int) -> list[int]
         leaving = [tok.blocks[t] for t in tok.owned_ids if t not in t_new] + [
             st_.blocks[s] for s in st_.owned_ids if s not in s_new
         ]
-        if any(b.ref_cnt for b in leaving):
+        if any(held(b) for b in leaving):
             continue
-        free_t = sum(1 for t in t_new if tok.blocks[t].ref_cnt == 0)
-        free_s = sum(1 for s in s_new if st_.blocks[s].ref_cnt == 0)
+        free_t = sum(1 for t in t_new if not held(tok.blocks[t]))
+        free_s = sum(1 for s in s_new if not held(st_.blocks[s]))
         if free_t >= need_token and free_s >= need_state:
             floors.append(floor)
     return floors
@@ -605,6 +612,30 @@ class ArenaMachine(RuleBasedStateMachine):
             assert all(b.ref_cnt == 1 and b.block_hash is None for b in got)
             self.requests[req].extend(got)
 
+    @rule(data=st.data(), nt=st.integers(0, 12), ns=st.integers(0, 6))
+    def allocate_sparing_protected(self, data, nt, ns):
+        """What the pooled coordinator tries first: serve a request without
+        handing out or giving away any protected cache entry."""
+        arena = self.arena
+        floors = oracle_floors(arena, nt, ns, spare_protected=True)
+        protected = [
+            pool.blocks[i]
+            for pool in self.pools()
+            for i in pool.free_block_queue.protected_ids()
+        ]
+        before = snapshot(arena)
+        ok = arena.ensure(nt, ns, spare_protected=True)
+        assert ok == bool(floors)
+        if not ok:
+            assert snapshot(arena) == before
+            return
+        req = self.pick_request(data, True)
+        for pool, n in zip(self.pools(), (nt, ns), strict=True):
+            self.requests[req].extend(pool.get_new_blocks(n))
+        for block in protected:
+            assert block.ref_cnt == 0 and block.block_hash is not None
+            assert block.pool.free_block_queue.is_protected(block)
+
     @rule(data=st.data(), side=st.sampled_from(PoolKind), n=st.integers(1, 12))
     def get_new_blocks_directly(self, data, side, n):
         arena = self.arena
@@ -658,6 +689,23 @@ class ArenaMachine(RuleBasedStateMachine):
         pool.touch(hit)
         assert pool.get_num_free_blocks() == free_before - was_free
         self.requests[self.pick_request(data, True)].extend(hit)
+
+    @precondition(lambda self: bool(self.cached_keys()))
+    @rule(data=st.data())
+    def shared_entry_served_and_released(self, data):
+        """Two requests hit one entry and finish: the entry has served
+        PROTECT_AFTER_HITS hits and rests in its pool's protected segment."""
+        pool, hash_key = data.draw(st.sampled_from(self.cached_keys()), label="hit")
+        hit = pool.get_cached_block(get_block_hash(hash_key), [get_group_id(hash_key)])
+        assert hit is not None
+        for _ in range(PROTECT_AFTER_HITS):
+            pool.touch(hit)
+        pool.free_blocks(hit * PROTECT_AFTER_HITS)
+        (block,) = hit
+        assert pool.is_proven(block)
+        if block.ref_cnt == 0:
+            assert pool.free_block_queue.is_protected(block)
+            assert pool.free_block_queue.get_all_free_blocks()[-1] is block
 
     @rule(side=st.sampled_from(PoolKind), data=st.data())
     def evict_by_id(self, side, data):

@@ -181,11 +181,20 @@ class KVArena:
         return self._plan(need_token, need_state, keep) is not None
 
     def ensure(
-        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Iterable[KVCacheBlock] = (),
+        spare_protected: bool = False,
     ) -> bool:
         """Make both pools have at least that many free blocks, moving the
-        boundary if needed; all-or-nothing, returns whether it succeeded."""
-        target = self._plan(need_token, need_state, keep)
+        boundary if needed; all-or-nothing, returns whether it succeeded.
+
+        With ``spare_protected`` it succeeds only without handing out or
+        giving away any block of a pool's protected segment (entries that
+        served several prefix hits; see :class:`ArenaFreeBlockQueue`).
+        """
+        target = self._plan(need_token, need_state, keep, spare_protected)
         if target is None:
             return False
         if target != self._state_floor:
@@ -199,16 +208,25 @@ class KVArena:
         return self.ensure(0, need)
 
     def _plan(
-        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Iterable[KVCacheBlock] = (),
+        spare_protected: bool = False,
     ) -> int | None:
         """State floor that satisfies both needs, or None if none does.
 
         ``keep`` are free cached blocks about to be reused (prefix hits not
         yet touched): a move must not evict them or hand their bytes over.
+        With ``spare_protected`` protected free blocks count as neither free
+        nor movable.
         """
         kept = {(id(block.pool), block.block_id) for block in keep}
-        free_token = self.token_pool.get_num_free_blocks()
-        free_state = self.state_pool.get_num_free_blocks()
+        if spare_protected:
+            kept |= self._protected_keys(self.token_pool)
+            kept |= self._protected_keys(self.state_pool)
+        free_token = self._free(self.token_pool, spare_protected)
+        free_state = self._free(self.state_pool, spare_protected)
         short_token = need_token > free_token
         short_state = need_state > free_state
         if not short_token and not short_state:
@@ -236,6 +254,17 @@ class KVArena:
         if not self._all_free(self.token_pool, lost, kept):
             return None
         return target
+
+    @staticmethod
+    def _free(pool: ArenaBlockPool, spare_protected: bool) -> int:
+        free = pool.get_num_free_blocks()
+        if spare_protected:
+            free -= pool.free_block_queue.num_protected_blocks
+        return free
+
+    @staticmethod
+    def _protected_keys(pool: ArenaBlockPool) -> set[tuple[int, int]]:
+        return {(id(pool), i) for i in pool.free_block_queue.protected_ids()}
 
     def _token_ids_lost(self, target: int) -> range:
         """Owned token ids at or above the token limit of state floor ``target``."""
@@ -369,6 +398,12 @@ def _check_pool(pool: ArenaBlockPool) -> None:
         _require(pool.blocks[i].block_hash is None, f"{name}: hashed block {i} clean")
     for i in queue.cached_ids():
         _require(pool.blocks[i].block_hash is not None, f"{name}: cached {i} no hash")
+        _require(
+            queue.is_protected(pool.blocks[i]) == pool.is_proven(pool.blocks[i]),
+            f"{name}: cached block {i} in the wrong LRU segment",
+        )
+    for i in pool.hit_counts():
+        _require(pool.blocks[i].block_hash is not None, f"{name}: hits of clean {i}")
     for block in pool.blocks[1:]:
         _require(block.ref_cnt >= 0, f"{name}: block {block.block_id} ref_cnt < 0")
         if block.block_id not in owned:

@@ -23,6 +23,11 @@ from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 logger = init_logger(__name__)
 
+#: Prefix hits after which a cached block joins its free queue's protected
+#: segment (handed out last; see :class:`ArenaFreeBlockQueue`). One hit can
+#: be chance (a retried request); two mean the entry is shared or followed up.
+PROTECT_AFTER_HITS = 2
+
 
 class ArenaBlockPool(BlockPool):
     """Upstream ``BlockPool`` for one pool of a :class:`~.arena.KVArena`.
@@ -54,6 +59,8 @@ class ArenaBlockPool(BlockPool):
         self._caching: Any = None
         #: keys are being re-pointed to another block, not leaving the cache
         self._moving = False
+        #: prefix hits per cached block id since it was cached
+        self._hits: dict[int, int] = {}
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -82,7 +89,25 @@ class ArenaBlockPool(BlockPool):
         return ArenaFreeBlockQueue(
             (self.blocks[i] for i in self.owned_ids if self.blocks[i].ref_cnt == 0),
             low_ids_first=self.side is PoolKind.TOKEN,
+            protected=self.is_proven,
         )
+
+    def is_proven(self, block: KVCacheBlock) -> bool:
+        """Whether a cached block served :data:`PROTECT_AFTER_HITS` prefix
+        hits since it was cached."""
+        return self._hits.get(block.block_id, 0) >= PROTECT_AFTER_HITS
+
+    def hit_counts(self) -> dict[int, int]:
+        """Prefix hits per cached block id since it was cached (a copy)."""
+        return dict(self._hits)
+
+    def touch(self, blocks: Any) -> None:
+        """Upstream's touch (a prefix hit takes a reference), counting the
+        hit of every cached block."""
+        for block in blocks:
+            if block.block_hash is not None and not block.is_null:
+                self._hits[block.block_id] = self._hits.get(block.block_id, 0) + 1
+        super().touch(blocks)
 
     @property
     def owned_capacity(self) -> int:
@@ -171,7 +196,7 @@ class ArenaBlockPool(BlockPool):
         lent, self._lent = self._lent, None
         if lent is not None and num_blocks == 1:
             assert lent.ref_cnt >= 1 and not lent.is_null
-            BlockPool._maybe_evict_cached_block(self, lent)
+            self._maybe_evict_cached_block(lent)
             lent.ref_cnt += 1
             return [lent]
         if num_blocks > self.get_num_free_blocks():
@@ -180,6 +205,8 @@ class ArenaBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
+        if block.block_hash is None:
+            self._hits.pop(block.block_id, None)
         if evicted:
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
@@ -228,6 +255,7 @@ class ArenaBlockPool(BlockPool):
             self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
         for block in self.blocks:
             block.reset_hash()
+        self._hits.clear()
         # Every free block is clean now: rebuild rather than re-file one by one.
         self.free_block_queue = self._new_free_queue()
         if self.metrics_collector:

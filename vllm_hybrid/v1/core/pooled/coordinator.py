@@ -138,16 +138,20 @@ class PooledCoordinatorMixin:
         # Prefix hits are touched only after this check; a boundary move must
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
-        if self.arena.ensure(need_token, need_state, keep=hits):
+        if self.arena.ensure(need_token, need_state, keep=hits, spare_protected=True):
             return need_token
-        # Short of memory: let a running request cross a state block edge in
-        # place (see _in_place_blocks).
+        # Short of memory, or served only by evicting entries that proved
+        # their worth: let a running request cross a state block edge in
+        # place (see _in_place_blocks). Its new checkpoint has served no hit
+        # yet; a protected entry has served several.
         in_place = self._in_place_blocks(request_id, needs)
         if in_place and self.arena.ensure(
             need_token, need_state - len(in_place), keep=hits
         ):
             self._in_place[request_id] = in_place
             self.short_memory_counts["state_in_place"] += 1
+            return need_token
+        if self.arena.ensure(need_token, need_state, keep=hits):
             return need_token
         return refuse
 
@@ -163,7 +167,8 @@ class PooledCoordinatorMixin:
         At a state block edge align mode hands a running request a fresh
         state block, copies the running state into it and keeps the old block
         (a prefix-cache checkpoint) until the next step: two state blocks per
-        request. When the arena cannot serve that, the request advances its
+        request. When the arena cannot serve that, or only by evicting a
+        protected cache entry, the request advances its
         state in the block it already owns instead (that block leaves the
         prefix cache, its content moves on). Only a checkpoint is lost; a lone
         request then needs one state block, as with prefix caching off.
