@@ -29,12 +29,14 @@ SUBCLASSES: list[SubclassEntry] = [
             "_insert_block_hash",
             "_remove_cached_block_hashes",
             "_maybe_evict_cached_block",
+            "touch",
         ),
         why=(
             "Pooled mode has one block pool per page kind inside one arena; "
             "each pool owns a movable id range, hands out blocks in an order "
-            "that keeps the boundary movable, and evicts prefix-cache entries "
-            "together with the other pool (pooled.coupling)."
+            "that keeps the boundary movable, evicts prefix-cache entries "
+            "together with the other pool (pooled.coupling) and hands out "
+            "entries that served several prefix hits last (touch counts them)."
         ),
         how=(
             "Upstream's managers and KVCacheManager call these methods on the "
