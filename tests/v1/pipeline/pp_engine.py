@@ -1,7 +1,8 @@
 """One engine of the pipeline-parallel test, in its own process.
 
-Usage: ``python pp_engine.py MODEL_DIR PP OUT.json`` (eager, 48 MiB, prefix
-caching off, multiprocessing executor). Writes the greedy tokens.
+Usage: ``python pp_engine.py MODEL_DIR PP OUT.json [prefix]`` (eager, 48 MiB,
+prefix caching off unless ``prefix`` is given, multiprocessing executor).
+Writes the greedy tokens of :data:`PROMPTS`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ BASE = list(range(5, 60)) * 6
 PROMPTS = [{"prompt_token_ids": BASE[: 100 + 37 * i]} for i in range(4)]
 
 
-def main(model: str, pp: str, out: str) -> None:
+def main(model: str, pp: str, out: str, prefix: str = "") -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -25,7 +26,7 @@ def main(model: str, pp: str, out: str) -> None:
         kv_cache_memory_bytes=48 * MiB,
         max_model_len=1024,
         max_num_seqs=8,
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix == "prefix",
         pipeline_parallel_size=int(pp),
         distributed_executor_backend="mp",
     )
@@ -36,4 +37,4 @@ def main(model: str, pp: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
