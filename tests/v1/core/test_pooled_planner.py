@@ -252,9 +252,9 @@ def test_checkpoint_interval_default_and_multiples():
 
 @pytest.mark.parametrize(
     "method, pooled",
-    [("ngram", True), ("mtp", True), ("eagle", False), ("draft_model", False)],
+    [("ngram", True), ("mtp", True), ("eagle", True), ("draft_model", False)],
 )
-def test_scope_guard_takes_ngram_and_mtp_drafts(method, pooled):
+def test_scope_guard_takes_ngram_mtp_and_eagle_drafts(method, pooled):
     from types import SimpleNamespace
 
     from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
@@ -264,7 +264,10 @@ def test_scope_guard_takes_ngram_and_mtp_drafts(method, pooled):
     decision = pooled_mode_decision(config)
     assert decision.enabled is pooled
     if not pooled:
-        assert decision.reason == "unsupported: speculative decoding with a draft model"
+        assert decision.reason == (
+            "unsupported: speculative decoding with a separate draft model "
+            "(draft_model)"
+        )
 
 
 def _stages(specs: dict, cuts: list[int]) -> list[dict]:

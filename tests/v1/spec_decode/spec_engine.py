@@ -1,10 +1,11 @@
 """One engine of the speculative-decoding test, in its own process (see the
 test module).
 
-Usage: ``python spec_engine.py MODEL_DIR {plain,ngram,mtp} {pc,no-pc}
-{pooled,single} OUT.json``. Writes the greedy tokens and top-2 gaps of two
-passes over the prompts, how often the host copy kernels ran, and the peak
-of running requests for 64 short random prompts submitted at once.
+Usage: ``python spec_engine.py MODEL_DIR {plain,ngram,mtp,eagle} {pc,no-pc}
+{pooled,single} OUT.json [DRAFT_DIR]`` (``DRAFT_DIR``: the EAGLE draft).
+Writes the greedy tokens and top-2 gaps of two passes over the prompts,
+how often the host copy kernels ran, and the peak of running requests for
+64 short random prompts submitted at once.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ SPECULATIVE = {
     },
     # the tiny models' one MTP layer, run twice per step
     "mtp": {"method": "mtp", "num_speculative_tokens": 2},
+    # a one-layer EAGLE draft (vllm_hybrid.tools.tiny_eagle), its directory
+    # given on the command line
+    "eagle": {"method": "eagle", "num_speculative_tokens": 2},
 }
 # Repeating token patterns give the n-gram proposer matches of every length.
 BASE = list(range(5, 60)) * 6
@@ -76,7 +80,9 @@ def peak_running(llm) -> int:
     return peak
 
 
-def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
+def main(
+    model: str, mode: str, caching: str, pool: str, out: str, draft: str = ""
+) -> None:
     from vllm.v1.worker import mamba_utils
 
     kwargs = {
@@ -89,6 +95,8 @@ def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
         kwargs["additional_config"] = {"hybrid_kv": {"pooled": False}}
     if mode in SPECULATIVE:
         kwargs["speculative_config"] = dict(SPECULATIVE[mode])
+        if draft:
+            kwargs["speculative_config"]["model"] = draft
     kernels = ("precopy_mamba_align_fused_kernel", "postprocess_mamba_fused_kernel")
     launches: dict[str, list] = {}
 
@@ -118,4 +126,4 @@ def main(model: str, mode: str, caching: str, pool: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:6])
+    main(*sys.argv[1:7])

@@ -1,12 +1,13 @@
-"""n-gram and MTP speculative decoding on a hybrid (gated DeltaNet) model
-on CPU.
+"""n-gram, MTP and EAGLE speculative decoding on a hybrid (gated DeltaNet)
+model on CPU.
 
 vLLM 0.32 cannot run it here: with prefix caching align mode launches two
 Triton kernels the CPU platform has no host version of, and with or without
 prefix caching the CPU GDN conv mis-rolls its buffer after a step with fewer
 drafts than configured. The overlay replaces both (registry entries); this
-runs the tiny ``qwen3_next`` with n-gram drafts, and its MTP variant (one
-MTP layer) with MTP drafts, and compares the greedy tokens with the same
+runs the tiny ``qwen3_next`` with n-gram drafts and with a one-layer EAGLE
+draft (``vllm_hybrid.tools.tiny_eagle``), and its MTP variant (one MTP
+layer) with MTP drafts, and compares the greedy tokens with the same
 engine without speculative decoding, and pooled mode with the overlay's
 single shared pool under the same flags.
 
@@ -31,10 +32,14 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).with_name("spec_engine.py")
 
 
-def _run(model, mode: str, caching: str, pool: str, tmp: Path) -> dict:
+def _run(
+    model, mode: str, caching: str, pool: str, tmp: Path, draft: Path | None = None
+) -> dict:
     out = tmp / f"{Path(model).name}-{mode}-{caching}-{pool}.json"
+    extra = [str(draft)] if draft is not None else []
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(model), mode, caching, pool, str(out)],
+        [sys.executable, str(SCRIPT), str(model), mode, caching, pool, str(out)]
+        + extra,
         capture_output=True,
         text=True,
         timeout=600,
@@ -44,8 +49,9 @@ def _run(model, mode: str, caching: str, pool: str, tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
+def runs(tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
     model = tiny_model_dir("qwen3_next")
+    draft = tiny_eagle_dir("qwen3_next")
     mtp_model = tiny_model_dir("qwen3_next", mtp=True)
     tmp = tmp_path_factory.mktemp("spec_decode")
     engines = [
@@ -56,9 +62,13 @@ def runs(tiny_model_dir, tmp_path_factory):
         (mtp_model, "plain", "pc", "pooled"),
         (mtp_model, "mtp", "pc", "pooled"),
         (mtp_model, "mtp", "pc", "single"),
+        (model, "eagle", "pc", "pooled"),
+        (model, "eagle", "pc", "single"),
     ]
     return {
-        (key[1], key[2], key[3], key[0] == mtp_model): _run(*key, tmp)
+        (key[1], key[2], key[3], key[0] == mtp_model): _run(
+            *key, tmp, draft if key[1] == "eagle" else None
+        )
         for key in engines
     }
 
@@ -69,7 +79,7 @@ def _greedy(run: dict, i: int) -> Greedy:
 
 
 #: (speculative method, whether it runs on the MTP variant of the model)
-METHODS = [("ngram", False), ("mtp", True)]
+METHODS = [("ngram", False), ("mtp", True), ("eagle", False)]
 
 
 @pytest.mark.parametrize("method, mtp", METHODS)

@@ -42,7 +42,10 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
             getattr(parallel, "prefill_context_parallel_size", 1) > 1,
             "prefill context parallel",
         ),
-        (_unpooled_drafts(vllm_config), "speculative decoding with a draft model"),
+        (
+            _unpooled_drafts(vllm_config),
+            "speculative decoding with a separate draft model (draft_model)",
+        ),
         (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),
         (_v2_runner_forced(), "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
     ]
@@ -53,10 +56,11 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
 
 
 #: Speculative methods pooled mode plans: n-gram has no draft layers; an MTP
-#: head's layers are the target's own kind (attention layers of its spec join
-#: the token pool; a layer of another spec makes the planner fall back with
-#: the reason). Separate draft models (EAGLE, draft_model) are not tested.
-POOLED_DRAFT_METHODS = frozenset({"ngram", "mtp"})
+#: head's and an EAGLE draft's layers are attention layers (they join the
+#: token pool next to the target's, of the same type; another type makes the
+#: planner fall back with the reason). A separate draft model
+#: (``draft_model``, with state layers of its own) is not tested.
+POOLED_DRAFT_METHODS = frozenset({"ngram", "mtp", "eagle"})
 
 
 def _unpooled_drafts(vllm_config: Any) -> bool:
