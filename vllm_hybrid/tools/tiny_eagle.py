@@ -24,7 +24,10 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
+
+from vllm_hybrid.tools.tiny_models import clear_previous_build, read_marker
 
 #: Name of the file that marks a finished draft (written last).
 MARKER_NAME = "tiny_eagle_build.json"
@@ -75,8 +78,14 @@ def _draft_weights(config, seed: int) -> dict:
 
 
 def _marker(target_dir: Path, seed: int) -> dict:
-    target_marker = json.loads((target_dir / "tiny_model_build.json").read_text())
-    return {"builder_version": BUILDER_VERSION, "seed": seed, "target": target_marker}
+    target_marker = read_marker(target_dir)
+    if target_marker is None:
+        raise FileNotFoundError(f"{target_dir} is not a finished tiny_models build")
+    return {
+        "builder_version": BUILDER_VERSION,
+        "seed": seed,
+        "target": asdict(target_marker),
+    }
 
 
 def build_eagle_draft(
@@ -90,10 +99,7 @@ def build_eagle_draft(
     marker_path = out / MARKER_NAME
     if marker_path.is_file() and json.loads(marker_path.read_text()) == marker:
         return out
-    if out.exists():
-        if not (marker_path.exists() or not any(out.iterdir())):
-            raise FileExistsError(f"{out} is not empty and is not a tiny EAGLE draft")
-        shutil.rmtree(out)
+    clear_previous_build(out, MARKER_NAME)
     out.mkdir(parents=True)
     config = _draft_config(json.loads((target / "config.json").read_text()))
     save_file(

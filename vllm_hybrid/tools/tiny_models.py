@@ -315,17 +315,18 @@ def _write_build(out_dir: Path, kind: str, seed: int, mtp: bool) -> None:
     )
 
 
-def _clear_previous(out_dir: Path) -> None:
+def clear_previous_build(out_dir: Path, marker_name: str = MARKER_NAME) -> None:
     """Remove an outdated build, refusing to delete anything else.
 
-    A directory is only deleted when it carries our marker (it was made by
-    this tool) or is empty, so a wrong OUT_DIR cannot wipe user data.
+    A directory is only deleted when it carries the builder's marker
+    ``marker_name`` (it was made by this tool, or :mod:`.tiny_eagle`) or is
+    empty, so a wrong OUT_DIR cannot wipe user data.
     """
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
-    if (out_dir / MARKER_NAME).exists() or not any(out_dir.iterdir()):
+    if (out_dir / marker_name).exists() or not any(out_dir.iterdir()):
         shutil.rmtree(out_dir)
         return
     raise FileExistsError(
@@ -381,7 +382,7 @@ def _publish(staging: Path, out_path: Path, kind: str, seed: int, mtp: bool) -> 
     staging.chmod(0o777 & ~umask)
     for path in staging.iterdir():
         path.chmod(0o666 & ~umask)
-    _clear_previous(out_path)
+    clear_previous_build(out_path)
     try:
         staging.rename(out_path)
     except OSError:

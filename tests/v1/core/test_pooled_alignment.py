@@ -127,7 +127,7 @@ def test_pages_off_the_alignment_are_padded_and_reported():
     layers = specs(16, (3, 38), (2, 64, 64))
     split = split_layers(layers)
     assert split.state.spec.page_size_bytes == 32_996
-    assert split.state.layer_stride == 33_024
+    assert split.state.runs[0].layer_stride == 33_024
     assert split.state.padding_bytes == 3 * 28
     config = plan_pooled_kv_cache(
         split, PooledBudget(arena_bytes=8 * MiB, max_model_len=64, max_num_seqs=4)

@@ -17,6 +17,10 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from engine_utils import record_preemptions, scheduler  # noqa: E402
+
 MiB = 2**20
 OUTPUT_TOKENS = 8
 
@@ -36,16 +40,16 @@ def main(model: str, pp: str, budget_mib: str, max_model_len: str, out: str) -> 
         pipeline_parallel_size=int(pp),
         distributed_executor_backend="mp",
     )
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    arena = sched.kv_cache_manager.coordinator.arena
+    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+
+    sched = scheduler(llm)
+    arena = arena_of(sched.kv_cache_manager)
     capacity = llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
     fitted = llm.llm_engine.vllm_config.model_config.max_model_len
     token_group = sched.kv_cache_config.kv_cache_groups[0]
     peaks = {"token": 0, "state": 0, "steps": 0}
-    preemptions: list[str] = []
+    preemptions = record_preemptions(sched)
     original_schedule = sched.schedule
-    original_preempt = sched._preempt_request
 
     def schedule(*args, **kwargs):
         output = original_schedule(*args, **kwargs)
@@ -55,12 +59,7 @@ def main(model: str, pp: str, budget_mib: str, max_model_len: str, out: str) -> 
         peaks["steps"] += 1
         return output
 
-    def preempt(request, *args, **kwargs):
-        preemptions.append(request.request_id)
-        return original_preempt(request, *args, **kwargs)
-
     sched.schedule = schedule
-    sched._preempt_request = preempt
     prompt = [5 + i % 50 for i in range(fitted - OUTPUT_TOKENS)]
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)

@@ -72,8 +72,8 @@ def test_every_stage_gets_the_largest_blocks_and_says_so(staged):
     splits = [split_layers(specs) for specs in stages]
     token = max(s.token.block_bytes for s in splits)
     state = max(s.state.block_bytes for s in splits)
-    assert token == 3 * splits[0].token.layer_stride
-    assert state == 8 * splits[0].state.layer_stride
+    assert token == 3 * splits[0].token.runs[0].layer_stride
+    assert state == 8 * splits[0].state.runs[0].layer_stride
     assert {
         (c.layout.token_block_bytes, c.layout.state_block_bytes) for c in configs
     } == {(token, state)}

@@ -60,12 +60,6 @@ class PoolLayers:
         return tuple(runs)
 
     @property
-    def layer_stride(self) -> int:
-        """Bytes between two layers' pages of the first run (the only one
-        when every layer has one spec)."""
-        return self.runs[0].layer_stride
-
-    @property
     def padding_bytes(self) -> int:
         """Bytes per block that hold no page (alignment only)."""
         pages = sum(self.layer_spec(n).page_size_bytes for n in self.layer_names)
