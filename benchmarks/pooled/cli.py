@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "turboquant_k8v4; default: auto)",
     )
     parser.add_argument(
+        "--kv-cache-dtype-skip-layers",
+        default="",
+        help="--kv-cache-dtype-skip-layers of every engine, both modes, comma "
+        "separated (layers kept at the model's dtype; default: none)",
+    )
+    parser.add_argument(
         "--gpu",
         action="store_true",
         help="what a CUDA user runs: CUDA graphs (no --enforce-eager), 16-token "
@@ -221,6 +227,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         mamba_block_size=args.mamba_block_size,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype_skip_layers=tuple(
+            layer for layer in args.kv_cache_dtype_skip_layers.split(",") if layer
+        ),
         budget_bytes=int(args.budget_mib * MIB),
         couple_prefix_caches=not args.no_couple_prefix_caches,
         retain_turn_ends=not args.no_retain_turn_ends,

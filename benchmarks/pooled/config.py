@@ -61,6 +61,9 @@ class BenchConfig:
     block_size: int | None = None
     #: ``--kv-cache-dtype`` of every engine (both modes).
     kv_cache_dtype: str = "auto"
+    #: ``--kv-cache-dtype-skip-layers`` of every engine (both modes): layers
+    #: kept at the model's dtype next to ``kv_cache_dtype``.
+    kv_cache_dtype_skip_layers: tuple[str, ...] = ()
     same_tokens_max_model_len: int = 2048
     many_short_requests: int = 64
     many_short_min_len: int = 64

@@ -39,6 +39,7 @@ class EngineSpec:
     mamba_ssm_cache_dtype: str = BenchConfig.mamba_ssm_cache_dtype
     kv_cache_dtype: str = BenchConfig.kv_cache_dtype
     retain_turn_ends: bool = True
+    kv_cache_dtype_skip_layers: tuple[str, ...] = ()
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
@@ -49,6 +50,8 @@ class EngineSpec:
         extra["additional_config"] = {"hybrid_kv": hybrid_kv}
         if self.mamba_block_size is not None and self.prefix_caching:
             extra["mamba_block_size"] = self.mamba_block_size
+        if self.kv_cache_dtype_skip_layers:
+            extra["kv_cache_dtype_skip_layers"] = list(self.kv_cache_dtype_skip_layers)
         return extra | {
             "model": self.model_path,
             "kv_cache_memory_bytes": self.budget_bytes,

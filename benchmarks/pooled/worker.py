@@ -101,6 +101,7 @@ def engine_specs(model_path: str, kind: str, cfg: BenchConfig) -> dict[str, Engi
             cfg.mamba_ssm_cache_dtype,
             cfg.kv_cache_dtype,
             cfg.retain_turn_ends,
+            cfg.kv_cache_dtype_skip_layers,
         )
 
     specs = {
