@@ -53,7 +53,7 @@ def test_files_readable_by_other_users(builds: dict[str, Path]) -> None:
 
 
 def test_kinds_are_the_documented_ones() -> None:
-    assert set(KINDS) == {"qwen3_next", "qwen3_5", "nemotron_h", "dense"}
+    assert set(KINDS) == {"qwen3_next", "qwen3_5", "qwen3_6", "nemotron_h", "dense"}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -76,7 +76,7 @@ def test_build_is_complete_bf16_and_long_context(
     assert size_mb < 64, f"{kind} is {size_mb:.1f} MiB, too big to be tiny"
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5", "qwen3_6"])
 def test_gdn_hybrid_layout(builds: dict[str, Path], kind: str) -> None:
     config = _config(builds[kind])
     assert config["architectures"] == ["Qwen3NextForCausalLM"]
@@ -96,6 +96,27 @@ def test_qwen3_5_attention_shape(builds: dict[str, Path]) -> None:
     assert config["head_dim"] == 256
     assert config["num_key_value_heads"] == 2
     assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
+
+
+def test_qwen3_6_has_the_real_models_kv_shapes(builds: dict[str, Path]) -> None:
+    """Qwen3.6-35B-A3B per layer: 2 KV heads x 256; GDN 16 key / 32 value
+    heads x 128 with a float32 SSM state, conv kernel 4."""
+    config = _config(builds["qwen3_6"])
+    assert (config["num_key_value_heads"], config["head_dim"]) == (2, 256)
+    assert config["linear_num_key_heads"] == 16
+    assert config["linear_num_value_heads"] == 32
+    assert config["linear_conv_kernel_dim"] == 4
+    assert config["mamba_ssm_dtype"] == "float32"
+    # One GDN layer's state as vLLM sizes it: fp32 SSM (value heads x key dim
+    # x value dim) plus the bf16 conv window (kernel - 1 rows of the key,
+    # key and value features): the real model's 2,146,304 B.
+    key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    ssm = value * config["linear_key_head_dim"] * 4
+    conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key + value) * 2
+    assert ssm + conv == 2_146_304
+    # Attention page per token (K and V, bf16): 2,048 B, the real model's.
+    assert 2 * config["num_key_value_heads"] * config["head_dim"] * 2 == 2048
 
 
 def test_qwen3_next_attention_shape(builds: dict[str, Path]) -> None:

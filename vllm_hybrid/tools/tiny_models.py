@@ -52,12 +52,14 @@ if TYPE_CHECKING:
 #: made by an older builder are not silently reused.
 BUILDER_VERSION = 2  # 2: files 0644 (safetensors wrote 0600)
 
-#: Model kinds this module can build. ``qwen3_5`` has Qwen3.5/3.6 shapes on
-#: the Qwen3-Next architecture (see :func:`qwen3_5_config`).
-KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5", "nemotron_h", "dense")
+#: Model kinds this module can build. ``qwen3_5`` has Qwen3.5/3.6 attention
+#: shapes on the Qwen3-Next architecture (see :func:`qwen3_5_config`);
+#: ``qwen3_6`` has every per-layer KV shape of Qwen3.6-35B-A3B (see
+#: :func:`qwen3_6_config`).
+KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_6", "nemotron_h", "dense")
 
 #: Kinds that can carry an MTP layer (``--mtp``).
-MTP_KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5")
+MTP_KINDS: tuple[str, ...] = ("qwen3_next", "qwen3_5", "qwen3_6")
 
 #: Name of the file that marks a finished build (written last).
 MARKER_NAME = "tiny_model_build.json"
@@ -109,26 +111,35 @@ def _common_token_fields(vocab_size: int, ids: TokenIds) -> dict:
 
 
 def _qwen3_next_family(
-    vocab_size: int, ids: TokenIds, head_dim: int, heads: int
+    vocab_size: int,
+    ids: TokenIds,
+    head_dim: int,
+    heads: int,
+    gdn_key_heads: int = 2,
+    gdn_value_heads: int = 4,
+    hidden_size: int = 256,
+    **extra: str,
 ) -> PretrainedConfig:
     """Tiny Qwen3-Next: 8 layers, 3 GDN : 1 attention, MoE MLP everywhere.
 
     GDN key/value head dims stay at 128 (vLLM's CPU GDN kernel requires it);
     everything that only scales cost (hidden, experts, heads) is shrunk.
+    ``extra`` fields are written to ``config.json`` as they are.
     """
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
         **_common_token_fields(vocab_size, ids),
-        hidden_size=256,
+        **extra,
+        hidden_size=hidden_size,
         intermediate_size=512,
         num_hidden_layers=8,
         layer_types=interval_layer_types(8, 4),
         num_attention_heads=heads,
         num_key_value_heads=2,
         head_dim=head_dim,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
+        linear_num_key_heads=gdn_key_heads,
+        linear_num_value_heads=gdn_value_heads,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
@@ -158,6 +169,32 @@ def qwen3_5_config(vocab_size: int, ids: TokenIds) -> PretrainedConfig:
     layout sees (page sizes, layer mix, GDN state size) is the same.
     """
     return _qwen3_next_family(vocab_size, ids, head_dim=256, heads=8)
+
+
+def qwen3_6_config(vocab_size: int, ids: TokenIds) -> PretrainedConfig:
+    """Every per-layer KV shape of Qwen3.6-35B-A3B, at a tiny hidden size.
+
+    2 KV heads x 256 per attention layer; GDN with 16 key and 32 value heads
+    of 128 and a float32 SSM state (``mamba_ssm_dtype``, as the published
+    config asks), so one GDN layer's state is 2,146,304 B like the real
+    model's and the attention page to state page ratio is the real one. The
+    CPU engine then pads and aligns as vLLM does at the real geometry, which
+    the smaller GDN heads of ``qwen3_5`` do not reproduce. The Qwen3-Next
+    class has no hook reading ``mamba_ssm_dtype``: engines pass
+    ``mamba_ssm_cache_dtype="float32"`` to match it. Hidden size 128 keeps
+    the GDN projections (to 2 x 2,048 key and 2 x 4,096 value features)
+    small; no KV shape depends on it.
+    """
+    return _qwen3_next_family(
+        vocab_size,
+        ids,
+        head_dim=256,
+        heads=8,
+        gdn_key_heads=16,
+        gdn_value_heads=32,
+        hidden_size=128,
+        mamba_ssm_dtype="float32",
+    )
 
 
 #: Nemotron-H layer pattern: M = Mamba2, * = attention, - = MLP.
@@ -212,6 +249,8 @@ CONFIG_BUILDERS: dict[str, Callable[[int, TokenIds], PretrainedConfig]] = {
     "qwen3_next": qwen3_next_config,
     # Qwen3.5/3.6 shapes, Qwen3-Next architecture (Qwen3NextForCausalLM)
     "qwen3_5": qwen3_5_config,
+    # Qwen3.6-35B-A3B's per-layer KV shapes, Qwen3-Next architecture
+    "qwen3_6": qwen3_6_config,
     "nemotron_h": nemotron_h_config,
     "dense": dense_config,
 }
