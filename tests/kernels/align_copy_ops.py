@@ -73,6 +73,19 @@ def batch_memcpy_copy(
     """The non-speculative path: copy metadata per request, then one
     ``batch_memcpy`` launch. Every state layer of the arena must be in
     ``states`` (the metadata covers the whole mamba group)."""
+    bufs = copy_buffers(arena, states, crossings)
+    mamba_utils.do_mamba_copy_block(bufs)
+    return bufs.sizes.cpu[: bufs.offset].clone()
+
+
+def copy_buffers(
+    arena: ArenaViews,
+    states: Mapping[str, tuple[torch.Tensor, ...]],
+    crossings: Sequence[Crossing],
+) -> mamba_utils.MambaCopyBuffers:
+    """The copy metadata ``preprocess_mamba`` collects for ``crossings``
+    (source, destination and size of each layer's states), ready for
+    ``do_mamba_copy_block``."""
     config, funcs = arena.config, copy_funcs(arena)
     bufs = mamba_utils.MambaCopyBuffers.create(
         len(crossings), config, funcs, _make_buffer
@@ -92,11 +105,10 @@ def batch_memcpy_copy(
             SimpleNamespace(block_ids=block_ids),
             context,
         )
-    mamba_utils.do_mamba_copy_block(bufs)
-    return bufs.sizes.cpu[: bufs.offset].clone()
+    return bufs
 
 
-def _spec_decode_context(
+def spec_decode_context(
     arena: ArenaViews,
     states: Mapping[str, tuple[torch.Tensor, ...]],
     rows: Sequence[Sequence[int]],
@@ -132,7 +144,7 @@ def fused_precopy(
 ) -> torch.Tensor:
     """The speculative-decoding path: layout metadata from the bound views,
     then ``precopy_mamba_align_fused_kernel`` over the batch."""
-    ctx, _table = _spec_decode_context(arena, states, [c.row for c in crossings])
+    ctx, _table = spec_decode_context(arena, states, [c.row for c in crossings])
     ctx.run_fused_precopy(
         num_reqs=len(crossings),
         state_idx_gpu=_column([c.dst_col for c in crossings]),
@@ -167,7 +179,7 @@ def fused_postprocess(
     accepted token is saved at the block edge it reached. Returns the
     accepted-token counts the kernel leaves for the next step."""
     n = len(steps)
-    ctx, _table = _spec_decode_context(arena, states, [s.row for s in steps])
+    ctx, _table = spec_decode_context(arena, states, [s.row for s in steps])
     accepted = _column([s.accepted for s in steps])
     ctx.num_accepted_tokens_out[:n].copy_(accepted)
     ctx.run_fused_postprocess(

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from arena_views import QWEN36_GDN
 from state_ops import (
+    INTERPRETING,
     causal_conv1d,
     conv_metadata,
     conv_view,
@@ -52,9 +53,14 @@ V = QWEN36_GDN["head_v_dim"]
 CONV_DIM = 2 * H * K + HV * V
 
 #: The chunked prefill kernels see gathered states only (see
-#: ``same_inputs_same_outputs``); the interpreter needs seconds per call.
-chunk_prefill = same_inputs_same_outputs(chunk_gated_delta_rule)
-post_conv_prep = same_inputs_same_outputs(fused_post_conv_prep)
+#: ``same_inputs_same_outputs``); the interpreter needs seconds per call, so
+#: there equal inputs reuse the outputs. Compiled on a GPU they run each time.
+if INTERPRETING:
+    chunk_prefill = same_inputs_same_outputs(chunk_gated_delta_rule)
+    post_conv_prep = same_inputs_same_outputs(fused_post_conv_prep)
+else:
+    chunk_prefill = chunk_gated_delta_rule
+    post_conv_prep = fused_post_conv_prep
 
 
 @dataclass(frozen=True)
@@ -166,17 +172,20 @@ def _gdn_core(
         outputs.append(out_decode)
     if nd < len(batch.lens):
         prefill_ids = state_ids[nd:]
-        outputs.append(_chunk_prefill(conv_out[nd:], ssm_state, prefill_ids, batch, w))
+        outputs.append(chunked_prefill(conv_out[nd:], ssm_state, prefill_ids, batch, w))
     return torch.cat([o.reshape(-1).float() for o in [conv_out, *outputs]])
 
 
-def _chunk_prefill(
+def chunked_prefill(
     conv_out: torch.Tensor,
     ssm_state: torch.Tensor,
     prefill_ids: torch.Tensor,
     batch: GDNBatch,
     w: GDNWeights,
 ) -> torch.Tensor:
+    """The prefills of ``batch`` (after its decodes) through the FLA chunked
+    kernels: initial states gathered from ``ssm_state`` at ``prefill_ids``,
+    final states scattered back."""
     nd, device = batch.num_decodes, prefill_ids.device
     q, k, v, g, beta = post_conv_prep(
         conv_output=conv_out,
@@ -227,18 +236,41 @@ def _gdn_decode(
     batch: GDNBatch,
     w: GDNWeights,
 ) -> torch.Tensor:
-    conv_state, ssm_state = conv_view(layer_states[0]), layer_states[1]
     rows = state_ids.shape[0]
-    mixed_qkv = causal_conv1d.causal_conv1d_update(
-        batch.mixed_qkv.clone(),
-        conv_state,
+    mixed_qkv = conv_update(layer_states, state_ids, batch.mixed_qkv.clone(), w)
+    out = torch.zeros((rows, 1, HV, V), dtype=mixed_qkv.dtype, device=state_ids.device)
+    packed_decode(layer_states, state_ids, mixed_qkv, batch, w, out)
+    return torch.cat([mixed_qkv.reshape(-1).float(), out.reshape(-1).float()])
+
+
+def conv_update(
+    layer_states: tuple[torch.Tensor, ...],
+    state_ids: torch.Tensor,
+    mixed_qkv: torch.Tensor,
+    w: GDNWeights,
+) -> torch.Tensor:
+    """``causal_conv1d_update`` of one decode token per row, in place on the
+    layer's conv-state view (``mixed_qkv`` is overwritten and returned)."""
+    return causal_conv1d.causal_conv1d_update(
+        mixed_qkv,
+        conv_view(layer_states[0]),
         w.conv,
         None,
         "silu",
-        conv_state_indices=state_ids[:rows],
+        conv_state_indices=state_ids,
         validate_data=False,
     )
-    out = torch.zeros((rows, 1, HV, V), dtype=mixed_qkv.dtype, device=state_ids.device)
+
+
+def packed_decode(
+    layer_states: tuple[torch.Tensor, ...],
+    state_ids: torch.Tensor,
+    mixed_qkv: torch.Tensor,
+    batch: GDNBatch,
+    w: GDNWeights,
+    out: torch.Tensor,
+) -> None:
+    """The packed recurrent decode, in place on the layer's SSM-state view."""
     fused_recurrent_gated_delta_rule_packed_decode(
         mixed_qkv=mixed_qkv,
         a=batch.a,
@@ -246,12 +278,11 @@ def _gdn_decode(
         A_log=w.A_log,
         dt_bias=w.dt_bias,
         scale=K**-0.5,
-        initial_state=ssm_state,
+        initial_state=layer_states[1],
         out=out,
-        ssm_state_indices=state_ids[:rows],
+        ssm_state_indices=state_ids,
         use_qk_l2norm_in_kernel=True,
     )
-    return torch.cat([mixed_qkv.reshape(-1).float(), out.reshape(-1).float()])
 
 
 def decode_batch(rows: int, seed: int = 21) -> GDNBatch:

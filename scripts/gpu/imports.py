@@ -1,0 +1,127 @@
+"""Part ``imports`` of the device run: every module the other parts import,
+from the run's site directory, with the compiled extensions' stand-ins.
+
+It runs first and alone so that a missing wheel or an import-time
+incompatibility (vLLM 0.32's Python against the device's torch and Triton)
+shows up in seconds, named, before anything compiles. It also records where
+vLLM and the stand-ins were imported from, so a run that silently picked up
+another vLLM is caught. CI runs it on CPU (tests/scripts/test_gpu_rehearsal.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import sys
+import traceback
+
+from tier_env import prepare, write_json
+
+#: Modules each part needs, in the order they are tried.
+MODULES = (
+    # the platform and the compiled extensions' stand-ins
+    "vllm",
+    "vllm.platforms.cuda",
+    "vllm._C_stable_libtorch",
+    "vllm._custom_ops",
+    # kernels the tier, the timings and the copies call
+    "vllm.v1.attention.backends.triton_attn",
+    "vllm.v1.attention.backends.turboquant_attn",
+    "vllm.third_party.flash_linear_attention.ops",
+    "vllm.model_executor.layers.mamba.ops.causal_conv1d",
+    "vllm.model_executor.layers.mamba.ops.mamba_ssm",
+    "vllm.model_executor.layers.mamba.ops.ssd_combined",
+    "vllm.v1.worker.mamba_utils",
+    "vllm.v1.worker.utils",
+    # the tier's helpers
+    "arena_views",
+    "attention_check",
+    "gdn_ops",
+    "mamba2_ops",
+    "align_copy_ops",
+    # the overlay and the engines
+    "vllm_hybrid.plugin",
+    "vllm_hybrid.v1.core.pooled.planner",
+    "vllm_hybrid.tools.tiny_models",
+    "vllm_hybrid.tools.verify",
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.model_executor.models.qwen3_next",
+)
+
+
+def try_import(name: str) -> dict:
+    try:
+        module = importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 - a report, not a handler
+        lines = traceback.format_exception_only(type(exc), exc)
+        return {"module": name, "ok": False, "error": "".join(lines).strip()}
+    return {"module": name, "ok": True, "file": getattr(module, "__file__", None)}
+
+
+def package_root(init_file: str) -> str:
+    """The folder a package was imported from (``<root>/vllm/__init__.py``),
+    resolved without following links inside the package."""
+    return os.path.realpath(os.path.dirname(os.path.dirname(init_file)))
+
+
+def environment(kernels: str) -> dict:
+    import torch
+    import triton
+    from vllm.platforms import current_platform
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "kernels": kernels,
+        "platform": type(current_platform).__name__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["sm_count"] = props.multi_processor_count
+        env["memory_gib"] = round(props.total_memory / 2**30, 1)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--site", default=os.environ.get("GPU_RUN_SITE"))
+    parser.add_argument("--budget", type=float, help="unused: imports are quick")
+    args = parser.parse_args(argv)
+    kernels = prepare()
+    results = [try_import(name) for name in MODULES]
+    failed = [r for r in results if not r["ok"]]
+    vllm = next(r for r in results if r["module"] == "vllm")
+    standin = next(r for r in results if r["module"] == "vllm._C_stable_libtorch")
+    checks = {
+        "vllm_from_site": bool(args.site and vllm["ok"])
+        and package_root(vllm["file"]) == os.path.realpath(args.site),
+        "stand_in_used": bool(
+            standin["ok"] and getattr(sys.modules[standin["module"]], "STAND_IN", False)
+        ),
+    }
+    report = {
+        "ok": not failed and all(checks.values()),
+        "checks": checks,
+        "failed": failed,
+        "modules": results,
+    }
+    if not failed:
+        report["environment"] = environment(kernels)
+    write_json(args.out, report)
+    for r in failed:
+        print(f"import failed: {r['module']}: {r['error']}", file=sys.stderr)
+    print(f"imports: {len(results) - len(failed)}/{len(results)} ok, checks {checks}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
