@@ -48,21 +48,53 @@ def test_parse_size_rejects_garbage(text):
         planmod.parse_size(text)
 
 
-def test_presets_are_the_shapes_they_name():
-    import transformers
+#: Shape facts of each hybrid preset's published config.json: layers,
+#: attention layers, KV heads, head size, state dtype, context length.
+PRESET_SHAPES = {
+    "qwen3.6-35b-a3b-fp8": (40, 10, 2, 256, "float32", 262144),
+    "qwen3.5-35b-a3b": (40, 10, 2, 256, "float32", 262144),
+    "qwen3.5-27b": (64, 16, 4, 256, "float32", 262144),
+    "qwen3.5-9b": (32, 8, 4, 256, "float32", 262144),
+    "qwen3-next-80b-a3b": (48, 12, 2, 256, None, 262144),
+    "nemotron-3-nano-30b-a3b": (52, 6, 2, 128, "float32", 262144),
+    "granite-4.0-h-small": (40, 4, 8, 128, None, 131072),
+    "jamba-v0.1": (32, 4, 8, 128, None, 262144),
+}
 
-    q35 = transformers.Qwen3_5MoeTextConfig()
-    assert "Qwen3.5-35B-A3B" in type(q35).__doc__
-    assert (q35.num_hidden_layers, q35.num_key_value_heads, q35.head_dim) == (
-        40,
-        2,
-        256,
+
+@pytest.mark.parametrize("name", sorted(PRESET_SHAPES))
+def test_presets_are_the_shapes_they_name(name, tmp_path):
+    data = json.loads(
+        (PRESETS[name].write_config(tmp_path) / "config.json").read_text()
     )
-    assert q35.layer_types.count("full_attention") == 10
-    nxt = transformers.Qwen3NextConfig()
-    assert "Qwen3-Next-80B-A3B" in type(nxt).__doc__
-    assert (nxt.num_hidden_layers, nxt.layer_types.count("full_attention")) == (48, 12)
-    assert PRESETS["qwen3.5-35b-a3b"].checkpoint == "Qwen/Qwen3.5-35B-A3B"
+    layers, attention, kv_heads, head, state_dtype, length = PRESET_SHAPES[name]
+    types = data.get("layer_types") or data.get("layers_block_type")
+    if types is None:  # Jamba: one attention layer every attn_layer_period
+        types = [
+            "attention"
+            if i % data["attn_layer_period"] == data["attn_layer_offset"]
+            else "mamba"
+            for i in range(data["num_hidden_layers"])
+        ]
+    assert len(types) == layers
+    assert sum(t in ("attention", "full_attention") for t in types) == attention
+    assert data["num_key_value_heads"] == kv_heads
+    assert (
+        data.get("head_dim", data["hidden_size"] // data["num_attention_heads"]) == head
+    )
+    state = data.get("mamba_ssm_dtype") or data.get("mamba_ssm_cache_dtype")
+    assert state == state_dtype
+    assert data["max_position_embeddings"] == length
+    assert PRESETS[name].kind == "hybrid"
+
+
+def test_the_flagship_preset_is_the_fp8_checkpoint():
+    preset = PRESETS["qwen3.6-35b-a3b-fp8"]
+    assert preset.checkpoint == "Qwen/Qwen3.6-35B-A3B-FP8"
+    assert preset.weights_bytes == 35 * GiB
+    data = json.loads(preset.shipped_path.read_text())
+    assert data["quantization_config"]["quant_method"] == "fp8"
+    assert data["quantization_config"]["weight_block_size"] == [128, 128]
     assert {p.kind for p in PRESETS.values()} == {"hybrid", "dense"}
 
 
@@ -120,7 +152,8 @@ def _upstream_cuda_block(tp: int, kv_cache_dtype: str) -> tuple[int, int, int]:
     config = copy.deepcopy(config)
     cache = config.cache_config
     cache.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
-    cache.mamba_ssm_cache_dtype = "auto"
+    # the checkpoint asks for fp32 state (Qwen3.5's config hook on CUDA)
+    cache.mamba_ssm_cache_dtype = "float32"
     cache.mamba_page_size_padded = None
     backend = (
         AttentionBackendEnum.TURBOQUANT
@@ -276,17 +309,29 @@ def test_cuda_plan_uses_the_checkpoints_fp32_ssm_state(form, tmp_path):
     assert "Qwen3NextForCausalLM" not in MODELS_CONFIG_MAP
 
 
-def test_pooled_concurrency_never_below_upstream_for_hybrid():
-    plan = _plan("qwen3-next-80b-a3b", device="cuda", kv_cache_memory=6 * GiB)
-    for n in plan.prompt_lens:
-        assert (
-            plan.pooled.at_prompt_len[n]["max_concurrency"]
-            >= plan.upstream.at_prompt_len[n]["max_concurrency"]
-        )
-        assert (
-            plan.pooled.at_prompt_len[n]["bytes_per_request"]
-            < plan.upstream.at_prompt_len[n]["bytes_per_request"]
-        )
+@pytest.mark.parametrize("kv_cache_dtype", ["auto"])
+@pytest.mark.parametrize("name", ["qwen3.6-35b-a3b-fp8", "qwen3-next-80b-a3b"])
+def test_both_columns_fit_their_budget(name, kv_cache_dtype):
+    """Concurrency x bytes per request never exceeds the budget, in either
+    column, at every length; pooled mode never pays more bytes per token of
+    attention KV than upstream for the same dtype."""
+    budget = 6 * GiB
+    plan = _plan(
+        name,
+        device="cuda",
+        kv_cache_memory=budget,
+        max_model_len=32768,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    for mode in (plan.upstream, plan.pooled):
+        assert mode.error is None
+        for n in plan.prompt_lens:
+            at = mode.at_prompt_len[n]
+            assert at["max_concurrency"] * at["bytes_per_request"] <= budget
+    up, pooled = plan.upstream, plan.pooled
+    pooled_per_token = pooled.pools[0]["block_bytes"] / pooled.attention_block_size
+    up_per_token = up.attention_page_bytes * plan.attention_layers
+    assert pooled_per_token * up.attention_block_size <= up_per_token
 
 
 def test_dense_control_pooled_equals_upstream():
@@ -357,7 +402,7 @@ def test_list_presets(capsys):
         (["no-such-preset", "--kv-cache-memory", "1GiB"], "neither a built-in preset"),
         (["llama-2-7b", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["llama-2-7b"], "--kv-cache-memory SIZE or --gpu-memory"),
-        (["llama-2-7b", "--gpu-memory", "24"], "--weights-memory"),
+        (["llama-2-7b", "--gpu-memory", "8"], "--weights-memory"),
         (
             ["qwen3.5-35b-a3b", "--kv-cache-memory", "1GiB", "-tp", "3"],
             "--tensor-parallel-size 3 does not divide",
@@ -437,7 +482,8 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, tmp_path, capsys):
 
 
 def test_table_has_both_columns(capsys):
-    assert planmod.main(["qwen3-next-80b-a3b", "--kv-cache-memory", "4GiB"]) == 0
+    argv = ["qwen3-next-80b-a3b", "--kv-cache-memory", "4GiB"]
+    assert planmod.main([*argv, "--max-model-len", "32768"]) == 0
     out = capsys.readouterr().out
     assert "upstream vLLM 0.32" in out and "vllm-hybrid pooled" in out
     assert "state padding" in out and "concurrency @ 8,192 tokens" in out

@@ -112,10 +112,11 @@ def test_bad_input_is_answered_without_importing_vllm(tiny, argv, needle):
 def test_budget_too_small_for_a_preset_needs_no_vllm():
     """A preset's config.json comes from transformers (which imports torch);
     vLLM still is not imported. Qwen3.5-35B-A3B: 10 attention layers x 2 KV
-    heads x 256 x 2 x 2 B = 20,480 B per token, 640 MiB at 32,768 tokens."""
+    heads x 256 x 2 x 2 B = 20,480 B per token, 5,120 MiB at its 262,144
+    tokens."""
     code, imported, err = _probe(["qwen3.5-35b-a3b", "--kv-cache-memory", "1MiB"])
     assert code == 2 and "vllm" not in imported
-    assert "at least 640.00 MiB (20,480 B per token)" in err
+    assert "at least 5120.00 MiB (20,480 B per token)" in err
     assert "at most 51 tokens fit" in err
 
 

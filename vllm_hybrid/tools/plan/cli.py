@@ -17,6 +17,7 @@ from vllm_hybrid.tools.plan.presets import describe_presets
 from vllm_hybrid.tools.plan.render import plot_concurrency, render_table
 from vllm_hybrid.tools.plan.request import (
     KV_CACHE_DTYPES,
+    VLLM_GPU_MEMORY_UTILIZATION,
     PlanError,
     parse_fraction,
     parse_positive_float,
@@ -40,7 +41,8 @@ EPILOG = """\
 Memory: --kv-cache-memory is the exact KV budget per GPU (vLLM's
 --kv-cache-memory-bytes). Otherwise the budget is estimated as
 --gpu-memory x --gpu-memory-utilization - --weights-memory / TP (activations,
-CUDA graphs and the CUDA context are not subtracted).
+CUDA graphs and the CUDA context are not subtracted); presets carry their
+weights. --gpu-memory also picks vllm serve's CUDA defaults for that GPU.
 SIZE accepts 48MiB, 10GiB, 1.5G (decimal), 1048576 (bytes).
 
 Models: hybrid models (attention + Mamba/Mamba2/gated DeltaNet layers) get
@@ -66,17 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--list-presets",
+        action="store_true",
+        help="list the built-in presets and the checkpoint each stands for",
+    )
+    parser.add_argument(
+        "--prompt-lens",
+        type=parse_prompt_lens,
+        default=[512, 2048, 8192],
+        metavar="N,N,...",
+        help="token counts for the concurrency and bytes-per-request rows "
+        "(default 512,2048,8192; max_model_len is always added)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="OUT.png",
+        help="write a PNG of concurrency against prompt length "
+        "(needs matplotlib: pip install vllm-hybrid[plot])",
+    )
+    return parser
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say what to plan: model, device, GPU and KV budget,
+    engine limits. Shared by every command that takes a model the way
+    ``plan`` does; :func:`request_from_args` reads them back."""
     parser.add_argument(
         "model",
         nargs="?",
         metavar="MODEL",
         help="local directory or file with a Hugging Face config.json, or a "
         "built-in preset (see --list-presets)",
-    )
-    parser.add_argument(
-        "--list-presets",
-        action="store_true",
-        help="list the built-in presets and the checkpoint each stands for",
     )
     parser.add_argument(
         "--kv-cache-dtype",
@@ -94,25 +120,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="tensor parallel size; figures are per GPU (default 1)",
     )
-    memory = parser.add_argument_group("KV cache memory (one of)")
+    memory = parser.add_argument_group("KV cache memory")
     memory.add_argument(
         "--kv-cache-memory",
         type=parse_size,
         metavar="SIZE",
-        help="exact KV cache budget per GPU",
+        help="exact KV cache budget per GPU (vLLM's --kv-cache-memory-bytes)",
     )
     memory.add_argument(
         "--gpu-memory",
         type=parse_positive_float,
         metavar="GiB",
-        help="GPU memory in GiB (with --gpu-memory-utilization, --weights-memory)",
+        help="memory of one GPU in GiB: picks vLLM's CUDA defaults "
+        "(max_num_seqs, batch tokens, CUDA graph sizes) and, without "
+        "--kv-cache-memory, the budget with --gpu-memory-utilization and "
+        "--weights-memory",
     )
     memory.add_argument(
         "--gpu-memory-utilization",
         type=parse_fraction,
-        default=0.9,
+        default=VLLM_GPU_MEMORY_UTILIZATION,
         metavar="F",
-        help="fraction of --gpu-memory vLLM may use (default 0.9)",
+        help="fraction of --gpu-memory vLLM may use "
+        f"(default {VLLM_GPU_MEMORY_UTILIZATION}, vLLM's)",
     )
     memory.add_argument(
         "--weights-memory",
@@ -120,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="weights of the whole model, split evenly over TP ranks "
-        "(required with --gpu-memory)",
+        "(default: the preset's; required with --gpu-memory otherwise)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -132,7 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-seqs",
         type=parse_positive_int,
         metavar="N",
-        help="maximum concurrent sequences (default: vLLM's)",
+        help="maximum concurrent sequences (default: vllm serve's for the "
+        "device and --gpu-memory)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=parse_positive_int,
+        metavar="N",
+        help="tokens per engine step (default: vllm serve's for the device "
+        "and --gpu-memory)",
     )
     parser.add_argument(
         "--block-size",
@@ -160,23 +198,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="cuda",
         help="device to plan for (default cuda)",
     )
-    parser.add_argument(
-        "--prompt-lens",
-        type=parse_prompt_lens,
-        default=[512, 2048, 8192],
-        metavar="N,N,...",
-        help="token counts for the concurrency and bytes-per-request rows "
-        "(default 512,2048,8192; max_model_len is always added)",
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON instead")
-    parser.add_argument(
-        "--plot",
-        type=Path,
-        metavar="OUT.png",
-        help="write a PNG of concurrency against prompt length "
-        "(needs matplotlib: pip install vllm-hybrid[plot])",
-    )
-    return parser
 
 
 #: The planner prints a plan, not an engine's start-up: vLLM's (and the

@@ -29,6 +29,7 @@ from vllm_hybrid.tools.plan.config import (
     resolve_layout,
     upstream_align,
 )
+from vllm_hybrid.tools.plan.cuda_defaults import serve_defaults, set_cuda_graph_sizes
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.precheck import check_before_vllm
 from vllm_hybrid.tools.plan.request import PlanError, PlanRequest, model_dir
@@ -133,6 +134,24 @@ def _fill_state_padding(plan: ModePlan, specs: dict[str, Any]) -> None:
     plan.state_padding_pct = 100 * (padded - real) / real
 
 
+def shared_block_bytes(kv_cache_config: Any) -> int:
+    """Bytes one block id of upstream's shared pool stands for.
+
+    Every ``KVCacheTensor`` of a config places its layers in the same backing
+    allocation (vLLM's ``allocate_kv_cache`` allocates that buffer once):
+    the state groups of a hybrid overlay the attention group's bytes, and a
+    block id belongs to one group at a time. So the buffer, counted once,
+    divided by the block count is the price of one id, whichever group holds
+    it.
+    """
+    sizes = {tensor.size for tensor in kv_cache_config.kv_cache_tensors}
+    if len(sizes) != 1:
+        raise PlanError(
+            f"expected one backing allocation for the KV cache, got sizes {sizes}"
+        )
+    return sizes.pop() // max(1, kv_cache_config.num_blocks)
+
+
 def plan_upstream(
     request: PlanRequest, vllm_config: Any, prompt_lens: Sequence[int]
 ) -> ModePlan:
@@ -168,9 +187,7 @@ def plan_upstream(
     _fill_state_padding(plan, specs)
     plan.groups = _group_rows(scheduler)
     plan.num_blocks = scheduler.num_blocks
-    block_bytes = sum(t.size for t in worker[0].kv_cache_tensors) // max(
-        1, worker[0].num_blocks
-    )
+    block_bytes = shared_block_bytes(worker[0])
     plan.pools = [
         {
             "kind": "shared",
@@ -276,6 +293,20 @@ def plan_pooled(
     return plan
 
 
+def with_serve_defaults(request: PlanRequest) -> PlanRequest:
+    """``request`` with the batch limits ``vllm serve`` picks on its GPU
+    where the user left them open (the CPU engine's defaults are not a CUDA
+    host's)."""
+    defaults = serve_defaults(request.gpu_memory_gib)
+    return dataclasses.replace(
+        request,
+        max_num_seqs=request.max_num_seqs or defaults.max_num_seqs,
+        max_num_batched_tokens=(
+            request.max_num_batched_tokens or defaults.max_num_batched_tokens
+        ),
+    )
+
+
 def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
     same = dataclasses.replace(upstream_plan, mode="pooled")
     same.note = f"pooled mode does not apply ({reason}): upstream plan"
@@ -291,12 +322,15 @@ def build_plan(request: PlanRequest) -> Plan:
         raise PlanError(f"--device must be cuda or cpu, got {request.device!r}")
     with model_dir(request.model) as (directory, preset):
         facts = check_before_vllm(request, directory)
+        if request.device == "cuda":
+            request = with_serve_defaults(request)
         config, notes = engine_config(request, directory)
         # the checkpoint's own architecture, even where a stand-in computes
         checkpoint = facts.architecture
         architecture = checkpoint or config.model_config.architecture
         if request.device == "cuda":
             config = as_cuda_config(config, request, checkpoint)
+            set_cuda_graph_sizes(config, request.gpu_memory_gib)
         kinds = layer_kinds(config)
         max_len = config.model_config.max_model_len
         lens = sorted({*request.prompt_lens, max_len})

@@ -105,6 +105,7 @@ def engine_config(request: PlanRequest, directory: Path) -> tuple[Any, list[str]
     optional = {
         "max_model_len": request.max_model_len,
         "max_num_seqs": request.max_num_seqs,
+        "max_num_batched_tokens": request.max_num_batched_tokens,
         "block_size": request.block_size,
         "enable_prefix_caching": request.prefix_caching,
     }
@@ -133,6 +134,7 @@ def as_cuda_config(
     stands in for it, run again on a copy.
     """
     from vllm.config.cache import CacheConfig
+    from vllm.config.compilation import CompilationMode
     from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG
 
     config = copy.deepcopy(vllm_config)
@@ -142,9 +144,17 @@ def as_cuda_config(
     cache.mamba_block_size = None
     cache.mamba_page_size_padded = None
     level = OPTIMIZATION_LEVEL_TO_CONFIG[config.optimization_level]
-    config.compilation_config.cudagraph_mode = level["compilation_config"][
-        "cudagraph_mode"
-    ]
+    compilation = config.compilation_config
+    compilation.cudagraph_mode = level["compilation_config"]["cudagraph_mode"]
+    if compilation.cudagraph_mode.requires_piecewise_compilation():
+        # vLLM's compilation on CUDA, whose piecewise graphs split at the
+        # attention and state ops (the CPU platform compiles without splits)
+        compilation.mode = CompilationMode.VLLM_COMPILE
+        compilation.splitting_ops = None
+        compilation.set_splitting_ops_for_v1(
+            config.parallel_config.all2all_backend,
+            config.parallel_config.data_parallel_size,
+        )
     config.model_config.config_updated = False
     with checkpoint_hooks(architecture, config.model_config.architecture):
         config.try_verify_and_update_config()
@@ -211,12 +221,47 @@ def layer_kinds(vllm_config: Any) -> LayerKinds:
         model_config.get_num_layers_by_block_type(parallel, kind)
         for kind in ("mamba", "linear_attention")
     )
+    if attention <= 0:
+        attention, state = _kinds_from_type_list(vllm_config) or (attention, state)
     if attention <= 0 or state <= 0 or attention + state > total:
         raise PlanError(
             f"cannot tell the attention and state layers of "
             f"{model_config.architecture} apart from its config"
         )
     return LayerKinds(attention, state)
+
+
+#: Layer type names of the two kinds, in both the names configs were written
+#: with (Jamba, Granite 4, Nemotron-H patterns) and the ones transformers 5
+#: rewrites them to.
+_ATTENTION_TYPES = frozenset({"attention", "full_attention"})
+_STATE_TYPES = frozenset({"mamba", "linear_attention"})
+
+
+def _kinds_from_type_list(vllm_config: Any) -> tuple[int, int] | None:
+    """Attention and state layers of this rank from the config's layer type
+    list, or None without one.
+
+    vLLM 0.32 counts a ``layers_block_type`` list by the names "attention"
+    and "mamba", but transformers 5 loads Nemotron-H and Granite 4 configs
+    with the names "full_attention" and "linear_attention", so vLLM counts no
+    attention layer there; its model classes build their layers from the
+    same list and run fine.
+    """
+    text = vllm_config.model_config.hf_text_config
+    types = getattr(text, "layers_block_type", None) or getattr(
+        text, "layer_types", None
+    )
+    if not types:
+        return None
+    start, end = vllm_config.model_config.get_layers_start_end_indices(
+        vllm_config.parallel_config
+    )
+    own = [str(t) for t in types[start:end]]
+    return (
+        sum(t in _ATTENTION_TYPES for t in own),
+        sum(t in _STATE_TYPES for t in own),
+    )
 
 
 def layer_specs(vllm_config: Any, backend: type) -> dict[str, Any]:

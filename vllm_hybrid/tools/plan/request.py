@@ -61,6 +61,10 @@ KV_CACHE_DTYPES = (
     "nvfp4_4over6",
 )
 
+#: vLLM 0.32's ``--gpu-memory-utilization`` default (``CacheConfig``; a test
+#: checks it against the installed vLLM, which is not imported here).
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
+
 #: How errors name the planner's options that set the KV budget.
 KV_BUDGET_OPTIONS = "--kv-cache-memory"
 GPU_BUDGET_OPTIONS = "--gpu-memory or --gpu-memory-utilization"
@@ -161,7 +165,10 @@ class PlanRequest:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
+    #: None: what ``vllm serve`` picks for the device (on CUDA, for the GPU
+    #: size ``gpu_memory_gib``).
     max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     block_size: int | None = None
     #: None: vLLM's default for the model (on for these hybrids).
     prefix_caching: bool | None = None
@@ -173,6 +180,9 @@ class PlanRequest:
     #: The options that set the budget, named where an error advises to
     #: raise it.
     budget_options: str = KV_BUDGET_OPTIONS
+    #: The GPU's memory (GiB), which picks vLLM's CUDA defaults; None: a GPU
+    #: vLLM cannot read the size of (its small defaults).
+    gpu_memory_gib: float | None = None
 
 
 def kv_budget_from_gpu(
@@ -199,16 +209,17 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
     if args.model is None:
         raise PlanError("MODEL is required (a directory, config.json or preset)")
     if args.kv_cache_memory is not None:
-        if args.gpu_memory is not None:
-            raise PlanError("give --kv-cache-memory or --gpu-memory, not both")
         budget, options = args.kv_cache_memory, KV_BUDGET_OPTIONS
     elif args.gpu_memory is not None:
-        if args.weights_memory is None:
+        weights = args.weights_memory
+        if weights is None and args.model in PRESETS:
+            weights = PRESETS[args.model].weights_bytes
+        if weights is None:
             raise PlanError("--gpu-memory needs --weights-memory SIZE")
         budget = kv_budget_from_gpu(
             args.gpu_memory,
             args.gpu_memory_utilization,
-            args.weights_memory,
+            weights,
             args.tensor_parallel_size,
         )
         options = GPU_BUDGET_OPTIONS
@@ -222,11 +233,13 @@ def request_from_args(args: argparse.Namespace) -> PlanRequest:
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         prefix_caching=args.prefix_caching,
         prompt_lens=tuple(args.prompt_lens),
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         budget_options=options,
+        gpu_memory_gib=args.gpu_memory,
     )
 
 
