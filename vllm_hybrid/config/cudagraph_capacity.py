@@ -1,23 +1,32 @@
-"""Full CUDA graphs in pooled mode: decode graphs against the state pool.
+"""Full CUDA graphs of hybrid models, sized to the states the KV cache holds.
 
-With full CUDA graphs, vLLM 0.32 refuses to start a model with Mamba layers
-when ``max_num_seqs`` exceeds ``KVCacheConfig.num_blocks`` (at the end of
-``CompilationConfig.resolve_cudagraph_mode_and_sizes``). What that protects:
-a full decode graph of ``B`` sequences is captured with ``B`` state rows, all
+A full decode graph of ``B`` sequences is captured with ``B`` state rows, all
 padded to the null state id 0, and GDN's ``causal_conv1d_update`` asserts
-that each state layer's view has at least ``B`` blocks. In upstream's single
-pool every view has ``num_blocks`` blocks, and decode graphs never exceed
-``max_num_seqs`` sequences, so ``max_num_seqs <= num_blocks`` covers it.
+that each state layer's view has at least ``B`` blocks. vLLM 0.32 protects
+that at the end of ``CompilationConfig.resolve_cudagraph_mode_and_sizes``:
+with full graphs and Mamba layers it refuses to start when ``max_num_seqs``
+exceeds ``KVCacheConfig.num_blocks``. It refuses rather than capping the
+capture sizes because those sizes are shared with the piecewise (prefill)
+graphs (vLLM issue 34094). Refusing where upstream starts, or starting
+nowhere, is what users of Qwen3.5/3.6 report most.
 
-In pooled mode ``num_blocks`` is the token pool's id space, so upstream's
-comparison passes configurations whose capture then fails that assertion
-(each state view has only ``arena // state block`` blocks). Here the largest
-full graph is compared with the requests' states the arena can hold at once:
-the state pool at its highest extent (the token pool at its minimum) divided
-by the blocks a running request holds. Every captured state row then exists,
-and no graph is larger than a batch the arena can ever run. The graphs are
-compared, not ``max_num_seqs``: a ``max_num_seqs`` above what the arena holds
-only caps the scheduler, which never runs more requests than have states.
+The overlay sizes the full graphs instead. The engine never runs more
+sequences than the KV cache has states for:
+
+* pooled mode: the state pool at its highest extent (the token pool at its
+  floor) divided by the blocks a running request holds
+  (:func:`full_graph_states`); upstream's ``num_blocks`` is the token pool's
+  id space there, so its comparison would pass graphs whose capture fails;
+* the single shared pool: every state view has ``num_blocks`` blocks, and
+  each running request holds at least one of them
+  (:func:`single_pool_graph_states`).
+
+When the largest full graph has more rows than that, the full graphs are
+capped at that many sequences: the dispatcher's full keys above the cap are
+dropped (:func:`initialize_cudagraph_keys`), so such batches run the
+piecewise graphs, which are captured as before. One log line names both
+numbers and the options that change them. Only a KV cache that holds no
+request's state at all is refused.
 """
 
 from __future__ import annotations
@@ -50,19 +59,18 @@ class FullGraphStates:
     graph_rows: int
     #: Tokens per sequence of a uniform decode batch (1 + draft tokens).
     decode_query_len: int
-    #: State blocks the state pool can own at once (token pool at its floor).
+    #: State blocks the engine can give running requests at once.
     state_blocks: int
-    #: State blocks one running request holds at least: its running state
-    #: (align mode's copy target can be lent in place, see
-    #: ``min_state_blocks_per_request``), plus prefill checkpoint and draft
-    #: slots where the layer type has them.
+    #: State blocks one running request holds at least.
     blocks_per_request: int
     state_block_bytes: int
     arena_bytes: int
+    #: What holds the states: "arena" (pooled) or "shared pool".
+    holder: str = "arena"
 
     @property
     def max_states(self) -> int:
-        """Requests whose states the arena can hold at once."""
+        """Requests whose states the KV cache can hold at once."""
         return self.state_blocks // self.blocks_per_request
 
     @property
@@ -70,34 +78,60 @@ class FullGraphStates:
         return self.graph_rows <= self.max_states
 
     @property
-    def needed_arena_bytes(self) -> int:
-        """Arena whose state pool holds ``graph_rows`` requests' states.
+    def row_cap(self) -> int | None:
+        """Sequences the full graphs are capped at; None: no cap needed."""
+        return None if self.fits else self.max_states
 
-        Exact: whole state blocks added to the arena add as many ids to the
-        state pool and leave the null region and the token pool's minimum
-        (hence the lowest state floor) where they are.
+    @property
+    def needed_arena_bytes(self) -> int:
+        """KV cache that holds ``graph_rows`` requests' states.
+
+        Exact for the arena: whole state blocks added to it add as many ids
+        to the state pool and leave the null region and the token pool's
+        minimum (hence the lowest state floor) where they are.
         """
         missing = self.graph_rows * self.blocks_per_request - self.state_blocks
         return self.arena_bytes + max(0, missing) * self.state_block_bytes
 
-    def message(self) -> str:
-        states, cap = self.max_states, self.max_states * self.decode_query_len
-        needed = self.needed_arena_bytes
+    def _where(self) -> str:
         return (
-            f"vllm-hybrid pooled KV mode: full CUDA graphs are captured for "
-            f"batches of up to {self.graph_rows} sequences (capture size "
-            f"{self.graph_tokens}, max_num_seqs {self.max_num_seqs}), each "
-            f"sequence with its own recurrent state, but the KV cache arena of "
-            f"{self.arena_bytes / GiB:.2f} GiB holds at most {states} requests' "
-            f"states at once ({self.state_blocks} state blocks of "
+            f"the KV cache {self.holder} of {self.arena_bytes / GiB:.2f} GiB holds "
+            f"at most {self.max_states} requests' states at once "
+            f"({self.state_blocks} state blocks of "
             f"{self.state_block_bytes / MiB:.2f} MiB, {self.blocks_per_request} "
-            f"per running request). Lower --max-num-seqs to {states}, or keep "
-            f"the capture sizes at or below {cap} (--max-cudagraph-capture-size "
-            f"{cap} or --cudagraph-capture-sizes), or raise "
-            f"--kv-cache-memory-bytes to at least {needed} "
-            f"({needed / GiB:.2f} GiB; or --gpu-memory-utilization to match), "
-            f"or run without full CUDA graphs "
-            f"(-cc.cudagraph_mode=PIECEWISE)."
+            f"per running request)"
+        )
+
+    def cap_message(self, piecewise: bool) -> str:
+        """The one line an engine logs when its full graphs are capped."""
+        cap, needed = self.max_states, self.needed_arena_bytes
+        rest = (
+            "run the piecewise graphs (captured as before)"
+            if piecewise
+            else "run without CUDA graphs"
+        )
+        return (
+            f"vllm-hybrid: full CUDA graphs capped at {cap} sequences (of "
+            f"{self.graph_rows}: capture size {self.graph_tokens}, max_num_seqs "
+            f"{self.max_num_seqs}), because {self._where()}; no more run at "
+            f"once, and larger batches {rest}. --max-num-seqs {cap} matches "
+            f"the scheduler to it; --kv-cache-memory-bytes {needed} "
+            f"({needed / GiB:.2f} GiB, or --gpu-memory-utilization to match) "
+            f"gives all {self.graph_rows} sequences a full graph."
+        )
+
+    def message(self) -> str:
+        """Why a KV cache that holds no request's state cannot start."""
+        needed = self.arena_bytes + (
+            self.blocks_per_request * self.state_block_bytes
+            - self.state_blocks * self.state_block_bytes
+        )
+        return (
+            f"vllm-hybrid: full CUDA graphs need at least one request's "
+            f"recurrent state, but {self._where()}. Raise "
+            f"--kv-cache-memory-bytes to at least {needed} ({needed / GiB:.2f} "
+            f"GiB; or --gpu-memory-utilization to match), or run without "
+            f"CUDA graphs (--enforce-eager)."
         )
 
 
@@ -148,16 +182,68 @@ def full_graph_states(
     )
 
 
-def check_full_graph_states(states: FullGraphStates) -> None:
-    """Refuse graphs with more rows than the arena has states; say when
-    ``max_num_seqs`` is more than the arena can ever run."""
-    if not states.fits:
+def single_pool_graph_states(
+    config: Any,
+    mode: CUDAGraphMode,
+    capture_sizes: list[int],
+    max_num_seqs: int,
+    query_len: int = 1,
+) -> FullGraphStates:
+    """The largest full graph of ``mode`` against upstream's shared pool:
+    each state layer's view has ``num_blocks`` blocks."""
+    size = {tensor.size for tensor in config.kv_cache_tensors}.pop()
+    tokens, rows = largest_full_graph(mode, capture_sizes, max_num_seqs, query_len)
+    return FullGraphStates(
+        max_num_seqs=max_num_seqs,
+        graph_tokens=tokens,
+        graph_rows=rows,
+        decode_query_len=query_len,
+        state_blocks=config.num_blocks,
+        blocks_per_request=1,
+        state_block_bytes=size // max(1, config.num_blocks),
+        arena_bytes=size,
+        holder="shared pool",
+    )
+
+
+# ---------------------------------------------------------------------------
+# The cap, from the resolution to the dispatcher
+# ---------------------------------------------------------------------------
+
+#: id(CompilationConfig) -> sequences its full graphs are capped at. The
+#: runner resolves the mode and then builds its dispatcher's keys from the
+#: same CompilationConfig, in the same process, one right after the other.
+_ROW_CAPS: dict[int, int] = {}
+
+
+def full_graph_row_cap(compilation_config: CompilationConfig) -> int | None:
+    """The cap recorded for this config's full graphs, if any."""
+    return _ROW_CAPS.get(id(compilation_config))
+
+
+def size_full_graphs(
+    compilation_config: CompilationConfig,
+    states: FullGraphStates,
+    mode: CUDAGraphMode,
+) -> None:
+    """Record the cap ``states`` calls for (or none) and say so once;
+    refuse only a KV cache without one request's state."""
+    _ROW_CAPS.pop(id(compilation_config), None)
+    if states.graph_rows == 0:
+        return
+    if states.max_states < 1:
         raise ValueError(states.message())
-    if states.max_num_seqs > states.max_states:
+    cap = states.row_cap
+    if cap is not None:
+        _ROW_CAPS[id(compilation_config)] = cap
+        piecewise = mode.mixed_mode() == CUDAGraphMode.PIECEWISE
+        logger.info_once(states.cap_message(piecewise))
+    elif states.max_num_seqs > states.max_states:
         logger.info_once(
-            "vllm-hybrid pooled KV mode: the KV cache arena holds at most %d "
-            "requests' states at once, so at most %d of max_num_seqs %d run "
-            "concurrently; full CUDA graphs (up to %d sequences) fit",
+            "vllm-hybrid: the KV cache %s holds at most %d requests' states at "
+            "once, so at most %d of max_num_seqs %d run concurrently; full "
+            "CUDA graphs (up to %d sequences) fit",
+            states.holder,
             states.max_states,
             states.max_states,
             states.max_num_seqs,
@@ -176,33 +262,50 @@ def resolve_cudagraph_mode_and_sizes(
     is_profiling: bool = False,
     piecewise_capture_available: bool = True,
 ) -> CUDAGraphMode:
-    """Upstream's resolution; for pooled configs its single-pool block check
-    is replaced by :func:`check_full_graph_states` (upstream reads
+    """Upstream's resolution without its refusal for state blocks; the full
+    graphs are sized to the states instead (upstream reads
     ``kv_cache_config`` for that check only, so it gets None)."""
-    pooled = isinstance(kv_cache_config, PooledKVCacheConfig)
     mode = upstream_of(__name__, "resolve_cudagraph_mode_and_sizes")(
         self,
         min_cg_support,
         min_cg_attn_backend,
         uniform_decode_query_len,
         use_v2_model_runner,
-        kv_cache_config=None if pooled else kv_cache_config,
+        kv_cache_config=None,
         max_num_reqs=max_num_reqs,
         is_profiling=is_profiling,
         piecewise_capture_available=piecewise_capture_available,
     )
+    _ROW_CAPS.pop(id(self), None)
     if (
-        pooled
-        and max_num_reqs is not None
-        and not is_profiling
-        and mode.has_full_cudagraphs()
+        kv_cache_config is None
+        or max_num_reqs is None
+        or is_profiling
+        or not mode.has_full_cudagraphs()
     ):
-        states = full_graph_states(
-            kv_cache_config,
-            mode,
-            list(self.cudagraph_capture_sizes or []),
-            max_num_reqs,
-            uniform_decode_query_len,
-        )
-        check_full_graph_states(states)
+        return mode
+    sizes = list(self.cudagraph_capture_sizes or [])
+    args = (mode, sizes, max_num_reqs, uniform_decode_query_len)
+    if isinstance(kv_cache_config, PooledKVCacheConfig):
+        size_full_graphs(self, full_graph_states(kv_cache_config, *args), mode)
+    elif kv_cache_config.has_mamba_layers:
+        size_full_graphs(self, single_pool_graph_states(kv_cache_config, *args), mode)
     return mode
+
+
+def initialize_cudagraph_keys(
+    self: Any, cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int = 1
+) -> None:
+    """Upstream's keys, without the full graphs above the recorded cap.
+
+    A batch that would have used a dropped key finds no full graph and runs
+    the piecewise graph of its size (or no graph in FULL-only mode).
+    """
+    upstream_of(__name__, "initialize_cudagraph_keys")(
+        self, cudagraph_mode, uniform_decode_query_len
+    )
+    cap = full_graph_row_cap(self.compilation_config)
+    if cap is None:
+        return
+    full = self.cudagraph_keys[CUDAGraphMode.FULL]
+    full -= {key for key in full if key.num_reqs is not None and key.num_reqs > cap}

@@ -360,7 +360,7 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When upstream validates the cache dtype on every platform.",
     ),
-    # -- pooled mode with full CUDA graphs -----------------------------------
+    # -- full CUDA graphs sized to the states the KV cache holds -------------
     PatchEntry(
         target=(
             "vllm.config.compilation:CompilationConfig.resolve_cudagraph_mode_and_sizes"
@@ -373,29 +373,58 @@ PATCHES: list[PatchEntry] = [
             "With full CUDA graphs and Mamba layers, upstream refuses to start "
             "when max_num_seqs > kv_cache_config.num_blocks, because a decode "
             "graph's state rows must fit each state view (GDN's conv update "
-            "asserts num_cache_lines >= batch). In pooled mode num_blocks is "
-            "the token pool's id space, which every other reader needs, so the "
-            "check passes configurations whose capture then fails in the "
-            "kernel. The check sits inside this method; no hook runs between "
-            "the mode resolution and it."
+            "asserts num_cache_lines >= batch); it refuses rather than capping "
+            "the capture sizes, which the piecewise prefill graphs share (vLLM "
+            "issue 34094). That stops engines that could run (the scheduler "
+            "never runs more sequences than there are states), and in pooled "
+            "mode num_blocks is the token pool's id space, so the comparison "
+            "passes configurations whose capture then fails in the kernel. The "
+            "check sits inside this method; no hook runs between the mode "
+            "resolution and it."
         ),
         how=(
-            "Method on CompilationConfig replaced by a function. Non-pooled "
-            "configs call upstream's method unchanged. Pooled configs call it "
-            "with kv_cache_config=None (upstream reads it for this check only) "
-            "and then compare the largest full graph's sequences with the "
-            "requests' states the arena can hold at once (state pool at its "
-            "highest extent / state blocks per running request), raising a "
-            "ValueError naming the numbers and the options otherwise."
+            "Method on CompilationConfig replaced by a function that calls "
+            "upstream's with kv_cache_config=None (upstream reads it for this "
+            "check only), then compares the largest full graph's sequences "
+            "with the requests' states the KV cache holds at once (pooled: "
+            "state pool at its highest extent / state blocks per running "
+            "request; single pool with Mamba layers: num_blocks). Above that, "
+            "it records a cap for the dispatcher (next entry) and logs one "
+            "line with both numbers and the options; a KV cache without one "
+            "request's state raises a ValueError naming the options. "
+            "Non-hybrid configs are unaffected (upstream's check needs Mamba "
+            "layers)."
         ),
         upstream_status=(
-            "none: upstream's check reads num_blocks "
+            "none: upstream's check reads num_blocks and raises "
             "(vllm/config/compilation.py, end of this method)"
         ),
         removal=(
-            "When upstream asks the KV cache config for the state blocks its "
-            "decode graphs can use instead of reading num_blocks."
+            "When upstream sizes full decode graphs to the states its KV cache "
+            "holds instead of refusing."
         ),
+    ),
+    PatchEntry(
+        target="vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys",
+        replacement="vllm_hybrid.config.cudagraph_capacity:initialize_cudagraph_keys",
+        bindings=(),
+        why=(
+            "The dispatcher builds the full-graph keys from max_num_seqs and "
+            "the capture sizes, which the piecewise graphs share; capping the "
+            "full graphs at the states the KV cache holds, without shrinking "
+            "the piecewise ones, needs the full keys alone to stop there. No "
+            "option or hook limits the full keys separately."
+        ),
+        how=(
+            "Method on CudagraphDispatcher replaced by a function that calls "
+            "upstream's, then drops the FULL keys whose sequences exceed the "
+            "cap the resolution recorded for the same CompilationConfig (no "
+            "cap: keys unchanged). A batch above the cap finds no full key "
+            "and dispatches to its piecewise graph, or to no graph in "
+            "FULL-only mode."
+        ),
+        upstream_status="none",
+        removal="With the resolve_cudagraph_mode_and_sizes entry.",
     ),
     # -- options checked before any engine process starts --------------------
     PatchEntry(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,31 +42,12 @@ from vllm_hybrid.tools.plan.request import checkpoint_architecture
 MiB = 2**20
 MAX_MODEL_LEN = 2048
 
-#: The published FP8 checkpoint's quantization block (block-wise e4m3 weights,
-#: dynamic activation scales). vLLM's ``Fp8Config.from_config`` reads
-#: quant_method, activation_scheme and weight_block_size; fmt is informative.
-FP8_QUANTIZATION = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "weight_block_size": [128, 128],
-}
-
 
 def write_qwen36_fp8(directory: Path) -> Path:
-    """``config.json`` of a Qwen3.6-35B-A3B-FP8-shaped model in ``directory``.
-
-    The qwen3.5-35b-a3b preset (Qwen3_5MoeTextConfig defaults: 40 layers,
-    30 GDN + 10 attention, 2 KV heads x 256, GDN 16/32 heads x 128), the FP8
-    quantization block, and the fp32 SSM state the published configs ask for.
-    """
-    PRESETS["qwen3.5-35b-a3b"].write_config(directory)
-    path = directory / "config.json"
-    data = json.loads(path.read_text())
-    data["quantization_config"] = dict(FP8_QUANTIZATION)
-    data["mamba_ssm_dtype"] = "float32"
-    path.write_text(json.dumps(data, indent=2, sort_keys=True))
-    return directory
+    """``config.json`` of Qwen3.6-35B-A3B-FP8 in ``directory``: the planner's
+    preset (40 layers, 30 GDN + 10 attention, 2 KV heads x 256, GDN 16/32
+    heads x 128, fp32 SSM state, the FP8 quantization block)."""
+    return PRESETS["qwen3.6-35b-a3b-fp8"].write_config(directory)
 
 
 # ---------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Full CUDA graphs with pooled mode: the largest full graph against the
-requests' states the arena holds (why: :mod:`vllm_hybrid.config.cudagraph_capacity`).
+"""Full CUDA graphs of a hybrid: the largest full graph against the requests'
+states the KV cache holds, capped there instead of refused (why:
+:mod:`vllm_hybrid.config.cudagraph_capacity`).
 
 A Qwen3.6-35B-A3B-FP8-shaped model on the CUDA path (FlashAttention, 16-token
 blocks, align mode, FULL_AND_PIECEWISE), by hand:
@@ -14,13 +15,13 @@ blocks, align mode, FULL_AND_PIECEWISE), by hand:
   2 GiB: 33 - 2 = 31; 8 GiB: 133 - 2 = 131; 40 GiB: 667 - 2 = 665.
 
 Upstream with the same inputs (overlay off) groups 10 layers per block of
-1,056 tokens: 99, 397 and 1,985 blocks, and compares ``max_num_seqs`` with
-them.
+1,056 tokens: 99, 397 and 1,985 blocks, compares ``max_num_seqs`` with them
+and refuses above; with the overlay, the same single pool caps its full
+graphs at those blocks and starts.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
@@ -65,32 +66,32 @@ class Case:
     #: up to 512)
     max_capture: int | None
     #: sequences of the largest full decode graph, requests' states the arena
-    #: holds, and the overlay's decision
+    #: holds, and the cap the overlay puts on the full graphs (None: none)
     rows: int
     states: int
-    starts: bool
-    #: upstream's num_blocks for the same inputs, and its decision
+    cap: int | None
+    #: upstream's num_blocks for the same inputs, and whether upstream starts
     upstream_blocks: int
     upstream_starts: bool
 
 
-#: The fixes the 8g-256 refusal names: 8g-131 (--max-num-seqs 131: vLLM then
-#: captures a 131-sequence decode graph), 8g-256-cap131
-#: (--max-cudagraph-capture-size 131: vLLM truncates it to 128, its last size
-#: on the 8-token stride).
+#: 8g-131 (--max-num-seqs 131: vLLM then captures a 131-sequence decode
+#: graph) and 8g-256-cap131 (--max-cudagraph-capture-size 131: vLLM
+#: truncates it to 128, its last size on the 8-token stride) fit without a
+#: cap; 8g-256 is capped at the 131 states.
 CASES = {
-    "2g-16": Case(2 * GiB, 16, None, 16, 31, True, 99, True),
-    "2g-31": Case(2 * GiB, 31, None, 31, 31, True, 99, True),
-    "2g-32": Case(2 * GiB, 32, None, 32, 31, False, 99, True),
-    "2g-128": Case(2 * GiB, 128, None, 128, 31, False, 99, False),
-    "8g-128": Case(8 * GiB, 128, None, 128, 131, True, 397, True),
-    "8g-256": Case(8 * GiB, 256, None, 256, 131, False, 397, True),
-    "8g-256-cap": Case(8 * GiB, 256, 128, 128, 131, True, 397, True),
-    "8g-131": Case(8 * GiB, 131, None, 131, 131, True, 397, True),
-    "8g-256-cap131": Case(8 * GiB, 256, 131, 128, 131, True, 397, True),
-    "8g-1024-cap": Case(8 * GiB, 1024, 128, 128, 131, True, 397, False),
-    "40g-256": Case(40 * GiB, 256, None, 256, 665, True, 1985, True),
-    "40g-1024": Case(40 * GiB, 1024, None, 512, 665, True, 1985, True),
+    "2g-16": Case(2 * GiB, 16, None, 16, 31, None, 99, True),
+    "2g-31": Case(2 * GiB, 31, None, 31, 31, None, 99, True),
+    "2g-32": Case(2 * GiB, 32, None, 32, 31, 31, 99, True),
+    "2g-128": Case(2 * GiB, 128, None, 128, 31, 31, 99, False),
+    "8g-128": Case(8 * GiB, 128, None, 128, 131, None, 397, True),
+    "8g-256": Case(8 * GiB, 256, None, 256, 131, 131, 397, True),
+    "8g-256-cap": Case(8 * GiB, 256, 128, 128, 131, None, 397, True),
+    "8g-131": Case(8 * GiB, 131, None, 131, 131, None, 397, True),
+    "8g-256-cap131": Case(8 * GiB, 256, 131, 128, 131, None, 397, True),
+    "8g-1024-cap": Case(8 * GiB, 1024, 128, 128, 131, None, 397, False),
+    "40g-256": Case(40 * GiB, 256, None, 256, 665, None, 1985, True),
+    "40g-1024": Case(40 * GiB, 1024, None, 512, 665, None, 1985, True),
 }
 ALL_CASES = pytest.mark.parametrize(
     "case", [pytest.param(case, id=name) for name, case in CASES.items()]
@@ -195,53 +196,84 @@ def test_hand_derived_states(graph_configs, case: Case):
 
 
 @ALL_CASES
-def test_pooled_decision(graph_configs, case: Case):
+def test_pooled_full_graphs_are_sized_to_the_states(graph_configs, case: Case):
+    """Every case starts: the full graphs are capped at the states where the
+    largest one has more rows, the piecewise graphs stay as vLLM keys them."""
     startup = _startup(graph_configs, case)
     config = _plan(startup)
-    if case.starts:
-        mode = _resolve_as_runner(startup, config)
-        assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
-        return
-    with pytest.raises(ValueError) as refused:
-        _resolve_as_runner(startup, config)
-    text = str(refused.value)
-    assert f"batches of up to {case.rows} sequences" in text
-    assert f"holds at most {case.states} requests' states" in text
-    assert f"Lower --max-num-seqs to {case.states}" in text
-    assert f"--max-cudagraph-capture-size {case.states}" in text
-    assert "-cc.cudagraph_mode=PIECEWISE" in text
-
-
-def test_refusal_text(graph_configs):
-    """8 GiB, max_num_seqs 256: decode graphs up to 256 sequences, 131
-    states; the arena needs 125 more state blocks: 8,589,926,400 B (the
-    budget rounded down to 256 B) + 125 x 64,389,120 B."""
-    startup = _startup(graph_configs, CASES["8g-256"])
-    with pytest.raises(ValueError) as refused:
-        _resolve_as_runner(startup, _plan(startup))
-    needed = 8 * GiB + 125 * STATE_BLOCK
-    assert needed == 16_638_574_592
-    assert str(refused.value) == (
-        "vllm-hybrid pooled KV mode: full CUDA graphs are captured for batches "
-        "of up to 256 sequences (capture size 256, max_num_seqs 256), each "
-        "sequence with its own recurrent state, but the KV cache arena of 8.00 "
-        "GiB holds at most 131 requests' states at once (131 state blocks of "
-        "61.41 MiB, 1 per running request). Lower --max-num-seqs to 131, or "
-        "keep the capture sizes at or below 131 (--max-cudagraph-capture-size "
-        "131 or --cudagraph-capture-sizes), or raise --kv-cache-memory-bytes to "
-        "at least 16638574592 (15.50 GiB; or --gpu-memory-utilization to "
-        "match), "
-        "or run without full CUDA graphs (-cc.cudagraph_mode=PIECEWISE)."
+    mode = _resolve_as_runner(startup, config)
+    assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    compilation = startup.vllm_config.compilation_config
+    assert cudagraph_capacity.full_graph_row_cap(compilation) == case.cap
+    keys = _keys(startup)
+    full_rows = max(key.num_reqs for key in keys[CUDAGraphMode.FULL])
+    assert full_rows == max(s for s in _sizes(startup) if s <= (case.cap or case.rows))
+    assert full_rows <= case.states
+    assert (
+        keys[CUDAGraphMode.PIECEWISE]
+        == _keys(startup, capped=False)[CUDAGraphMode.PIECEWISE]
     )
 
 
-def test_the_named_budget_starts(graph_configs):
-    """The budget the 8 GiB refusal names serves 256 states exactly."""
+def test_cap_line(graph_configs):
+    """8 GiB, max_num_seqs 256: decode graphs up to 256 sequences, 131
+    states; the arena needs 125 more state blocks for all of them:
+    8,589,926,400 B (the budget rounded down to 256 B) + 125 x 64,389,120 B."""
+    from vllm.logger import _print_info_once
+
+    startup = _startup(graph_configs, CASES["8g-256"])
+    config = _plan(startup)
+    needed = 8 * GiB + 125 * STATE_BLOCK
+    assert needed == 16_638_574_592
+    _print_info_once.cache_clear()
+    with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
+        _resolve_as_runner(startup, config)
+    assert lines == [
+        "vllm-hybrid: full CUDA graphs capped at 131 sequences (of 256: capture "
+        "size 256, max_num_seqs 256), because the KV cache arena of 8.00 GiB "
+        "holds at most 131 requests' states at once (131 state blocks of 61.41 "
+        "MiB, 1 per running request); no more run at once, and larger batches "
+        "run the piecewise graphs (captured as before). --max-num-seqs 131 "
+        "matches the scheduler to it; --kv-cache-memory-bytes 16638574592 "
+        "(15.50 GiB, or --gpu-memory-utilization to match) gives all 256 "
+        "sequences a full graph."
+    ]
+
+
+def test_the_named_budget_needs_no_cap(graph_configs):
+    """The budget the 8 GiB cap line names serves 256 states exactly."""
     case = dataclasses.replace(CASES["8g-256"], budget=16_638_574_592)
     startup = _startup(graph_configs, case)
     config = _plan(startup)
     assert _states(startup, config, 256).max_states == 256
     assert _resolve_as_runner(startup, config) == CUDAGraphMode.FULL_AND_PIECEWISE
+    compilation = startup.vllm_config.compilation_config
+    assert cudagraph_capacity.full_graph_row_cap(compilation) is None
+
+
+def test_no_state_at_all_is_refused():
+    """Only a KV cache without one request's state cannot start; the planner
+    refuses such budgets before this point, so the case is built directly."""
+    states = cudagraph_capacity.FullGraphStates(
+        max_num_seqs=256,
+        graph_tokens=256,
+        graph_rows=256,
+        decode_query_len=1,
+        state_blocks=0,
+        blocks_per_request=1,
+        state_block_bytes=STATE_BLOCK,
+        arena_bytes=GiB,
+    )
+    compilation = SimpleNamespace()
+    with pytest.raises(ValueError) as refused:
+        cudagraph_capacity.size_full_graphs(
+            compilation, states, CUDAGraphMode.FULL_AND_PIECEWISE
+        )
+    assert "need at least one request's recurrent state" in str(refused.value)
+    assert f"--kv-cache-memory-bytes to at least {GiB + STATE_BLOCK}" in str(
+        refused.value
+    )
+    assert cudagraph_capacity.full_graph_row_cap(compilation) is None
 
 
 def test_max_num_seqs_above_the_states_is_logged(graph_configs):
@@ -254,9 +286,9 @@ def test_max_num_seqs_above_the_states_is_logged(graph_configs):
     with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
         _resolve_as_runner(startup, config)
     assert lines == [
-        "vllm-hybrid pooled KV mode: the KV cache arena holds at most 665 "
-        "requests' states at once, so at most 665 of max_num_seqs 1024 run "
-        "concurrently; full CUDA graphs (up to 512 sequences) fit"
+        "vllm-hybrid: the KV cache arena holds at most 665 requests' states at "
+        "once, so at most 665 of max_num_seqs 1024 run concurrently; full CUDA "
+        "graphs (up to 512 sequences) fit"
     ]
 
 
@@ -268,7 +300,7 @@ def test_max_num_seqs_above_the_states_is_logged(graph_configs):
         (CUDAGraphMode.FULL_AND_PIECEWISE, True),
     ],
 )
-def test_no_full_graphs_or_profiling_are_not_checked(graph_configs, mode, profiling):
+def test_no_full_graphs_or_profiling_are_not_capped(graph_configs, mode, profiling):
     """Piecewise graphs run the state kernels eagerly; the profiling run's KV
     cache is a throwaway (upstream skips it too)."""
     startup = _startup(graph_configs, CASES["2g-128"])
@@ -283,6 +315,7 @@ def test_no_full_graphs_or_profiling_are_not_checked(graph_configs, mode, profil
         is_profiling=profiling,
     )
     assert resolved == mode
+    assert cudagraph_capacity.full_graph_row_cap(compilation) is None
 
 
 # ---------------------------------------------------------------------------
@@ -290,17 +323,34 @@ def test_no_full_graphs_or_profiling_are_not_checked(graph_configs, mode, profil
 # ---------------------------------------------------------------------------
 
 
-def _decode_graph_sizes(startup: Startup) -> list[int]:
-    """The full decode graphs vLLM's dispatcher keys for this config
-    (FULL_DECODE_ONLY: the same decode graphs, no piecewise compilation
-    needed to build the dispatcher here)."""
+def _keys(startup: Startup, capped: bool = True) -> dict:
+    """The keys vLLM's dispatcher builds for this config after the runner's
+    resolution (``capped=False``: upstream's method alone)."""
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
+    dispatcher = CudagraphDispatcher(startup.vllm_config)
+    initialize = (
+        type(dispatcher).initialize_cudagraph_keys
+        if capped
+        else upstream_of(cudagraph_capacity.__name__, "initialize_cudagraph_keys")
+    )
+    mode = startup.vllm_config.compilation_config.cudagraph_mode
+    initialize(dispatcher, mode, 1)
+    return dispatcher.cudagraph_keys
+
+
+def _sizes(startup: Startup) -> list[int]:
+    return startup.vllm_config.compilation_config.cudagraph_capture_sizes
+
+
+def _decode_graph_sizes(startup: Startup) -> list[int]:
+    """The full decode graphs vLLM's dispatcher keys for this config before
+    any cap (FULL_DECODE_ONLY: the same decode graphs, no piecewise
+    compilation needed to build the dispatcher here)."""
     config = copy.deepcopy(startup.vllm_config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    dispatcher = CudagraphDispatcher(config)
-    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_DECODE_ONLY, 1)
-    keys = dispatcher.cudagraph_keys[CUDAGraphMode.FULL]
+    decode = Startup(startup.request, config, startup.backend, startup.platform)
+    keys = _keys(decode, capped=False)[CUDAGraphMode.FULL]
     return sorted(key.num_tokens for key in keys)
 
 
@@ -367,23 +417,24 @@ def _capture_state_ids(startup: Startup, config, rows: int) -> torch.Tensor:
     return built.non_spec_state_indices_tensor
 
 
-@pytest.mark.parametrize("case_id", ["8g-128", "8g-256-cap", "40g-1024"])
+@pytest.mark.parametrize("case_id", ["8g-128", "8g-256", "8g-256-cap", "40g-1024"])
 def test_capture_uses_only_existing_state_ids(graph_configs, case_id):
-    """Every full decode graph of a config that starts: its sequences fit the
-    conv state view (GDN asserts ``num_cache_lines >= batch``), and every
+    """Every full graph a config keeps after the resolution: its sequences fit
+    the conv state view (GDN asserts ``num_cache_lines >= batch``), and every
     state id it captures is the null block 0, below the state pool's ids."""
     case = CASES[case_id]
     startup = _startup(graph_configs, case)
     config = _plan(startup)
-    sizes = _decode_graph_sizes(startup)
-    assert max(sizes) == case.rows
+    _resolve_as_runner(startup, config)
+    rows = sorted(key.num_reqs for key in _keys(startup)[CUDAGraphMode.FULL])
+    assert rows[-1] == max(s for s in _sizes(startup) if s <= (case.cap or case.rows))
     num_state_ids = config.pool_by_kind(PoolKind.STATE).num_blocks
     assert num_state_ids == case.budget // STATE_BLOCK
     assert _conv_state_rows(startup, config) == num_state_ids
-    assert case.rows <= case.states < num_state_ids
-    for rows in sizes:
-        ids = _capture_state_ids(startup, config, rows)
-        assert ids.shape == (rows,)
+    assert rows[-1] <= case.states < num_state_ids
+    for batch in rows:
+        ids = _capture_state_ids(startup, config, batch)
+        assert ids.shape == (batch,)
         assert int(ids.max()) == 0 < num_state_ids
 
 
@@ -427,12 +478,14 @@ def test_upstream_with_the_same_inputs(graph_configs, case: Case):
         f"max_num_seqs to at most {case.upstream_blocks} or increase "
         "gpu_memory_utilization."
     )
-    # upstream's method, then the overlay's with upstream's single-pool config
-    for overlay in (overlay_off(), contextlib.nullcontext()):
-        with overlay:
-            assert _outcome(upstream, plan) == (
-                None if case.upstream_starts else refusal
-            )
+    with overlay_off():
+        assert _outcome(upstream, plan) == (None if case.upstream_starts else refusal)
+    # the overlay, given upstream's single-pool config: it starts and caps the
+    # full graphs at the blocks each state view has
+    assert _outcome(upstream, plan) is None
+    compilation = upstream.vllm_config.compilation_config
+    cap = cudagraph_capacity.full_graph_row_cap(compilation)
+    assert cap == (case.upstream_blocks if case.rows > case.upstream_blocks else None)
 
 
 def _outcome(startup: Startup, kv_cache_config) -> str | None:
@@ -491,9 +544,10 @@ def test_upstream_reads_kv_cache_config_for_the_block_check_only():
     assert [node for node in reads if id(node) not in inside] == []
 
 
-def test_replacement_has_upstreams_parameters():
-    ours = getattr(cudagraph_capacity, REPLACEMENT)
-    upstream = upstream_of(cudagraph_capacity.__name__, REPLACEMENT)
+@pytest.mark.parametrize("name", [REPLACEMENT, "initialize_cudagraph_keys"])
+def test_replacement_has_upstreams_parameters(name):
+    ours = getattr(cudagraph_capacity, name)
+    upstream = upstream_of(cudagraph_capacity.__name__, name)
     params = [inspect.signature(f).parameters.values() for f in (ours, upstream)]
     shapes = [[(p.name, p.kind, p.default) for p in ps] for ps in params]
     assert shapes[0] == shapes[1]
