@@ -10,7 +10,9 @@ import os
 
 def pytest_runtest_logreport(report):
     path = os.environ.get("TIER_REPORT")
-    if not path:
+    # with pytest-xdist the controller receives every worker's reports;
+    # the workers, which load this plugin too, leave the file to it
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
         return
     if report.when != "call" and not (report.failed or report.skipped):
         return

@@ -90,7 +90,11 @@ def test_import_step_imports_every_module_from_the_python_only_tree(
     proc = run(python, env, str(GPU_SCRIPTS / "imports.py"), "--out", str(out))
     report = json.loads(out.read_text())
     assert proc.returncode == 0, report["failed"] or proc.stderr[-3000:]
-    assert report["checks"] == {"vllm_from_site": True, "stand_in_used": True}
+    assert report["checks"] == {
+        "cuda_import_kernels": True,
+        "vllm_from_site": True,
+        "stand_in_used": True,
+    }
     modules = {m["module"]: m for m in report["modules"]}
     import imports
 
@@ -158,3 +162,20 @@ def test_overlay_metadata_names_the_installed_entry_points(tmp_path):
         "vllm_hybrid",
         "vllm_hybrid.plugin:register",
     ) in written
+
+
+def test_stand_in_declares_the_ops_layers_look_up_and_each_raises(rehearsal):
+    python, env, _, package = rehearsal
+    sitedir.write_standins(package)
+    script = (
+        "import torch, vllm._C_stable_libtorch as s\n"
+        "print(sum(hasattr(torch.ops._C, n) for n in s.DECLARED))\n"
+        "print(hasattr(torch.ops._C, 'rms_norm'))\n"
+        "torch.ops._C.silu_and_mul(torch.empty(2), torch.empty(4))\n"
+    )
+    proc = run(python, env, "-c", script)
+    declared, other = proc.stdout.split()
+    assert int(declared) == len(sitedir.DECLARED_OPS) == 14
+    # everything else stays undeclared, so vLLM's hasattr checks see no op
+    assert other == "False"
+    assert "NotImplementedError: _C::silu_and_mul is a stand-in" in proc.stderr
