@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import platform
 import sys
 import traceback
+from pathlib import Path
 
 from tier_env import prepare, write_json
 
@@ -26,6 +28,9 @@ MODULES = (
     "vllm.platforms.cuda",
     "vllm._C_stable_libtorch",
     "vllm._custom_ops",
+    # imported on CUDA by fa_utils (TurboQuant, the model config)
+    "vllm.vllm_flash_attn",
+    "vllm.v1.attention.backends.fa_utils",
     # kernels the tier, the timings and the copies call
     "vllm.v1.attention.backends.triton_attn",
     "vllm.v1.attention.backends.turboquant_attn",
@@ -83,6 +88,45 @@ def package_root(init_file: str) -> str:
     return os.path.realpath(os.path.dirname(os.path.dirname(init_file)))
 
 
+#: The tier's own helpers: imported by the first pass only.
+HELPERS = ("arena_views", "attention_check", "gdn_ops", "mamba2_ops", "align_copy_ops")
+#: What module-level CUDA calls raise in a CPU-only torch: such a module can
+#: only be checked on the device.
+NEEDS_GPU = "Torch not compiled with CUDA enabled"
+
+
+def as_cuda() -> list[dict]:
+    """Without a GPU: the modules again, with vLLM's current platform set to
+    the CUDA platform before any of them is imported, so every branch taken
+    on ``current_platform.is_cuda()`` at import time runs here (that is how
+    the flash-attention import of ``fa_utils`` shows up before a device
+    run). A module whose import calls into CUDA is marked ``needs_gpu``."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cuda import CudaPlatform
+
+    platforms._current_platform = CudaPlatform()
+    results = [try_import(name) for name in MODULES if name not in HELPERS]
+    for result in results:
+        result["needs_gpu"] = NEEDS_GPU in result.get("error", "")
+    return results
+
+
+def as_cuda_pass(out: str) -> dict:
+    """:func:`as_cuda` in a fresh interpreter (the platform is chosen once
+    per process); its failures other than ``needs_gpu`` ones."""
+    import subprocess
+
+    path = f"{out}.as_cuda.json"
+    subprocess.run([sys.executable, __file__, "--as-cuda", "--out", path], check=False)
+    results = json.loads(Path(path).read_text())
+    Path(path).unlink()
+    failed = [r for r in results if not r["ok"] and not r["needs_gpu"]]
+    return {
+        "failed": failed,
+        "needs_gpu": [r["module"] for r in results if r["needs_gpu"]],
+    }
+
+
 def environment(kernels: str) -> dict:
     import torch
     import triton
@@ -109,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--site", default=os.environ.get("GPU_RUN_SITE"))
     parser.add_argument("--budget", type=float, help="unused: imports are quick")
+    parser.add_argument("--as-cuda", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.as_cuda:
+        Path(args.out).write_text(json.dumps(as_cuda()))
+        return 0
     kernels = prepare()
     results = [try_import(name) for name in MODULES]
     failed = [r for r in results if not r["ok"]]
@@ -125,8 +173,13 @@ def main(argv: list[str] | None = None) -> int:
             standin["ok"] and getattr(sys.modules[standin["module"]], "STAND_IN", False)
         ),
     }
+    cuda_pass = None if kernels == "cuda" else as_cuda_pass(args.out)
+    if cuda_pass is not None:
+        checks["imports_as_cuda"] = not cuda_pass["failed"]
+        failed += cuda_pass["failed"]
     report = {
         "ok": not failed and all(checks.values()),
+        "as_cuda": cuda_pass,
         "checks": checks,
         "failed": failed,
         "modules": results,

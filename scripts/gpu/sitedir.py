@@ -43,7 +43,16 @@ VLLM_VERSION = "0.32.0"
 #: Compiled vLLM modules a CUDA run imports; the stand-ins replace them.
 #: ``_C_stable_libtorch`` is imported unguarded by ``vllm/platforms/cuda.py``;
 #: the others are tried by ``import_kernels`` and would only log.
-STANDIN_MODULES = ("_C", "_C_stable_libtorch", "_moe_C_stable_libtorch")
+#: ``vllm_flash_attn._vllm_fa2_C``: on CUDA ``vllm.v1.attention.backends.fa_utils``
+#: (imported by the TurboQuant backend and the model config) imports
+#: ``vllm.vllm_flash_attn``, which refuses to import without a flash
+#: attention extension; with the stand-in it imports and a call fails.
+STANDIN_MODULES = (
+    "_C",
+    "_C_stable_libtorch",
+    "_moe_C_stable_libtorch",
+    "vllm_flash_attn._vllm_fa2_C",
+)
 
 #: Ops of the ``_C`` library that model layers look up when they are built
 #: on CUDA (``self.op = torch.ops._C.<name>`` in the activation layers), even
@@ -150,10 +159,17 @@ def link_vllm_tree(source: Path, site: Path) -> Path:
     entries, compiled extensions left out (the tests' cheap twin of
     :func:`unpack_vllm`: the packed tree has no ``*.so`` either)."""
     package = site / "vllm"
-    package.mkdir(parents=True)
-    for entry in source.iterdir():
-        if entry.suffix != ".so" and entry.name != "__pycache__":
-            (package / entry.name).symlink_to(entry)
+    # folders that receive a stand-in are real folders, so that writing one
+    # never writes into ``source``
+    real = {name.rpartition(".")[0] for name in STANDIN_MODULES if "." in name}
+    for folder in ("", *sorted(real)):
+        dest = package / folder.replace(".", "/")
+        dest.mkdir(parents=True, exist_ok=True)
+        for entry in (source / folder.replace(".", "/")).iterdir():
+            nested = f"{folder}.{entry.name}".lstrip(".")
+            skip = entry.suffix == ".so" or entry.name == "__pycache__"
+            if not skip and nested not in real:
+                (dest / entry.name).symlink_to(entry)
     return package
 
 
@@ -168,7 +184,7 @@ def write_standins(package: Path) -> list[str]:
             )
             body = DECLARING_SOURCE.format(ops=DECLARED_OPS)
         source = STANDIN_SOURCE.format(name=name, more=more) + body
-        (package / f"{name}.py").write_text(source)
+        (package / f"{name.replace('.', '/')}.py").write_text(source)
     return [f"vllm.{name}" for name in STANDIN_MODULES]
 
 

@@ -73,7 +73,7 @@ def run(python: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
 def test_without_the_stand_ins_the_cuda_platform_does_not_import(rehearsal):
     python, env, _, package = rehearsal
     for name in sitedir.STANDIN_MODULES:
-        (package / f"{name}.py").unlink(missing_ok=True)
+        (package / f"{name.replace('.', '/')}.py").unlink(missing_ok=True)
     proc = run(python, env, "-c", "import vllm.platforms.cuda")
     assert proc.returncode == 1
     assert "No module named 'vllm._C_stable_libtorch'" in proc.stderr
@@ -94,7 +94,15 @@ def test_import_step_imports_every_module_from_the_python_only_tree(
         "cuda_import_kernels": True,
         "vllm_from_site": True,
         "stand_in_used": True,
+        "imports_as_cuda": True,
     }
+    # imported as on CUDA, only modules that call into CUDA at import time
+    # are left for the device
+    assert report["as_cuda"]["failed"] == []
+    assert (
+        "vllm.v1.attention.backends.turboquant_attn"
+        not in (report["as_cuda"]["needs_gpu"])
+    )
     modules = {m["module"]: m for m in report["modules"]}
     import imports
 
