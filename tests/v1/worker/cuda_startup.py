@@ -29,15 +29,25 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.tools.plan import PRESETS, PlanRequest, as_cuda_config, engine_config
-from vllm_hybrid.tools.plan.config import current_platform_as, platform_class
+from vllm_hybrid.tools.plan.config import (
+    current_platform_as,
+    overlay_off,
+    platform_class,
+    upstream_align,
+)
 from vllm_hybrid.tools.plan.request import checkpoint_architecture
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 
 MiB = 2**20
 MAX_MODEL_LEN = 2048
@@ -351,6 +361,24 @@ def plan_engine_core(startup: Startup) -> EngineCore:
     return EngineCore(workers, scheduler, manager, capacity_lines, plan_lines)
 
 
+def plan_upstream(startup: Startup) -> tuple[Startup, Any]:
+    """Upstream's plan (overlay off): inflated blocks, single shared pool."""
+    import vllm.v1.core.kv_cache_utils as kvu
+
+    config = startup.vllm_config
+    with overlay_off():
+        platform = platform_class("cuda", startup.backend, upstream_align())
+        platform.update_block_size_for_backend(config)
+        specs = worker_specs(config, startup.backend)
+        upstream = Startup(startup.request, config, startup.backend, platform, specs)
+        resolve_layout(upstream)
+        with current_platform_as(platform()):
+            (plan,) = kvu.get_kv_cache_configs(
+                config, [upstream.specs], [startup.request.kv_cache_memory]
+            )
+    return upstream, plan
+
+
 # ---------------------------------------------------------------------------
 # Worker: kernel blocks and views
 # ---------------------------------------------------------------------------
@@ -413,3 +441,66 @@ def bind_as_runner(worker: WorkerCaches) -> dict[str, torch.Tensor]:
         if chosen != spec.block_size:
             group.kernel_block_size = chosen
     return map_kv_caches_to_kernel_blocks(worker.kv_caches, flat)
+
+
+# ---------------------------------------------------------------------------
+# Worker: CUDA graph resolution and the dispatcher's keys
+# ---------------------------------------------------------------------------
+
+
+def resolve_as_runner(startup: Startup, kv_cache_config) -> CUDAGraphMode:
+    """``GPUModelRunner._check_and_update_cudagraph_mode``: the least CUDA
+    graph support over the groups' builders, then the resolution."""
+    config = startup.vllm_config
+    supports = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        owner = gdn_backend() if isinstance(spec, MambaSpec) else startup.backend
+        builder = owner.get_builder_cls()
+        supports.append((builder.get_cudagraph_support(config, spec), owner))
+    support, owner = min(supports, key=lambda item: item[0].value)
+    return config.compilation_config.resolve_cudagraph_mode_and_sizes(
+        support,
+        owner.__name__,
+        1,
+        use_v2_model_runner=False,
+        kv_cache_config=kv_cache_config,
+        max_num_reqs=config.scheduler_config.max_num_seqs,
+        is_profiling=False,
+    )
+
+
+def dispatcher_keys(startup: Startup, capped: bool = True) -> dict:
+    """The keys vLLM's dispatcher builds for this config after the runner's
+    resolution (``capped=False``: upstream's method alone)."""
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    dispatcher = CudagraphDispatcher(startup.vllm_config)
+    initialize = (
+        type(dispatcher).initialize_cudagraph_keys
+        if capped
+        else upstream_of(
+            "vllm_hybrid.config.cudagraph_capacity", "initialize_cudagraph_keys"
+        )
+    )
+    mode = startup.vllm_config.compilation_config.cudagraph_mode
+    initialize(dispatcher, mode, 1)
+    return dispatcher.cudagraph_keys
+
+
+def conv_state_rows(startup: Startup, config: PooledKVCacheConfig) -> int:
+    """Blocks of a GDN layer's conv state as the layer unpacks its bound view
+    (``MambaBase.bind_kv_cache``): the kernel's ``num_cache_lines``."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    layout = KVCacheLayout[startup.vllm_config.cache_config.kv_cache_layout]
+    bound = bind_as_runner(allocate(config, startup.backend, layout))
+    state = config.pool_by_kind(PoolKind.STATE)
+    group = config.kv_cache_groups[state.group_ids[0]]
+    spec = group.kv_cache_spec
+    layer = SimpleNamespace(
+        get_state_shape=lambda: spec.shapes, get_state_dtype=lambda: spec.dtypes
+    )
+    MambaBase.bind_kv_cache(layer, bound[group.layer_names[0]])
+    conv_state = layer.kv_cache[0]
+    return conv_state.size(0)

@@ -31,26 +31,25 @@ import pytest
 import torch
 from cuda_startup import (
     Startup,
-    allocate,
     backend_class,
-    bind_as_runner,
     captured,
+    conv_state_rows,
     cuda_config,
     cuda_request,
     current_platform_as,
+    dispatcher_keys,
     gdn_backend,
+    plan_upstream,
+    resolve_as_runner,
     resolve_layout,
     start_worker,
-    worker_specs,
 )
 from vllm.config.compilation import CUDAGraphMode
-from vllm.v1.kv_cache_interface import MambaSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_hybrid.config import cudagraph_capacity
 from vllm_hybrid.config.cudagraph_capacity import full_graph_states
 from vllm_hybrid.patches.registry import upstream_of
-from vllm_hybrid.tools.plan.config import overlay_off, platform_class, upstream_align
+from vllm_hybrid.tools.plan.config import overlay_off, platform_class
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 
 GiB = 2**30
@@ -157,28 +156,6 @@ def _states(startup: Startup, config: PooledKVCacheConfig, max_num_seqs: int):
     )
 
 
-def _resolve_as_runner(startup: Startup, kv_cache_config) -> CUDAGraphMode:
-    """``GPUModelRunner._check_and_update_cudagraph_mode``: the least CUDA
-    graph support over the groups' builders, then the resolution."""
-    config = startup.vllm_config
-    supports = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        owner = gdn_backend() if isinstance(spec, MambaSpec) else startup.backend
-        builder = owner.get_builder_cls()
-        supports.append((builder.get_cudagraph_support(config, spec), owner))
-    support, owner = min(supports, key=lambda item: item[0].value)
-    return config.compilation_config.resolve_cudagraph_mode_and_sizes(
-        support,
-        owner.__name__,
-        1,
-        use_v2_model_runner=False,
-        kv_cache_config=kv_cache_config,
-        max_num_reqs=config.scheduler_config.max_num_seqs,
-        is_profiling=False,
-    )
-
-
 @ALL_CASES
 def test_hand_derived_states(graph_configs, case: Case):
     startup = _startup(graph_configs, case)
@@ -201,17 +178,17 @@ def test_pooled_full_graphs_are_sized_to_the_states(graph_configs, case: Case):
     largest one has more rows, the piecewise graphs stay as vLLM keys them."""
     startup = _startup(graph_configs, case)
     config = _plan(startup)
-    mode = _resolve_as_runner(startup, config)
+    mode = resolve_as_runner(startup, config)
     assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
     compilation = startup.vllm_config.compilation_config
     assert cudagraph_capacity.full_graph_row_cap(compilation) == case.cap
-    keys = _keys(startup)
+    keys = dispatcher_keys(startup)
     full_rows = max(key.num_reqs for key in keys[CUDAGraphMode.FULL])
     assert full_rows == max(s for s in _sizes(startup) if s <= (case.cap or case.rows))
     assert full_rows <= case.states
     assert (
         keys[CUDAGraphMode.PIECEWISE]
-        == _keys(startup, capped=False)[CUDAGraphMode.PIECEWISE]
+        == dispatcher_keys(startup, capped=False)[CUDAGraphMode.PIECEWISE]
     )
 
 
@@ -227,7 +204,7 @@ def test_cap_line(graph_configs):
     assert needed == 16_638_574_592
     _print_info_once.cache_clear()
     with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
-        _resolve_as_runner(startup, config)
+        resolve_as_runner(startup, config)
     assert lines == [
         "vllm-hybrid: full CUDA graphs capped at 131 sequences (of 256: capture "
         "size 256, max_num_seqs 256), because the KV cache arena of 8.00 GiB "
@@ -246,7 +223,7 @@ def test_the_named_budget_needs_no_cap(graph_configs):
     startup = _startup(graph_configs, case)
     config = _plan(startup)
     assert _states(startup, config, 256).max_states == 256
-    assert _resolve_as_runner(startup, config) == CUDAGraphMode.FULL_AND_PIECEWISE
+    assert resolve_as_runner(startup, config) == CUDAGraphMode.FULL_AND_PIECEWISE
     compilation = startup.vllm_config.compilation_config
     assert cudagraph_capacity.full_graph_row_cap(compilation) is None
 
@@ -284,7 +261,7 @@ def test_max_num_seqs_above_the_states_is_logged(graph_configs):
     # logged once per process; other tests may have logged it already
     _print_info_once.cache_clear()
     with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
-        _resolve_as_runner(startup, config)
+        resolve_as_runner(startup, config)
     assert lines == [
         "vllm-hybrid: the KV cache arena holds at most 665 requests' states at "
         "once, so at most 665 of max_num_seqs 1024 run concurrently; full CUDA "
@@ -323,22 +300,6 @@ def test_no_full_graphs_or_profiling_are_not_capped(graph_configs, mode, profili
 # ---------------------------------------------------------------------------
 
 
-def _keys(startup: Startup, capped: bool = True) -> dict:
-    """The keys vLLM's dispatcher builds for this config after the runner's
-    resolution (``capped=False``: upstream's method alone)."""
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-
-    dispatcher = CudagraphDispatcher(startup.vllm_config)
-    initialize = (
-        type(dispatcher).initialize_cudagraph_keys
-        if capped
-        else upstream_of(cudagraph_capacity.__name__, "initialize_cudagraph_keys")
-    )
-    mode = startup.vllm_config.compilation_config.cudagraph_mode
-    initialize(dispatcher, mode, 1)
-    return dispatcher.cudagraph_keys
-
-
 def _sizes(startup: Startup) -> list[int]:
     return startup.vllm_config.compilation_config.cudagraph_capture_sizes
 
@@ -350,26 +311,8 @@ def _decode_graph_sizes(startup: Startup) -> list[int]:
     config = copy.deepcopy(startup.vllm_config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     decode = Startup(startup.request, config, startup.backend, startup.platform)
-    keys = _keys(decode, capped=False)[CUDAGraphMode.FULL]
+    keys = dispatcher_keys(decode, capped=False)[CUDAGraphMode.FULL]
     return sorted(key.num_tokens for key in keys)
-
-
-def _conv_state_rows(startup: Startup, config: PooledKVCacheConfig) -> int:
-    """Blocks of a GDN layer's conv state as the layer unpacks its bound view
-    (``MambaBase.bind_kv_cache``): the kernel's ``num_cache_lines``."""
-    from vllm.model_executor.layers.mamba.abstract import MambaBase
-
-    layout = KVCacheLayout[startup.vllm_config.cache_config.kv_cache_layout]
-    bound = bind_as_runner(allocate(config, startup.backend, layout))
-    state = config.pool_by_kind(PoolKind.STATE)
-    group = config.kv_cache_groups[state.group_ids[0]]
-    spec = group.kv_cache_spec
-    layer = SimpleNamespace(
-        get_state_shape=lambda: spec.shapes, get_state_dtype=lambda: spec.dtypes
-    )
-    MambaBase.bind_kv_cache(layer, bound[group.layer_names[0]])
-    conv_state = layer.kv_cache[0]
-    return conv_state.size(0)
 
 
 def _capture_state_ids(startup: Startup, config, rows: int) -> torch.Tensor:
@@ -425,12 +368,12 @@ def test_capture_uses_only_existing_state_ids(graph_configs, case_id):
     case = CASES[case_id]
     startup = _startup(graph_configs, case)
     config = _plan(startup)
-    _resolve_as_runner(startup, config)
-    rows = sorted(key.num_reqs for key in _keys(startup)[CUDAGraphMode.FULL])
+    resolve_as_runner(startup, config)
+    rows = sorted(key.num_reqs for key in dispatcher_keys(startup)[CUDAGraphMode.FULL])
     assert rows[-1] == max(s for s in _sizes(startup) if s <= (case.cap or case.rows))
     num_state_ids = config.pool_by_kind(PoolKind.STATE).num_blocks
     assert num_state_ids == case.budget // STATE_BLOCK
-    assert _conv_state_rows(startup, config) == num_state_ids
+    assert conv_state_rows(startup, config) == num_state_ids
     assert rows[-1] <= case.states < num_state_ids
     for batch in rows:
         ids = _capture_state_ids(startup, config, batch)
@@ -443,30 +386,12 @@ def test_capture_uses_only_existing_state_ids(graph_configs, case_id):
 # ---------------------------------------------------------------------------
 
 
-def _upstream_plan(startup: Startup):
-    """Upstream's plan (overlay off): inflated blocks, single shared pool."""
-    import vllm.v1.core.kv_cache_utils as kvu
-
-    config = startup.vllm_config
-    with overlay_off():
-        platform = platform_class("cuda", startup.backend, upstream_align())
-        platform.update_block_size_for_backend(config)
-        specs = worker_specs(config, startup.backend)
-        upstream = Startup(startup.request, config, startup.backend, platform, specs)
-        resolve_layout(upstream)
-        with current_platform_as(platform()):
-            (plan,) = kvu.get_kv_cache_configs(
-                config, [upstream.specs], [startup.request.kv_cache_memory]
-            )
-    return upstream, plan
-
-
 @ALL_CASES
 def test_upstream_with_the_same_inputs(graph_configs, case: Case):
     request, config = graph_configs(case.max_num_seqs, case.max_capture)
     request = dataclasses.replace(request, kv_cache_memory=case.budget)
     startup = Startup(request, config, backend_class("FLASH_ATTN"), None)
-    upstream, plan = _upstream_plan(startup)
+    upstream, plan = plan_upstream(startup)
     assert not isinstance(plan, PooledKVCacheConfig)
     assert plan.num_blocks == case.upstream_blocks
     blocks = {g.kv_cache_spec.block_size for g in plan.kv_cache_groups}
@@ -491,7 +416,7 @@ def test_upstream_with_the_same_inputs(graph_configs, case: Case):
 def _outcome(startup: Startup, kv_cache_config) -> str | None:
     """None when the resolution passes, else the error's text."""
     try:
-        assert _resolve_as_runner(startup, kv_cache_config).has_full_cudagraphs()
+        assert resolve_as_runner(startup, kv_cache_config).has_full_cudagraphs()
     except ValueError as exc:
         return str(exc)
     return None
@@ -505,7 +430,7 @@ def test_upstream_check_on_a_pooled_config_compares_token_ids(graph_configs):
     startup = _startup(graph_configs, CASES["8g-256"])
     config = _plan(startup)
     assert config.num_blocks == 26_214
-    assert _conv_state_rows(startup, config) == 133
+    assert conv_state_rows(startup, config) == 133
     upstream = upstream_of(cudagraph_capacity.__name__, REPLACEMENT)
     compilation = startup.vllm_config.compilation_config
     mode = upstream(

@@ -57,6 +57,9 @@ class ModePlan:
     max_concurrency: float | None = None
     #: prompt length -> {"max_concurrency": x, "bytes_per_request": n}
     at_prompt_len: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: Full CUDA graphs against the states (CUDA hybrids with full graphs):
+    #: {"graph_rows", "states", "cap", "refused"}; None where not planned.
+    cuda_graphs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -196,6 +199,7 @@ def plan_upstream(
         }
     ]
     plan.token_capacity = tokens
+    plan.cuda_graphs = _graph_figures(config, worker[0], upstream=True)
     plan.max_tokens_one_request = kv_cache_token_capacity(config, scheduler)
     plan.max_concurrency = concurrency
     for length in prompt_lens:
@@ -277,6 +281,7 @@ def plan_pooled(
         )
     ]
     plan.num_blocks = pooled.num_blocks
+    plan.cuda_graphs = _graph_figures(config, pooled, upstream=False)
     max_model_len = config.model_config.max_model_len
     capacity = pooled_capacity(pooled, max_model_len)
     plan.token_capacity = capacity.token_capacity
@@ -291,6 +296,47 @@ def plan_pooled(
             "bytes_per_request": at.bytes_per_request,
         }
     return plan
+
+
+def _graph_figures(
+    vllm_config: Any, kv_cache_config: Any, *, upstream: bool
+) -> dict[str, Any] | None:
+    """The largest full CUDA graph against the states ``kv_cache_config``
+    holds, as the engine sizes it (upstream: whether it refuses instead)."""
+    from vllm_hybrid.config.cudagraph_capacity import (
+        full_graph_states,
+        single_pool_graph_states,
+    )
+    from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if (
+        vllm_config.device_config.device_type != "cuda"
+        or not mode.has_full_cudagraphs()
+        or not kv_cache_config.has_mamba_layers
+    ):
+        return None
+    measure = (
+        full_graph_states
+        if isinstance(kv_cache_config, PooledKVCacheConfig)
+        else single_pool_graph_states
+    )
+    max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+    states = measure(
+        kv_cache_config,
+        mode,
+        list(compilation.cudagraph_capture_sizes or []),
+        max_num_seqs,
+    )
+    return {
+        "max_num_seqs": max_num_seqs,
+        "graph_rows": states.graph_rows,
+        "states": states.max_states,
+        "cap": None if upstream else states.row_cap,
+        # vLLM 0.32's own check (end of resolve_cudagraph_mode_and_sizes)
+        "refused": upstream and max_num_seqs > kv_cache_config.num_blocks,
+    }
 
 
 def with_serve_defaults(request: PlanRequest) -> PlanRequest:

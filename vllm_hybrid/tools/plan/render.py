@@ -39,6 +39,22 @@ def _padding_text(plan: ModePlan) -> str:
     return f"{plan.state_padding_bytes:,} B ({plan.state_padding_pct:.2f}%)"
 
 
+def _graphs_text(plan: ModePlan) -> str:
+    graphs = plan.cuda_graphs
+    if graphs is None:
+        return "-"
+    rows, states = graphs["graph_rows"], graphs["states"]
+    if graphs["refused"]:
+        return (
+            f"refuses to start: max_num_seqs {graphs['max_num_seqs']} > "
+            f"{plan.num_blocks:,} blocks"
+        )
+    if graphs["cap"] is not None:
+        return f"capped at {graphs['cap']} seqs (of {rows}: {states} states)"
+    what = "blocks" if plan.mode == "upstream" else "states"
+    return f"up to {rows} seqs ({states:,} {what})"
+
+
 def _rows(plan: Plan) -> list[tuple[str, str, str]]:
     up, po = plan.upstream, plan.pooled
 
@@ -57,6 +73,7 @@ def _rows(plan: Plan) -> list[tuple[str, str, str]]:
         ("state page", *both(lambda m: opt(m.state_page_bytes, "{:,} B"))),
         ("state padding", *both(_padding_text)),
         ("pools (blocks x bytes)", *both(_pools_text)),
+        ("full CUDA graphs", *both(_graphs_text)),
         ("token capacity (logged)", *both(lambda m: opt(m.token_capacity))),
         (
             "longest single request",
