@@ -20,7 +20,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 # stay on and are as deterministic as the examples.
 # "fuzz": random seeds, five times the examples, the local example database
 # (failures are replayed first next time). For local bug hunting:
-#   python -m pytest --hypothesis-profile=fuzz tests/v1/core/test_arena.py
+#   python -m pytest --hypothesis-profile=fuzz tests/v1/core/pooled/test_arena.py
 settings.register_profile(
     "ci",
     derandomize=True,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from vllm.plugins import load_general_plugins
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "v1" / "core"))
-from test_pooled_planner import planner_vllm_config, qwen3_5_specs  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "v1" / "core" / "pooled"))
+from test_planner import planner_vllm_config, qwen3_5_specs  # noqa: E402
 
 from vllm_hybrid.patches import registry  # noqa: E402
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig  # noqa: E402

@@ -81,7 +81,7 @@ def test_activation_line_once_per_process(tp2_run):
 def test_tp2_pooled_worker_uses_the_engine_core_plan(tp2_run):
     """Rank 0's arena view equals the engine core's plan (vLLM keeps INFO
     lines of other ranks quiet; every rank gets a copy of the same config,
-    see tests/v1/core/test_pooled_planner.py, and identical outputs to
+    see tests/v1/core/pooled/test_planner.py, and identical outputs to
     upstream below show rank 1 computed with it)."""
     plan = re.search(r"KV cache plan \(pooled\).*token pool: .*?(\d+) ids;", tp2_run)
     view = re.search(r"pooled KV arena on this worker: token pool (\d+) ids", tp2_run)

@@ -1,6 +1,6 @@
 """Pooled mode's scheduler choice: prefill chunks end on state checkpoint edges.
 
-The engine test (``test_pooled_engine.py``, ``mamba-block-256``) checks the
+The engine test (``pooled/test_engine.py``, ``mamba-block-256``) checks the
 hits this gives; these tests pin down when the scheduler is swapped, that
 nothing else is, and the upstream fact the swap relies on.
 """

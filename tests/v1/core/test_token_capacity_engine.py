@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from engine_utils import engine_core
 
 from vllm_hybrid.patches import registry
 
@@ -42,7 +43,7 @@ class Engine:
 
     @property
     def core(self):
-        return self.llm.llm_engine.engine_core.engine_core
+        return engine_core(self.llm)
 
     @property
     def kv_cache_config(self):

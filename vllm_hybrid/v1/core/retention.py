@@ -18,9 +18,9 @@ the next one, the previous decode checkpoint is evicted again (unless the
 retention interval keeps it, or another request already uses it). A request
 therefore leaves exactly one decode checkpoint behind: the last edge it
 reached. This costs no copy (align mode copies at every edge anyway) and no
-held memory: once freed, a decode checkpoint is the first cached block its
-pool evicts (:meth:`TurnEndRetentionMixin._evict_first`), so it never pushes
-another cache entry out.
+held memory: once freed, a decode checkpoint is ranked as a turn end, which
+the eviction order (:mod:`vllm_hybrid.v1.core.pooled.eviction`) evicts before
+any other cached block, so it never pushes another cache entry out.
 With ``--prefix-cache-retention-interval`` unset to dense retention (None)
 upstream already keeps every edge and nothing here runs.
 """
@@ -39,6 +39,8 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request
 
+from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
+
 
 @dataclass
 class DecodeCheckpoint:
@@ -50,7 +52,7 @@ class DecodeCheckpoint:
     block_hash: Any
     #: Tokens the checkpoint covers (a state block edge).
     num_tokens: int
-    #: Put first in its pool's eviction order once freed.
+    #: Ranked as a turn end in its pool's eviction order once freed.
     ranked: bool = False
 
 
@@ -66,8 +68,8 @@ class TurnEndCounts:
     #: Earlier decode checkpoints kept: another request used them, or the
     #: retention interval keeps their edge.
     kept: int = 0
-    #: Decode checkpoints put first in their pool's eviction order once
-    #: freed.
+    #: Decode checkpoints ranked as turn ends in their pool's eviction order
+    #: once freed.
     ranked_first: int = 0
     by_request: dict[str, dict[int, DecodeCheckpoint]] = field(default_factory=dict)
 
@@ -169,7 +171,7 @@ class TurnEndRetentionMixin:
             counts.kept += 1
             return
         if previous.block.block_hash == previous.block_hash:
-            manager.block_pool.evict_blocks({previous.block.block_id})
+            rank_entry(manager.block_pool, previous.block, Entry.SUPERSEDED)
             counts.superseded += 1
 
     def _interval_keeps(self, num_tokens: int) -> bool:
@@ -180,27 +182,22 @@ class TurnEndRetentionMixin:
         super().remove_skipped_blocks(request_id, *args, **kwargs)
         latest = self.turn_end_counts.by_request.get(request_id)
         if latest:
-            self._evict_first(latest)
+            self._rank_turn_ends(latest)
 
     def free(self, request_id: str) -> None:
         latest = self.turn_end_counts.by_request.pop(request_id, None)
         super().free(request_id)
         if latest:
-            self._evict_first(latest)
+            self._rank_turn_ends(latest)
 
-    def _evict_first(self, latest: dict[int, DecodeCheckpoint]) -> None:
-        """Put freed decode checkpoints at the head of their pool's LRU
-        queue, so they are the first cached blocks to be evicted.
+    def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:
+        """Rank freed decode checkpoints as turn ends in their pool's
+        eviction order, which evicts them before any other cached block.
 
         Align mode frees the block of a decode edge (retires it) as soon as
-        the request has moved past it, so ranked like any freed block a turn
-        end would be newer than the prompt checkpoints retired before it, and
-        a pool short of blocks would evict those first: a resent prompt would
-        lose its hit to make room for an answer nobody may follow up on
-        (measured: a repeat pass of the benchmark's fixed prompts on tiny
-        ``qwen3_next`` fell from 4,224 to 1,536 cached tokens). At the head a
-        decode checkpoint only ever uses memory no other cache entry wants: it
-        serves a follow-up while the pool has room and goes first when not.
+        the request has moved past it, and the last one when the request
+        ends; :data:`~vllm_hybrid.v1.core.pooled.eviction.PLACES` says where
+        a turn end goes then, and why.
         """
         for group_id, checkpoint in latest.items():
             block = checkpoint.block
@@ -210,9 +207,8 @@ class TurnEndRetentionMixin:
                 or block.block_hash != checkpoint.block_hash
             ):
                 continue  # done, still held, or no longer this checkpoint
-            queue = self.single_type_managers[group_id].block_pool.free_block_queue
-            queue.remove(block)
-            queue.prepend_n([block])
+            pool = self.single_type_managers[group_id].block_pool
+            rank_entry(pool, block, Entry.TURN_END)
             checkpoint.ranked = True
             self.turn_end_counts.ranked_first += 1
 

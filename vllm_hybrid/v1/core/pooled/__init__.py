@@ -5,10 +5,13 @@ Layers, bottom to top (a module imports only from the layers below it):
 ``spec``        arena geometry, pool specs, the pooled KV cache config, PoolKind
 ``usage``       per-pool usage snapshots and their file transport to /metrics
 ``links``       which attention blocks each cached state checkpoint needs
-``free_queue``  the free-block order that keeps the boundary movable
+``eviction``    the eviction order: segments, protection, ranked entries,
+                admission attempts
+``free_queue``  one pool's free blocks, kept in that order
 ``block_pool``  upstream's BlockPool over one pool's movable id range
 ``coupling``    coordinated prefix-cache eviction across the two pools
-``arena``       the two pools and the boundary between them
+``boundary``    the boundary: initial split, floors, moves, admission
+``arena``       the two pools and their boundary, built and checked together
 ``planner``     pure planning: a byte budget and layer specs -> a config
 ``scope``       whether pooled mode applies to a VllmConfig
 ``coordinator`` upstream's coordinators over the arena's pools

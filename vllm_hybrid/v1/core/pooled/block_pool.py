@@ -1,16 +1,18 @@
 """One pool of the arena: upstream's ``BlockPool`` over a movable id range.
 
 Each pool indexes its whole view of the arena (ids stay stable when the
-boundary moves) but owns, frees and hands out only the ids the arena gives it
-(:attr:`ArenaBlockPool.owned_ids`). Prefix-cache events that matter to the
-other pool are reported to the arena's :class:`~.coupling.PrefixCacheCoupling`
-when coupling is on; the pool itself knows nothing of the other pool's rules.
+boundary moves) but owns, frees and hands out only the ids the arena's
+boundary gives it (:attr:`ArenaBlockPool.owned_ids`, changed through
+:meth:`ArenaBlockPool.resize`). Its free queue keeps the order of
+:mod:`.eviction`. Prefix-cache events that matter to the other pool are
+reported to a :class:`PrefixCacheListener` (the coupling) when one listens;
+the pool itself knows nothing of the other pool's rules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -18,15 +20,29 @@ from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.eviction import PLACES, Entry, Place, Reach
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 logger = init_logger(__name__)
 
-#: Prefix hits after which a cached block joins its free queue's protected
-#: segment (handed out last; see :class:`ArenaFreeBlockQueue`). One hit can
-#: be chance (a retried request); two mean the entry is shared or followed up.
-PROTECT_AFTER_HITS = 2
+
+class PoolGrowth(Protocol):
+    """What a pool short of free blocks asks of its arena's boundary."""
+
+    def ensure_side(self, side: PoolKind, need: int) -> bool: ...
+
+
+class PrefixCacheListener(Protocol):
+    """Who hears a pool's prefix-cache events (the coupling of the pools)."""
+
+    def key_cached(
+        self, kind: PoolKind, key: Any, request: Any, num_tokens: int
+    ) -> None: ...
+
+    def keys_left_cache(self, kind: PoolKind, keys: list[Any]) -> None: ...
+
+    def evict_dead(self, kind: PoolKind, blocks: Iterable[KVCacheBlock]) -> None: ...
 
 
 class ArenaBlockPool(BlockPool):
@@ -40,7 +56,6 @@ class ArenaBlockPool(BlockPool):
 
     def __init__(
         self,
-        arena: Any,
         side: PoolKind,
         num_ids: int,
         owned_ids: range,
@@ -49,18 +64,22 @@ class ArenaBlockPool(BlockPool):
         enable_kv_cache_events: bool = False,
         metrics_collector: KVCacheMetricsCollector | None = None,
         medium: str = MEDIUM_GPU,
+        events_of: ArenaBlockPool | None = None,
     ) -> None:
-        self.arena = arena
         self.side = side
-        self.owned_ids = owned_ids
+        self._owned_ids = owned_ids
+        #: another pool whose KV cache events this one hands out with its own
+        self._events_of = events_of
+        #: the boundary this pool asks for blocks when short (set by the arena)
+        self.growth: PoolGrowth | None = None
+        #: who hears this pool's prefix-cache events (set by the arena)
+        self.listener: PrefixCacheListener | None = None
         #: block the next one-block allocation returns (see lend_in_place)
         self._lent: KVCacheBlock | None = None
         #: request whose blocks are being cached (state side: links them)
         self._caching: Any = None
         #: keys are being re-pointed to another block, not leaving the cache
         self._moving = False
-        #: prefix hits per cached block id since it was cached
-        self._hits: dict[int, int] = {}
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -81,41 +100,40 @@ class ArenaBlockPool(BlockPool):
         pool (its ``block_pool``, the token pool). Events keep their group
         index, so consumers still see which pool a block belongs to."""
         events = super().take_events()
-        if self.side is PoolKind.TOKEN:
-            events.extend(self.arena.state_pool.take_events())
+        if self._events_of is not None:
+            events.extend(self._events_of.take_events())
         return events
 
     def _new_free_queue(self) -> ArenaFreeBlockQueue:
         return ArenaFreeBlockQueue(
             (self.blocks[i] for i in self.owned_ids if self.blocks[i].ref_cnt == 0),
             low_ids_first=self.side is PoolKind.TOKEN,
-            protected=self.is_proven,
         )
-
-    def is_proven(self, block: KVCacheBlock) -> bool:
-        """Whether a cached block served :data:`PROTECT_AFTER_HITS` prefix
-        hits since it was cached."""
-        return self._hits.get(block.block_id, 0) >= PROTECT_AFTER_HITS
-
-    def hit_counts(self) -> dict[int, int]:
-        """Prefix hits per cached block id since it was cached (a copy)."""
-        return dict(self._hits)
 
     def touch(self, blocks: Any) -> None:
         """Upstream's touch (a prefix hit takes a reference), counting the
-        hit of every cached block."""
+        hit of every cached block for the eviction order."""
+        policy = self.free_block_queue.policy
         for block in blocks:
-            if block.block_hash is not None and not block.is_null:
-                self._hits[block.block_id] = self._hits.get(block.block_id, 0) + 1
+            policy.record_hit(block)
         super().touch(blocks)
+
+    @property
+    def owned_ids(self) -> range:
+        """Ids this pool owns now (the boundary changes them by :meth:`resize`)."""
+        return self._owned_ids
 
     @property
     def owned_capacity(self) -> int:
         """Blocks this pool owns now (null and reserved ids never count)."""
-        return len(self.owned_ids)
+        return len(self._owned_ids)
 
     def get_num_used_blocks(self) -> int:
         return self.owned_capacity - self.get_num_free_blocks()
+
+    def get_num_free_within(self, reach: Reach) -> int:
+        """Free blocks an allocation of ``reach`` may take (see :mod:`.eviction`)."""
+        return self.free_block_queue.num_free_within(reach)
 
     def get_usage(self) -> float:
         """Used share of the owned blocks (upstream divides by the id space)."""
@@ -152,32 +170,31 @@ class ArenaBlockPool(BlockPool):
         self, block_hash_with_group_id: Any, block: KVCacheBlock, num_tokens: int | None
     ) -> None:
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
-        coupling = self.arena.coupling
-        if coupling is not None and self._caching is not None and num_tokens:
-            coupling.key_cached(
+        listener = self.listener
+        if listener is not None and self._caching is not None and num_tokens:
+            listener.key_cached(
                 self.side, block_hash_with_group_id, self._caching, num_tokens
             )
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[Any]:
         removed = super()._remove_cached_block_hashes(block)
-        coupling = self.arena.coupling
-        if coupling is not None and not self._moving:
+        listener = self.listener
+        if listener is not None and not self._moving:
             gone = [
                 k
                 for k in removed
                 if self.cached_block_hash_to_block.get_one_block(k) is None
             ]
             if gone:
-                coupling.keys_left_cache(self.side, gone)
+                listener.keys_left_cache(self.side, gone)
         return removed
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)
-        coupling = self.arena.coupling
-        if coupling is not None:
+        if self.listener is not None:
             # upstream routes blocks of another pool there (their own check)
-            coupling.evict_dead(self.side, (b for b in blocks if b.pool is self))
+            self.listener.evict_dead(self.side, (b for b in blocks if b.pool is self))
 
     def lend_in_place(self, block: KVCacheBlock | None) -> None:
         """Make the next one-block allocation return ``block`` itself.
@@ -191,26 +208,37 @@ class ArenaBlockPool(BlockPool):
         self._lent = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation, after asking the arena to move the boundary
-        in this pool's favour when it is short (may still raise ValueError)."""
+        """Upstream's allocation, after asking the boundary to move in this
+        pool's favour when it is short (may still raise ValueError)."""
         lent, self._lent = self._lent, None
         if lent is not None and num_blocks == 1:
             assert lent.ref_cnt >= 1 and not lent.is_null
             self._maybe_evict_cached_block(lent)
             lent.ref_cnt += 1
             return [lent]
-        if num_blocks > self.get_num_free_blocks():
-            self.arena.ensure_side(self.side, num_blocks)
+        if num_blocks > self.get_num_free_blocks() and self.growth is not None:
+            self.growth.ensure_side(self.side, num_blocks)
         return super().get_new_blocks(num_blocks)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
         if block.block_hash is None:
-            self._hits.pop(block.block_id, None)
+            self.free_block_queue.policy.forget(block)
         if evicted:
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
         return evicted
+
+    def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None:
+        """Put a free cached block where the eviction order wants ``entry``
+        (see :mod:`.eviction`); a block in use is left alone."""
+        if block.ref_cnt or block.is_null or block.block_hash is None:
+            return
+        place = PLACES[entry]
+        if place is Place.EVICT:
+            self._maybe_evict_cached_block(block)
+        else:
+            self.free_block_queue.place(block, place)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every prefix-cache entry if all owned blocks are free.
@@ -226,7 +254,25 @@ class ArenaBlockPool(BlockPool):
                 used,
             )
             return False
-        self._clear_prefix_cache()
+        listener = self.listener
+        keys = self.cached_keys() if listener is not None else []
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
+        if self._reuse_watchers:
+            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
+        for block in self.blocks:
+            block.reset_hash()
+        # Every free block is clean now, and no hit counts: a fresh queue.
+        self.free_block_queue = self._new_free_queue()
+        if self.metrics_collector:
+            self.metrics_collector.reset()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        if keys:
+            # The other pool may have been reset too, or be busy: drop what
+            # this pool's keys meant to it either way.
+            listener.keys_left_cache(self.side, keys)
+        logger.info("Prefix cache of the %s pool reset", self.side.value)
         return True
 
     def cached_keys(self) -> list[Any]:
@@ -242,47 +288,25 @@ class ArenaBlockPool(BlockPool):
             return [held]
         return list(held.values())
 
-    def evict_free(self, block: KVCacheBlock) -> None:
-        """Drop a free block's prefix-cache entries (it is reused first)."""
-        self._maybe_evict_cached_block(block)
+    # -- boundary moves ------------------------------------------------------
 
-    def _clear_prefix_cache(self) -> None:
-        coupling = self.arena.coupling
-        keys = self.cached_keys() if coupling is not None else []
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
-        self.cached_block_hashes_by_block.clear()
+    def resize(self, owned_ids: range) -> None:
+        """Own ``owned_ids`` from now on (a boundary move).
+
+        Ids leaving must be free; their cached entries are evicted (with the
+        usual ``BlockRemoved`` events). Ids arriving come from the other pool
+        and must be clean from this pool's view; they join as clean blocks.
+        """
+        old = self._owned_ids
+        leaving = [self.blocks[i] for i in old if i not in owned_ids]
+        arriving = [self.blocks[i] for i in owned_ids if i not in old]
         if self._reuse_watchers:
-            self._notify_reuse([self.blocks[i] for i in list(self._reuse_watchers)])
-        for block in self.blocks:
-            block.reset_hash()
-        self._hits.clear()
-        # Every free block is clean now: rebuild rather than re-file one by one.
-        self.free_block_queue = self._new_free_queue()
-        if self.metrics_collector:
-            self.metrics_collector.reset()
-        if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
-        if keys:
-            # The other pool may have been reset too, or be busy: drop what
-            # this pool's keys meant to it either way.
-            coupling.keys_left_cache(self.side, keys)
-        logger.info("Prefix cache of the %s pool reset", self.side.value)
-
-    # -- boundary moves (called by the arena only) -------------------------
-
-    def _give_away(self, ids: range) -> None:
-        """Drop free owned ``ids`` from this pool; cached ones are evicted."""
-        blocks = [self.blocks[i] for i in ids]
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
-        for block in blocks:
+            self._notify_reuse(leaving)
+        for block in leaving:
             assert block.ref_cnt == 0, f"block {block.block_id} is in use"
             self._maybe_evict_cached_block(block)
             self.free_block_queue.remove(block)
-
-    def _take_over(self, ids: range) -> None:
-        """Add never-used (from this pool's view) ``ids`` as clean free blocks."""
-        blocks = [self.blocks[i] for i in ids]
-        for block in blocks:
+        for block in arriving:
             assert block.ref_cnt == 0 and block.block_hash is None
-        self.free_block_queue.append_n(blocks)
+        self._owned_ids = owned_ids
+        self.free_block_queue.append_n(arriving)

@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.boundary import Admission
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
@@ -104,6 +105,7 @@ class PooledCoordinatorMixin:
     ) -> int:
         """Token-pool blocks to allocate, after securing both pools.
 
+        The arena's boundary decides admission (:meth:`ArenaBoundary.admit`).
         Upstream compares the returned count with the token pool's free
         blocks; an allocation the arena cannot serve returns one more than
         that, so upstream's "cannot allocate" path runs unchanged.
@@ -131,29 +133,20 @@ class PooledCoordinatorMixin:
         for kind, n in zip(self._group_kind, needs, strict=True):
             need[kind] += n
         need_token, need_state = need[PoolKind.TOKEN], need[PoolKind.STATE]
-        refuse = self.block_pool.get_num_free_blocks() + 1
-        if need_state > self.arena.state_pool.num_gpu_blocks:
-            # upstream's deferred-hit sentinel: not this step
-            return refuse
         # Prefix hits are touched only after this check; a boundary move must
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
-        if self.arena.ensure(need_token, need_state, keep=hits, spare_protected=True):
-            return need_token
-        # Short of memory, or served only by evicting entries that proved
-        # their worth: let a running request cross a state block edge in
-        # place (see _in_place_blocks). Its new checkpoint has served no hit
-        # yet; a protected entry has served several.
         in_place = self._in_place_blocks(request_id, needs)
-        if in_place and self.arena.ensure(
-            need_token, need_state - len(in_place), keep=hits
-        ):
+        admission = self.arena.boundary.admit(
+            need_token, need_state, keep=hits, in_place=len(in_place)
+        )
+        if admission is Admission.REFUSED:
+            # upstream's "cannot allocate": more than the token pool has free
+            return self.block_pool.get_num_free_blocks() + 1
+        if admission is Admission.IN_PLACE:
             self._in_place[request_id] = in_place
             self.short_memory_counts["state_in_place"] += 1
-            return need_token
-        if self.arena.ensure(need_token, need_state, keep=hits):
-            return need_token
-        return refuse
+        return need_token
 
     # -- short of memory: one state block per request -------------------------
 
@@ -167,11 +160,11 @@ class PooledCoordinatorMixin:
         At a state block edge align mode hands a running request a fresh
         state block, copies the running state into it and keeps the old block
         (a prefix-cache checkpoint) until the next step: two state blocks per
-        request. When the arena cannot serve that, or only by evicting a
-        protected cache entry, the request advances its
-        state in the block it already owns instead (that block leaves the
-        prefix cache, its content moves on). Only a checkpoint is lost; a lone
-        request then needs one state block, as with prefix caching off.
+        request. When admission takes this way (see ``eviction.ADMISSION``),
+        the request advances its state in the block it already owns instead
+        (that block leaves the prefix cache, its content moves on). Only a
+        checkpoint is lost; a lone request then needs one state block, as
+        with prefix caching off.
         """
         found: dict[int, KVCacheBlock] = {}
         for i, manager in enumerate(self.single_type_managers):

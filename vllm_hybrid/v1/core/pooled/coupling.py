@@ -6,7 +6,8 @@ taken at exactly ``N`` (state pool). Each pool evicts from its own LRU list,
 so without coordination one pool keeps entries the other has already made
 useless. :class:`PrefixCacheCoupling` listens to both pools' cache events,
 keeps :class:`~.links.CheckpointLinks` up to date and evicts (makes clean, so
-they are reused first) the free blocks the links show to be dead:
+they are reused first, as :mod:`.eviction` places dead entries) the free
+blocks the links show to be dead:
 
 * a free token block is dead when it belongs to a full-attention group, holds
   exactly one full-block key and no cached checkpoint needs that key (this
@@ -27,6 +28,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id
 
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.eviction import Entry
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
@@ -93,7 +95,7 @@ class PrefixCacheCoupling:
         pool = self.pools[kind]
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null and self.is_dead(kind, block):
-                pool.evict_free(block)
+                pool.rank_entry(block, Entry.DEAD)
                 self.evictions[kind] += 1
 
     # -- rules ----------------------------------------------------------------

@@ -1,98 +1,110 @@
 """The free-block queue of one arena pool.
 
 The order in which free blocks are handed out is what keeps the arena's
-boundary movable: clean blocks farthest from the boundary go first, blocks
-next to it last (see :mod:`.arena`).
+boundary movable and the useful prefix-cache entries cached; the order itself
+is :mod:`.eviction`'s, this module keeps blocks in it.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_hybrid.v1.core.pooled.eviction import (
+    HAND_OUT_ORDER,
+    SPARED,
+    EvictionPolicy,
+    Place,
+    Reach,
+    Segment,
+)
+
 
 class ArenaFreeBlockQueue:
-    """Free blocks of one arena pool, in the order the arena wants them reused.
+    """Free blocks of one arena pool, in the order of :mod:`.eviction`.
 
     Same interface as upstream's ``FreeKVCacheBlockQueue`` as ``BlockPool`` and
-    the simple KV offloader use it, different order:
+    the simple KV offloader use it, different order: one segment per
+    :class:`~.eviction.Segment`, handed out in ``HAND_OUT_ORDER``.
 
-    1. *clean* blocks (no prefix-cache hash) first, farthest from the boundary
-       first: a min-heap of ids (token side) or of negated ids (state side) with
-       lazy deletion, so every operation is O(log n) amortised;
-    2. then *cached* blocks (hash set), least recently freed first. Upstream's
-       ``append_n`` puts them at the LRU tail and ``prepend_n`` at the head,
-       in the given order; both are kept;
-    3. cached blocks that ``protected`` picks (entries that served several
-       prefix hits) form a second LRU segment, handed out only when the
-       first is empty: a segmented LRU, so a burst of one-off entries (new
-       prompts, answers nobody follows up) cannot flush entries that proved
-       their worth.
+    * the clean segment is a min-heap of ids (token side) or of negated ids
+      (state side) with lazy deletion, so every operation is O(log n)
+      amortised: farthest from the boundary first;
+    * each cached segment is an LRU list. Upstream's ``append_n`` puts blocks
+      at its tail and ``prepend_n`` at its head, in the given order; both are
+      kept.
 
-    A block is filed by its hash when it enters the queue; :meth:`refile` moves
-    it when its hash changes while free (eviction by id, cache reset). The
-    ``prev_free_block``/``next_free_block`` links of blocks are not used.
+    A block is filed by :meth:`EvictionPolicy.segment_of` when it enters the
+    queue; :meth:`refile` moves it when its hash changes while free (eviction
+    by id, cache reset). The ``prev_free_block``/``next_free_block`` links of
+    blocks are not used.
     """
 
-    def __init__(
-        self,
-        blocks: Iterable[KVCacheBlock],
-        low_ids_first: bool,
-        protected: Callable[[KVCacheBlock], bool] | None = None,
-    ) -> None:
+    def __init__(self, blocks: Iterable[KVCacheBlock], low_ids_first: bool) -> None:
         self.low_ids_first = low_ids_first
-        self._is_protected = protected or (lambda block: False)
+        #: the order's per-pool state (prefix hits per cached block)
+        self.policy = EvictionPolicy()
         self._clean: dict[int, KVCacheBlock] = {}
         self._heap: list[int] = []
-        self._cached: OrderedDict[int, KVCacheBlock] = OrderedDict()
-        self._protected: OrderedDict[int, KVCacheBlock] = OrderedDict()
+        self._lru: dict[Segment, OrderedDict[int, KVCacheBlock]] = {
+            segment: OrderedDict() for segment in HAND_OUT_ORDER
+        }
+        del self._lru[Segment.CLEAN]
         self.append_n(list(blocks))
 
     # -- read side --------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._clean) + len(self._cached) + len(self._protected)
+        return len(self._clean) + sum(len(lru) for lru in self._lru.values())
 
-    @property
-    def num_protected_blocks(self) -> int:
-        """Free blocks in the protected segment (handed out last)."""
-        return len(self._protected)
+    def num_free_within(self, reach: Reach) -> int:
+        """Free blocks an allocation of ``reach`` may take."""
+        return self.num_free_blocks - sum(len(self._segment(s)) for s in SPARED[reach])
+
+    def spared_ids(self, reach: Reach) -> list[int]:
+        """Ids of free blocks an allocation of ``reach`` must leave alone."""
+        return [bid for s in SPARED[reach] for bid in self._ids_of(s)]
 
     def __len__(self) -> int:
         return self.num_free_blocks
 
     def __contains__(self, block: KVCacheBlock) -> bool:
-        bid = block.block_id
-        return any(
-            segment.get(bid) is block
-            for segment in (self._clean, self._cached, self._protected)
-        )
+        return self._holder(block) is not None
 
     def is_protected(self, block: KVCacheBlock) -> bool:
         """Whether ``block`` is free in the protected segment."""
-        return self._protected.get(block.block_id) is block
+        return self._lru[Segment.PROTECTED].get(block.block_id) is block
 
     def clean_ids(self) -> list[int]:
         """Ids of clean free blocks, in hand-out order."""
         return sorted(self._clean, reverse=not self.low_ids_first)
 
     def cached_ids(self) -> list[int]:
-        """Ids of cached free blocks, in hand-out order (LRU, then the
-        protected segment's LRU)."""
-        return list(self._cached) + list(self._protected)
+        """Ids of cached free blocks, in hand-out order."""
+        return [
+            bid
+            for s in HAND_OUT_ORDER
+            if s is not Segment.CLEAN
+            for bid in self._ids_of(s)
+        ]
 
     def protected_ids(self) -> list[int]:
         """Ids of the protected segment, in hand-out order."""
-        return list(self._protected)
+        return list(self._lru[Segment.PROTECTED])
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
-        clean = [self._clean[bid] for bid in self.clean_ids()]
-        return clean + list(self._cached.values()) + list(self._protected.values())
+        out: list[KVCacheBlock] = []
+        for segment in HAND_OUT_ORDER:
+            if segment is Segment.CLEAN:
+                out += [self._clean[bid] for bid in self.clean_ids()]
+            else:
+                out += list(self._lru[segment].values())
+        return out
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
         """Free blocks in hand-out order after ``cursor`` (from the start if
@@ -110,14 +122,10 @@ class ArenaFreeBlockQueue:
     # -- write side -------------------------------------------------------
 
     def popleft(self) -> KVCacheBlock:
-        while self._heap:
-            bid = self._key_to_id(heapq.heappop(self._heap))
-            block = self._clean.pop(bid, None)
+        for segment in HAND_OUT_ORDER:
+            block = self._pop_first(segment)
             if block is not None:
                 return block
-        for segment in (self._cached, self._protected):
-            if segment:
-                return segment.popitem(last=False)[1]
         raise ValueError("No free blocks available in the arena pool")
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -128,16 +136,12 @@ class ArenaFreeBlockQueue:
         return [self.popleft() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
-        bid = block.block_id
-        if self._clean.get(bid) is block:
-            del self._clean[bid]  # its heap entry goes stale
-            self._maybe_compact()
-        elif self._cached.get(bid) is block:
-            del self._cached[bid]
-        elif self._protected.get(bid) is block:
-            del self._protected[bid]
-        else:
-            raise RuntimeError(f"remove() of block {bid}, which is not free")
+        holder = self._holder(block)
+        if holder is None:
+            raise RuntimeError(f"remove() of block {block.block_id}, which is not free")
+        del holder[block.block_id]
+        if holder is self._clean:
+            self._maybe_compact()  # its heap entry goes stale
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -145,54 +149,75 @@ class ArenaFreeBlockQueue:
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
         for block in blocks:
             self._check_absent(block)
-            if block.block_hash is None:
-                self._push_clean(block)
-            else:
-                self._segment_of(block)[block.block_id] = block
+            self._file(block, Place.TAIL)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
-        cached = []
-        for block in blocks:
+        # Filed in reverse, each at its segment's head: first given first.
+        for block in reversed(blocks):
             self._check_absent(block)
-            if block.block_hash is None:
-                self._push_clean(block)
-            else:
-                cached.append(block)
-        # Put the cached ones at their segment's LRU head, first given first.
-        for block in reversed(cached):
-            segment = self._segment_of(block)
-            segment[block.block_id] = block
-            segment.move_to_end(block.block_id, last=False)
+            self._file(block, Place.HEAD)
+
+    def place(self, block: KVCacheBlock, place: Place) -> None:
+        """Move a free cached block to the head or tail of its segment."""
+        self.remove(block)
+        self._file(block, place)
 
     def refile(self, block: KVCacheBlock) -> None:
         """Re-file a free block whose hash changed; no-op if not free."""
-        bid = block.block_id
-        if block.block_hash is None:
-            for segment in (self._cached, self._protected):
-                if segment.get(bid) is block:
-                    del segment[bid]
-                    self._push_clean(block)
-        elif self._clean.get(bid) is block:
-            del self._clean[bid]
-            self._segment_of(block)[bid] = block
+        holder = self._holder(block)
+        if holder is None:
+            return
+        if (holder is self._clean) != (block.block_hash is None):
+            del holder[block.block_id]
+            self._file(block, Place.TAIL)
 
     # -- helpers ----------------------------------------------------------
+
+    def _segment(self, segment: Segment) -> dict[int, KVCacheBlock]:
+        return self._clean if segment is Segment.CLEAN else self._lru[segment]
+
+    def _ids_of(self, segment: Segment) -> list[int]:
+        if segment is Segment.CLEAN:
+            return self.clean_ids()
+        return list(self._lru[segment])
+
+    def _holder(self, block: KVCacheBlock) -> dict[int, KVCacheBlock] | None:
+        bid = block.block_id
+        for held in (self._clean, *self._lru.values()):
+            if held.get(bid) is block:
+                return held
+        return None
+
+    def _file(self, block: KVCacheBlock, place: Place) -> None:
+        segment = self.policy.segment_of(block)
+        if segment is Segment.CLEAN:
+            self._clean[block.block_id] = block
+            heapq.heappush(self._heap, self._id_to_key(block.block_id))
+            return
+        lru = self._lru[segment]
+        lru[block.block_id] = block
+        if place is Place.HEAD:
+            lru.move_to_end(block.block_id, last=False)
+
+    def _pop_first(self, segment: Segment) -> KVCacheBlock | None:
+        if segment is not Segment.CLEAN:
+            lru = self._lru[segment]
+            return lru.popitem(last=False)[1] if lru else None
+        while self._heap:
+            bid = self._key_to_id(heapq.heappop(self._heap))
+            block = self._clean.pop(bid, None)
+            if block is not None:
+                return block
+        return None
 
     def _id_to_key(self, bid: int) -> int:
         return bid if self.low_ids_first else -bid
 
     _key_to_id = _id_to_key  # negation is its own inverse
 
-    def _segment_of(self, block: KVCacheBlock) -> OrderedDict[int, KVCacheBlock]:
-        return self._protected if self._is_protected(block) else self._cached
-
-    def _push_clean(self, block: KVCacheBlock) -> None:
-        self._clean[block.block_id] = block
-        heapq.heappush(self._heap, self._id_to_key(block.block_id))
-
     def _check_absent(self, block: KVCacheBlock) -> None:
         bid = block.block_id
-        if bid in self._clean or bid in self._cached or bid in self._protected:
+        if bid in self._clean or any(bid in lru for lru in self._lru.values()):
             raise RuntimeError(f"block {bid} is already in the free queue")
 
     def _maybe_compact(self) -> None:

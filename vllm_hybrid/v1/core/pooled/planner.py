@@ -25,10 +25,14 @@ from dataclasses import dataclass
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor, MambaSpec
 
+from vllm_hybrid.v1.core.pooled.boundary import (
+    initial_state_blocks,
+    max_token_blocks,
+    plan_arena_layout,
+)
 from vllm_hybrid.v1.core.pooled.layers import PoolLayers, PoolSplit
 from vllm_hybrid.v1.core.pooled.spec import (
     VIEW_ALIGNMENT_BYTES,
-    ArenaLayout,
     KVPoolSpec,
     PooledKVCacheConfig,
     PoolKind,
@@ -147,12 +151,9 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     per_req = max_state_blocks_per_request(state.spec)
     lone = min_state_blocks_per_request(state.spec)
     arena = budget.aligned_arena_bytes
-    # Start with room for max_num_seqs requests' states (at most half the
-    # arena); the boundary moves on demand from there.
-    state_target = max(per_req, min(budget.max_num_seqs * per_req, (arena // 2) // sb))
-    layout = _layout(
-        arena, tb, sb, lone, budget.null_blocks_overlap, arena - state_target * sb
-    )
+    # The boundary's start and floors; it moves on demand from there.
+    start = initial_state_blocks(arena, sb, per_req, budget.max_num_seqs)
+    layout = plan_arena_layout(arena, tb, sb, lone, budget.null_blocks_overlap, start)
     needed_blocks = cdiv(budget.max_model_len, block_size)
     if layout is None or max_token_blocks(layout) < needed_blocks:
         shortfall = _shortfall(tb, sb, block_size, lone, budget)
@@ -200,36 +201,6 @@ def _check_alignment(tensors: list[KVCacheTensor]) -> None:
                 )
 
 
-def _layout(
-    arena: int, tb: int, sb: int, per_req: int, overlap: bool, boundary: int
-) -> ArenaLayout | None:
-    """The arena geometry, or None when the minimums do not fit at all.
-
-    ``boundary`` is only a wish: if it violates a floor, the boundary that
-    leaves the state pool exactly its floor is used instead.
-    """
-    offset = arena % sb if overlap else 0
-    for candidate in (boundary, offset + (arena // sb - per_req) * sb):
-        try:
-            return ArenaLayout(
-                arena_bytes=arena,
-                token_block_bytes=tb,
-                state_block_bytes=sb,
-                min_token_blocks=1,
-                min_state_blocks=per_req,
-                initial_boundary=max(0, candidate),
-                null_blocks_overlap=overlap,
-            )
-        except ValueError:
-            continue
-    return None
-
-
-def max_token_blocks(layout: ArenaLayout) -> int:
-    """Token blocks one request can use: the state pool at its floor."""
-    return layout.token_capacity_at(layout.max_state_floor)
-
-
 def auto_fit_max_model_len(split: PoolSplit, budget: PooledBudget) -> int:
     """Longest ``max_model_len`` one request can use in this budget (for
     ``--max-model-len -1``), capped at ``budget.max_model_len``."""
@@ -268,7 +239,7 @@ def max_model_len_that_fits(
 ) -> int:
     """Longest sequence one request can hold in ``arena`` bytes (exact: block
     ids and the state-block-aligned boundary included)."""
-    layout = _layout(arena, tb, sb, per_req, overlap, arena - per_req * sb)
+    layout = plan_arena_layout(arena, tb, sb, per_req, overlap, per_req)
     return 0 if layout is None else max_token_blocks(layout) * block_size
 
 

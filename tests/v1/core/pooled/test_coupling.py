@@ -314,7 +314,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         n = len(hashes)
         points = data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="ckpt")
         tok, sta = arena.token_pool, arena.state_pool
-        if not arena.ensure(n, len(points)):
+        if not arena.boundary.ensure(n, len(points)):
             return
         # Like a request: reuse the cached prefix, compute the rest.
         hit: list[KVCacheBlock] = []
@@ -350,7 +350,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         retention evicts that previous decode checkpoint."""
         req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="who")]
         arena = self.arena
-        if not arena.ensure(1, 1):
+        if not arena.boundary.ensure(1, 1):
             return
         tok, sta = arena.token_pool, arena.state_pool
         n = len(req.attn)
@@ -379,7 +379,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         # the request's last decode checkpoint goes first in the LRU order
         latest = self.retention.turn_end_counts.by_request.pop(id(req), None)
         if latest:
-            self.retention._evict_first(latest)
+            self.retention._rank_turn_ends(latest)
             self.ranked |= {
                 (c.block.block_id, c.block_hash) for c in latest.values() if c.ranked
             }
@@ -394,7 +394,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
     def allocate_under_pressure(self, data, state_side, n):
         """Plain allocations that pop (and so evict) LRU cached blocks."""
         pool = self.arena.state_pool if state_side else self.arena.token_pool
-        if not self.arena.ensure_side(pool.side, n):
+        if not self.arena.boundary.ensure_side(pool.side, n):
             return
         self.held.append((pool, pool.get_new_blocks(n)))
 

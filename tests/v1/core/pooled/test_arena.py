@@ -35,7 +35,8 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import PROTECT_AFTER_HITS, ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Reach
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -263,7 +264,7 @@ def test_cache_full_blocks_with_fake_request():
 
 def test_token_pool_grows_on_demand():
     arena = make_arena()
-    assert arena.can_allocate(14, 0)
+    assert arena.boundary.can_allocate(14, 0)
     assert arena.boundary_bytes == 50  # can_allocate changes nothing
     got = arena.token_pool.get_new_blocks(14)  # asks the arena itself
     assert ids(got) == list(range(3, 17))
@@ -271,25 +272,25 @@ def test_token_pool_grows_on_demand():
     assert arena.boundary_bytes == 70
     assert arena.token_pool.owned_ids == range(3, 17)
     assert arena.state_pool.owned_ids == range(7, 10)
-    (move,) = arena.take_boundary_moves()
+    (move,) = arena.boundary.take_boundary_moves()
     assert (move.old_boundary, move.new_boundary) == (50, 70)
     assert move.grown is PoolKind.TOKEN
     assert (move.gained_ids, move.lost_ids) == (range(12, 17), range(5, 7))
-    assert arena.take_boundary_moves() == []
+    assert arena.boundary.take_boundary_moves() == []
     arena.check_invariants()
 
 
 def test_state_pool_grows_on_demand_and_back():
     arena = make_arena()
-    assert arena.ensure(0, 7)
+    assert arena.boundary.ensure(0, 7)
     assert arena.boundary_bytes == 30
     assert arena.token_pool.owned_ids == range(3, 7)  # 7 * 4 = 28 <= 30
     assert arena.state_pool.owned_ids == range(3, 10)
     assert free_order(arena.state_pool) == [9, 8, 7, 6, 5, 4, 3]
-    assert arena.ensure(9, 0)
+    assert arena.boundary.ensure(9, 0)
     assert arena.boundary_bytes == 50
     assert arena.token_pool.owned_ids == range(3, 12)
-    assert [m.grown for m in arena.take_boundary_moves()] == [
+    assert [m.grown for m in arena.boundary.take_boundary_moves()] == [
         PoolKind.STATE,
         PoolKind.TOKEN,
     ]
@@ -298,12 +299,12 @@ def test_state_pool_grows_on_demand_and_back():
 
 def test_min_floors_are_respected():
     arena = make_arena()
-    assert not arena.can_allocate(0, 9)  # token pool would keep 1 < 2 blocks
-    assert not arena.ensure(0, 9)
-    assert arena.ensure(0, 8)
+    assert not arena.boundary.can_allocate(0, 9)  # token pool would keep 1 < 2 blocks
+    assert not arena.boundary.ensure(0, 9)
+    assert arena.boundary.ensure(0, 8)
     assert arena.token_pool.owned_ids == range(3, 5)  # exactly the floor
-    assert not arena.ensure(18, 0)  # state pool would keep 1 < 2 blocks
-    assert arena.ensure(17, 0)  # state floor 8: 80 B, token ids 3..19
+    assert not arena.boundary.ensure(18, 0)  # state pool would keep 1 < 2 blocks
+    assert arena.boundary.ensure(17, 0)  # state floor 8: 80 B, token ids 3..19
     assert (arena.token_capacity, arena.state_capacity) == (17, 2)
     with pytest.raises(ValueError, match="Cannot get 18 free blocks from the pool"):
         arena.token_pool.get_new_blocks(18)
@@ -312,10 +313,10 @@ def test_min_floors_are_respected():
 
 def test_other_pool_keeps_its_need():
     arena = make_arena()
-    assert arena.can_allocate(14, 3)  # state floor 7 leaves 3 state blocks
-    assert not arena.can_allocate(14, 4)
-    assert not arena.can_allocate(10, 6)  # both short: no move helps
-    assert arena.ensure(14, 3)
+    assert arena.boundary.can_allocate(14, 3)  # state floor 7 leaves 3 state blocks
+    assert not arena.boundary.can_allocate(14, 4)
+    assert not arena.boundary.can_allocate(10, 6)  # both short: no move helps
+    assert arena.boundary.ensure(14, 3)
     assert arena.state_pool.get_num_free_blocks() == 3
 
 
@@ -340,15 +341,15 @@ def test_live_token_block_at_boundary_pins_it():
     cache(tok, held[7], b"c")  # id 10, cached and free: evictable
     tok.free_blocks(held[:8])  # keep id 11 live
     before = snapshot(arena)
-    assert not arena.can_allocate(0, 6)  # would need token ids 10, 11
-    assert not arena.ensure(0, 6)
+    assert not arena.boundary.can_allocate(0, 6)  # would need token ids 10, 11
+    assert not arena.boundary.ensure(0, 6)
     with pytest.raises(ValueError, match="Cannot get 6 free blocks from the pool"):
         arena.state_pool.get_new_blocks(6)
     assert snapshot(arena) == before  # all-or-nothing
     assert tok.get_cached_block(BlockHash(b"c"), [0]) == [tok.blocks[10]]
 
     tok.free_blocks([held[8]])
-    assert arena.ensure(0, 6)
+    assert arena.boundary.ensure(0, 6)
     assert arena.boundary_bytes == 40
     assert tok.get_cached_block(BlockHash(b"c"), [0]) is None
     arena.check_invariants()
@@ -361,10 +362,10 @@ def test_live_state_block_at_boundary_pins_it():
     assert ids(held) == [9, 8, 7, 6, 5]
     st_.free_blocks(held[:4])  # keep id 5, the one at the boundary
     before = snapshot(arena)
-    assert not arena.ensure(10, 0)
+    assert not arena.boundary.ensure(10, 0)
     assert snapshot(arena) == before
     st_.free_blocks(held[4:])
-    assert arena.ensure(10, 0)
+    assert arena.boundary.ensure(10, 0)
     assert arena.boundary_bytes == 60
 
 
@@ -377,7 +378,7 @@ def test_evicting_cached_block_in_the_way_emits_block_removed():
     assert st_.free_block_queue.cached_ids() == [5]
     assert st_.take_events() == []
 
-    assert arena.ensure(10, 0)
+    assert arena.boundary.ensure(10, 0)
     assert arena.boundary_bytes == 60
     events = st_.take_events()
     assert events == [
@@ -423,7 +424,7 @@ def test_usage_counts_owned_blocks_only():
     arena = make_arena()
     arena.token_pool.get_new_blocks(3)
     assert arena.token_pool.get_usage() == pytest.approx(3 / 9)
-    assert arena.ensure(0, 7)  # token pool now owns 4 blocks, 3 used
+    assert arena.boundary.ensure(0, 7)  # token pool now owns 4 blocks, 3 used
     assert arena.token_pool.get_usage() == pytest.approx(3 / 4)
     assert arena.state_pool.get_usage() == 0.0
 
@@ -576,7 +577,7 @@ class ArenaMachine(RuleBasedStateMachine):
         tok, st_ = self.pools()
         floors = oracle_floors(arena, nt, ns)
         before = snapshot(arena)
-        assert arena.can_allocate(nt, ns) == bool(floors)
+        assert arena.boundary.can_allocate(nt, ns) == bool(floors)
         assert snapshot(arena) == before
         floor = arena.state_floor
         lost_t = lost_s = []
@@ -591,7 +592,7 @@ class ArenaMachine(RuleBasedStateMachine):
         expect_removed = map_entries(tok, lost_t) + map_entries(st_, lost_s)
         self.drain_events()
 
-        ok = arena.ensure(nt, ns)
+        ok = arena.boundary.ensure(nt, ns)
         assert ok == bool(floors)
         if not ok:
             assert snapshot(arena) == before
@@ -624,7 +625,7 @@ class ArenaMachine(RuleBasedStateMachine):
             for i in pool.free_block_queue.protected_ids()
         ]
         before = snapshot(arena)
-        ok = arena.ensure(nt, ns, spare_protected=True)
+        ok = arena.boundary.ensure(nt, ns, reach=Reach.SPARE_PROTECTED)
         assert ok == bool(floors)
         if not ok:
             assert snapshot(arena) == before
@@ -702,7 +703,7 @@ class ArenaMachine(RuleBasedStateMachine):
             pool.touch(hit)
         pool.free_blocks(hit * PROTECT_AFTER_HITS)
         (block,) = hit
-        assert pool.is_proven(block)
+        assert pool.free_block_queue.policy.is_proven(block)
         if block.ref_cnt == 0:
             assert pool.free_block_queue.is_protected(block)
             assert pool.free_block_queue.get_all_free_blocks()[-1] is block
@@ -793,7 +794,7 @@ def test_token_pool_events_include_the_state_pools():
     held = st_.get_new_blocks(5)
     cache(st_, held[4], b"s5")
     st_.free_blocks(held)
-    assert arena.ensure(10, 0)  # evicts the cached state block in the way
+    assert arena.boundary.ensure(10, 0)  # evicts the cached state block in the way
     events = arena.token_pool.take_events()
     assert [type(e) for e in events] == [BlockRemoved]
     assert events[0].group_idx == 1
@@ -809,9 +810,9 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
     st_.free_blocks(held)
     hit = st_.blocks[5]
     before = snapshot(arena)
-    assert not arena.can_allocate(10, 0, keep=[hit])
-    assert not arena.ensure(10, 0, keep=[hit])
+    assert not arena.boundary.can_allocate(10, 0, keep=[hit])
+    assert not arena.boundary.ensure(10, 0, keep=[hit])
     assert snapshot(arena) == before
     assert st_.get_cached_block(BlockHash(b"s5"), [1]) == [hit]
-    assert arena.ensure(10, 0)  # without the hit, the move evicts it
+    assert arena.boundary.ensure(10, 0)  # without the hit, the move evicts it
     arena.check_invariants()

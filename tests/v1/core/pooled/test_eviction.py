@@ -1,0 +1,280 @@
+"""The eviction order (``pooled/eviction.py``) as requests see it.
+
+Cache entries that served ``PROTECT_AFTER_HITS`` prefix hits rest in a
+protected segment of their pool's free queue, handed out after every clean
+and every other cached block. Admission first serves a request without
+touching that segment, then lets a running request cross its state block edge
+in place (losing a checkpoint that has served no hit yet), and only then
+evicts a protected entry.
+
+The tests below drive upstream's ``KVCacheManager`` over a pooled plan the
+way the scheduler does (chunks end on block edges, a new step before each
+allocation) and count what hits afterwards. The plan has one attention and
+one state layer of 8 KiB per block each, 16-token blocks, ``max_num_seqs``
+1: a 16-block arena whose token pool owns ids 1..13 and whose state pool owns
+ids 14 and 15. The hypothesis machine in ``test_arena.py`` checks the arena
+side of the segments.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_arena import cache, free_order, make_arena
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core import kv_cache_manager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.request import Request
+
+from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm_hybrid.v1.core.pooled import eviction
+from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Reach
+from vllm_hybrid.v1.core.pooled.layers import split_layers
+from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
+
+BLOCK = 16
+MAX_LEN = 12 * BLOCK
+#: A shared prefix of four blocks (a system prompt).
+SHARED = list(range(1, 4 * BLOCK + 1))
+
+
+# ---------------------------------------------------------------------------
+# The segments of one pool
+# ---------------------------------------------------------------------------
+
+
+def test_entries_hit_twice_are_handed_out_last():
+    arena = make_arena()
+    pool = arena.token_pool
+    blocks = pool.get_new_blocks(3)  # ids 3, 4, 5
+    for block, name in zip(blocks, (b"once", b"twice", b"never"), strict=True):
+        cache(pool, block, name)
+    pool.free_blocks(blocks)
+    pool.touch([blocks[0]])
+    pool.touch([blocks[1]])
+    pool.touch([blocks[1]])
+    pool.free_blocks([blocks[0], blocks[1], blocks[1]])
+    queue = pool.free_block_queue
+    assert PROTECT_AFTER_HITS == 2
+    assert queue.protected_ids() == [4]
+    # clean blocks, then the LRU of ordinary entries, then protected ones
+    assert free_order(pool)[-3:] == [5, 3, 4]
+    assert queue.policy.hit_counts() == {3: 1, 4: 2}
+    arena.check_invariants()
+    # reused (evicted) it starts over
+    pool.evict_blocks({4})
+    assert queue.protected_ids() == [] and queue.policy.hit_counts() == {3: 1}
+    arena.check_invariants()
+
+
+def test_serving_without_protected_entries_spares_them():
+    arena = make_arena()
+    pool = arena.state_pool
+    (block,) = pool.get_new_blocks(1)
+    cache(pool, block, b"shared")
+    pool.free_blocks([block])
+    for _ in range(PROTECT_AFTER_HITS):
+        pool.touch([block])
+    pool.free_blocks([block] * PROTECT_AFTER_HITS)
+    free, floor = pool.get_num_free_blocks(), arena.state_floor
+    # the state pool alone could serve `free` blocks only with the protected
+    # one; sparing it, the arena grows the state pool by one block instead
+    assert arena.boundary.ensure(0, free, reach=Reach.SPARE_PROTECTED)
+    assert arena.state_floor == floor - 1
+    got = pool.get_new_blocks(free)
+    assert block not in got
+    assert pool.free_block_queue.is_protected(block) and block.block_hash is not None
+    arena.check_invariants()
+    # with nothing left to spare it, it goes like any cached block
+    pool.free_blocks(got)
+    everything = pool.get_num_free_blocks() + arena.token_pool.get_num_free_blocks()
+    assert not arena.boundary.ensure(0, everything, reach=Reach.SPARE_PROTECTED)
+
+
+# ---------------------------------------------------------------------------
+# Requests through upstream's KV cache manager
+# ---------------------------------------------------------------------------
+
+
+def _plan(arena_blocks: int, max_num_seqs: int):
+    specs = {
+        "model.layers.0": MambaSpec(
+            block_size=BLOCK,
+            shapes=((2048,),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+        ),
+        "model.layers.1": FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32
+        ),
+    }
+    split = split_layers(specs)
+    assert split.token.block_bytes == split.state.block_bytes == 8192
+    budget = PooledBudget(
+        arena_bytes=arena_blocks * 8192,
+        max_model_len=MAX_LEN,
+        max_num_seqs=max_num_seqs,
+        null_blocks_overlap=True,
+    )
+    return plan_pooled_kv_cache(split, budget)
+
+
+class Driver:
+    """Upstream's ``KVCacheManager`` over a pooled plan, driven the way the
+    scheduler drives it."""
+
+    def __init__(self, arena_blocks: int = 16, max_num_seqs: int = 1) -> None:
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(BLOCK, sha256)
+        self.manager = kv_cache_manager.KVCacheManager(
+            _plan(arena_blocks, max_num_seqs),
+            max_model_len=MAX_LEN,
+            scheduler_block_size=BLOCK,
+            hash_block_size=BLOCK,
+            enable_caching=True,
+        )
+        self.coordinator = self.manager.coordinator
+        self.arena = self.coordinator.arena
+
+    def request(self, name: str, tokens: list[int]) -> Request:
+        params = SamplingParams(max_tokens=8)
+        return Request(name, tokens, params, None, block_hasher=self.hasher)
+
+    def admit(self, request: Request) -> int | None:
+        """Schedule the prompt up to its last block edge (or all of it after
+        a hit there); the tokens it hit, or None if refused."""
+        self.manager.new_step_starts()
+        blocks, hit, _ = self.manager.get_computed_blocks(request)
+        edge = request.num_tokens // BLOCK * BLOCK
+        chunk = edge - hit if edge > hit else request.num_tokens - hit
+        if self.manager.allocate_slots(request, chunk, hit, blocks) is None:
+            return None
+        request.num_computed_tokens = hit + chunk
+        return hit
+
+    def step(self, request: Request) -> bool:
+        """Schedule the rest of the prompt; whether it was admitted."""
+        self.manager.new_step_starts()
+        rest = request.num_tokens - request.num_computed_tokens
+        if self.manager.allocate_slots(request, rest) is None:
+            return False
+        request.num_computed_tokens = request.num_tokens
+        return True
+
+    def serve(self, request: Request) -> int:
+        """Run a prompt to its end and free it; the tokens it hit."""
+        hit = self.admit(request)
+        assert hit is not None
+        if request.num_computed_tokens < request.num_tokens:
+            assert self.step(request)
+        self.manager.free(request)
+        return hit
+
+    def share(self, users: int) -> None:
+        """``users`` requests of SHARED plus one token each, one after the
+        other: the first computes the prefix, the others hit it."""
+        for i in range(users):
+            hit = self.serve(self.request(f"shared{i}", [*SHARED, 100 + i]))
+            assert hit == (0 if i == 0 else len(SHARED))
+
+    def hits_shared(self) -> int:
+        return self.serve(self.request("probe", [*SHARED, 99]))
+
+
+def _one_off(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200, 900) for _ in range(length)]
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    # the pooled coordinators, as the overlay's registry installs them
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    return Driver()
+
+
+@pytest.mark.parametrize("protect_after", [PROTECT_AFTER_HITS, 10**9])
+def test_a_shared_prefix_outlives_a_burst_of_one_off_prompts(
+    monkeypatch, protect_after
+):
+    """Three requests share a 64-token prefix, then five one-off prompts of
+    seven blocks each pass through the 11 token blocks (room for two
+    requests' states leaves the state pool 4 blocks). Protected after its two
+    hits, the prefix still hits 64 tokens; in one LRU with the one-offs it is
+    the oldest entry and the first one-off evicts it."""
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    monkeypatch.setattr(eviction, "PROTECT_AFTER_HITS", protect_after)
+    driver = Driver(max_num_seqs=2)
+    assert driver.arena.token_capacity == 11
+    driver.share(3)
+    token_queue = driver.arena.token_pool.free_block_queue
+    protected = token_queue.protected_ids()
+    assert protected == ([4, 3, 2, 1] if protect_after == 2 else [])
+    for i in range(5):
+        driver.serve(driver.request(f"once{i}", _one_off(6 * BLOCK + 1, i)))
+    assert driver.hits_shared() == (64 if protect_after == 2 else 0)
+    driver.arena.check_invariants()
+
+
+def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(driver):
+    """After the shared prefix, the state pool holds its protected checkpoint
+    and one clean block; a 129-token prompt takes the clean one and eight
+    token blocks, leaving one token block free. At its edge (token 128) it
+    needs a token and a state block: the boundary cannot give the state pool
+    that last token block, so the request advances its state in place. Its
+    own checkpoint at 128 is the one lost; the prefix still hits 64."""
+    driver.share(3)
+    state_queue = driver.arena.state_pool.free_block_queue
+    assert state_queue.protected_ids() == [15] and state_queue.clean_ids() == [14]
+    long = driver.request("long", _one_off(8 * BLOCK + 1, 7))
+    assert driver.admit(long) == 0
+    assert driver.step(long)
+    assert driver.coordinator.short_memory_counts == {"state_in_place": 1}
+    assert driver.arena.state_capacity == 2  # the boundary did not move
+    driver.manager.free(long)
+    assert driver.hits_shared() == 64
+    again = driver.request("again", [*long.all_token_ids[: 8 * BLOCK], 5])
+    assert driver.admit(again) == 0  # its checkpoint at 128 was lost
+    driver.arena.check_invariants()
+
+
+def test_a_new_request_evicts_a_protected_entry_when_nothing_else_serves(driver):
+    """The same arena, a second request instead of a crossing: a new request
+    cannot advance a state in place, so once no other block serves it the
+    protected checkpoint goes and the prefix hits nothing."""
+    driver.share(3)
+    first = driver.request("first", _one_off(8 * BLOCK, 7))
+    assert driver.admit(first) == 0  # 8 token blocks, state block 14
+    second = driver.request("second", _one_off(BLOCK, 8))
+    assert driver.admit(second) == 0  # token block 13, state block 15
+    assert driver.coordinator.short_memory_counts == {"state_in_place": 0}
+    assert driver.arena.state_pool.free_block_queue.protected_ids() == []
+    for request in (first, second):
+        driver.manager.free(request)
+    assert driver.hits_shared() == 0
+    driver.arena.check_invariants()
+
+
+def test_a_request_nothing_serves_is_refused_and_changes_nothing(driver):
+    driver.share(3)
+    first = driver.request("first", _one_off(8 * BLOCK, 7))
+    assert driver.admit(first) == 0
+    before = (driver.arena.boundary_bytes, driver.arena.token_capacity)
+    # six token blocks: five are free, four of them protected, and the state
+    # block next to the boundary is in use
+    second = driver.request("second", _one_off(6 * BLOCK, 8))
+    assert driver.admit(second) is None
+    assert (driver.arena.boundary_bytes, driver.arena.token_capacity) == before
+    state_queue = driver.arena.state_pool.free_block_queue
+    assert state_queue.protected_ids() == [15]
+    assert driver.arena.token_pool.free_block_queue.protected_ids() == [4, 3, 2, 1]
+    driver.manager.free(first)
+    assert driver.hits_shared() == 64

@@ -1,0 +1,315 @@
+"""The boundary between the arena's token and state pools, in one place.
+
+Where it starts
+    The planner asks :func:`plan_arena_layout`: the state pool starts with room
+    for ``max_num_seqs`` requests' states, at most half the arena; if that
+    violates a floor, the boundary that leaves the state pool exactly its floor
+    is used.
+
+How far it may go (floors)
+    The token pool never drops below :data:`MIN_TOKEN_BLOCKS` block and the
+    state pool never below one lone request's state blocks, so one
+    ``max_model_len`` request always fits (the planner checks it at start-up).
+    :class:`~.spec.ArenaLayout` turns these block counts into the lowest and
+    highest state floor.
+
+When it moves (:meth:`ArenaBoundary.ensure`)
+    Only on demand, when one pool lacks free blocks for the request at hand; by
+    the smallest whole number of state blocks that covers the deficit; never
+    in advance. The ids of the shrinking pool in the way must all be free and
+    not about to be reused by a prefix hit; cached ones among them are evicted
+    (with ``BlockRemoved`` events). All-or-nothing: either every condition
+    holds and the boundary moves, or nothing changes. Live blocks never move.
+
+Who is admitted (:meth:`ArenaBoundary.admit`)
+    The ways to serve a request's blocks, tried in the order of
+    :data:`~.eviction.ADMISSION`: sparing the protected cache entries, then
+    letting a running request cross its state block edge in place, then
+    reaching every free block.
+
+Worst case
+    A live block next to the boundary pins it until that request ends; the
+    arena then behaves like a static split at the current boundary (never
+    worse than the floors). Because boundary blocks are handed out last (see
+    :mod:`.eviction`), a pin needs the pinned pool to have been full of live
+    or cached blocks when the pinning block was allocated.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import Enum
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.eviction import ADMISSION, Reach
+from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
+
+logger = init_logger(__name__)
+
+#: Blocks the token pool keeps whatever the state pool needs.
+MIN_TOKEN_BLOCKS = 1
+#: Boundary moves kept for logs and tests (the oldest are dropped).
+MOVE_LOG_SIZE = 64
+
+
+def initial_state_blocks(
+    arena_bytes: int, state_block_bytes: int, per_request: int, max_num_seqs: int
+) -> int:
+    """State blocks the state pool starts with: room for ``max_num_seqs``
+    requests' states, at most half the arena, at least one request's."""
+    half = (arena_bytes // 2) // state_block_bytes
+    return max(per_request, min(max_num_seqs * per_request, half))
+
+
+def plan_arena_layout(
+    arena_bytes: int,
+    token_block_bytes: int,
+    state_block_bytes: int,
+    lone_state_blocks: int,
+    null_blocks_overlap: bool,
+    state_blocks: int,
+) -> ArenaLayout | None:
+    """The arena geometry with the boundary after ``state_blocks`` state
+    blocks, or None when the floors do not fit at all.
+
+    The wished boundary is only a wish: if it violates a floor, the boundary
+    that leaves the state pool exactly its floor (``lone_state_blocks``) is
+    used instead.
+    """
+    arena, sb = arena_bytes, state_block_bytes
+    offset = arena % sb if null_blocks_overlap else 0
+    wished = arena - state_blocks * sb
+    at_floor = offset + (arena // sb - lone_state_blocks) * sb
+    for candidate in (wished, at_floor):
+        try:
+            return ArenaLayout(
+                arena_bytes=arena,
+                token_block_bytes=token_block_bytes,
+                state_block_bytes=sb,
+                min_token_blocks=MIN_TOKEN_BLOCKS,
+                min_state_blocks=lone_state_blocks,
+                initial_boundary=max(0, candidate),
+                null_blocks_overlap=null_blocks_overlap,
+            )
+        except ValueError:
+            continue
+    return None
+
+
+def max_token_blocks(layout: ArenaLayout) -> int:
+    """Token blocks one request can use: the state pool at its floor."""
+    return layout.token_capacity_at(layout.max_state_floor)
+
+
+@dataclass(frozen=True)
+class BoundaryMove:
+    """One boundary move, for logs and tests."""
+
+    old_boundary: int
+    new_boundary: int
+    grown: PoolKind
+    #: Ids the grown pool gained (they keep the other pool's bytes).
+    gained_ids: range
+    #: Ids the other pool gave up.
+    lost_ids: range
+
+
+class Admission(Enum):
+    """How :meth:`ArenaBoundary.admit` served a request, if it did."""
+
+    SERVED = "served"
+    #: Served with a running request advancing its state in place.
+    IN_PLACE = "in_place"
+    REFUSED = "refused"
+
+
+class ArenaBoundary:
+    """The boundary of one arena: its position, its moves and admission
+    (module docstring). The pools own the blocks; only this class changes
+    which ids each pool owns (:meth:`ArenaBlockPool.resize`)."""
+
+    def __init__(
+        self,
+        layout: ArenaLayout,
+        token_pool: ArenaBlockPool,
+        state_pool: ArenaBlockPool,
+    ) -> None:
+        self.layout = layout
+        self.token_pool = token_pool
+        self.state_pool = state_pool
+        self._state_floor = layout.initial_state_floor
+        #: the latest moves, oldest first (bounded)
+        self.moves: deque[BoundaryMove] = deque(maxlen=MOVE_LOG_SIZE)
+        #: moves since start
+        self.num_moves = 0
+
+    # -- read side --------------------------------------------------------
+
+    @property
+    def state_floor(self) -> int:
+        """Lowest id the state pool owns."""
+        return self._state_floor
+
+    @property
+    def boundary_bytes(self) -> int:
+        """First byte of the state pool; the token pool ends at or below it."""
+        return self.layout.boundary_at(self._state_floor)
+
+    @property
+    def token_limit(self) -> int:
+        return self.layout.token_limit_at(self._state_floor)
+
+    def can_allocate(
+        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
+    ) -> bool:
+        """Whether both pools can hand out that many blocks, counting at most
+        one boundary move. Changes nothing."""
+        return self._plan(need_token, need_state, keep, Reach.ANY) is not None
+
+    # -- moves ------------------------------------------------------------
+
+    def ensure(
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Iterable[KVCacheBlock] = (),
+        reach: Reach = Reach.ANY,
+    ) -> bool:
+        """Make both pools have at least that many free blocks within
+        ``reach``, moving the boundary if needed; all-or-nothing, returns
+        whether it succeeded.
+
+        ``keep`` are free cached blocks about to be reused (prefix hits not
+        yet touched): a move must not evict them or hand their bytes over.
+        """
+        target = self._plan(need_token, need_state, keep, reach)
+        if target is None:
+            return False
+        if target != self._state_floor:
+            self._move_to(target)
+        return True
+
+    def ensure_side(self, side: PoolKind, need: int) -> bool:
+        """:meth:`ensure` for one pool only (the other needs nothing)."""
+        if side is PoolKind.TOKEN:
+            return self.ensure(need, 0)
+        return self.ensure(0, need)
+
+    def admit(
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Iterable[KVCacheBlock] = (),
+        in_place: int = 0,
+    ) -> Admission:
+        """Secure a request's new blocks in both pools, trying the ways of
+        :data:`~.eviction.ADMISSION` in order.
+
+        ``in_place`` state blocks of the request may be advanced in place
+        instead (0: it may not). A need beyond the state pool's id space is
+        upstream's way of deferring a prefix hit: refused, nothing moves.
+        """
+        if need_state > self.layout.num_state_ids:
+            return Admission.REFUSED
+        keep = list(keep)
+        for attempt in ADMISSION:
+            if attempt.in_place and not in_place:
+                continue
+            state = need_state - in_place if attempt.in_place else need_state
+            if self.ensure(need_token, state, keep, attempt.reach):
+                return Admission.IN_PLACE if attempt.in_place else Admission.SERVED
+        return Admission.REFUSED
+
+    def take_boundary_moves(self) -> list[BoundaryMove]:
+        """The logged moves (oldest first), emptying the log."""
+        moves = list(self.moves)
+        self.moves.clear()
+        return moves
+
+    # -- the move rule ------------------------------------------------------
+
+    def _plan(
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Iterable[KVCacheBlock],
+        reach: Reach,
+    ) -> int | None:
+        """State floor that satisfies both needs, or None if none does.
+        Blocks ``reach`` spares count as neither free nor movable."""
+        token, state = self.token_pool, self.state_pool
+        kept = {(id(block.pool), block.block_id) for block in keep}
+        for pool in (token, state):
+            kept |= {(id(pool), i) for i in pool.free_block_queue.spared_ids(reach)}
+        free_token = token.get_num_free_within(reach)
+        free_state = state.get_num_free_within(reach)
+        short_token = need_token > free_token
+        short_state = need_state > free_state
+        if not short_token and not short_state:
+            return self._state_floor
+        if short_token and short_state:
+            return None  # a move only ever helps one side
+        layout = self.layout
+        if short_token:
+            capacity = token.owned_capacity + need_token - free_token
+            target = layout.state_floor_for_token_capacity(capacity)
+            if target > layout.max_state_floor:
+                return None
+            lost = range(self._state_floor, target)
+            if free_state - len(lost) < need_state:
+                return None
+            return target if _all_free(state, lost, kept) else None
+        target = self._state_floor - (need_state - free_state)
+        if target < layout.min_state_floor:
+            return None
+        lost = self._token_ids_lost(target)
+        if free_token - len(lost) < need_token:
+            return None
+        return target if _all_free(token, lost, kept) else None
+
+    def _token_ids_lost(self, target: int) -> range:
+        """Owned token ids at or above the token limit of state floor ``target``."""
+        owned = self.token_pool.owned_ids
+        return range(max(owned.start, self.layout.token_limit_at(target)), owned.stop)
+
+    def _move_to(self, target: int) -> None:
+        old_boundary = self.boundary_bytes
+        old_token, old_state = self.token_pool.owned_ids, self.state_pool.owned_ids
+        new_token = self.layout.token_ids_at(target)
+        new_state = self.layout.state_ids_at(target)
+        if target > self._state_floor:
+            grown = PoolKind.TOKEN
+            lost = range(old_state.start, new_state.start)
+            gained = range(max(old_token.stop, new_token.start), new_token.stop)
+            self.state_pool.resize(new_state)
+            self.token_pool.resize(new_token)
+        else:
+            grown = PoolKind.STATE
+            lost = self._token_ids_lost(target)
+            gained = range(new_state.start, old_state.start)
+            self.token_pool.resize(new_token)
+            self.state_pool.resize(new_state)
+        self._state_floor = target
+        self.moves.append(
+            BoundaryMove(old_boundary, self.boundary_bytes, grown, gained, lost)
+        )
+        self.num_moves += 1
+        logger.debug(
+            "Arena boundary %d -> %d B: %s pool +%d blocks (token %d, state %d)",
+            old_boundary,
+            self.boundary_bytes,
+            grown.value,
+            len(gained),
+            self.token_pool.owned_capacity,
+            self.state_pool.owned_capacity,
+        )
+
+
+def _all_free(pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]) -> bool:
+    blocks = pool.blocks
+    return all(blocks[i].ref_cnt == 0 and (id(pool), i) not in kept for i in ids)

@@ -1,0 +1,191 @@
+"""The eviction order of pooled mode, in one place.
+
+Every decision about which free block is handed out (and so evicted) next
+lives here; the free queues, retention, coupling, the boundary and the
+coordinator ask this module instead of reordering queues themselves.
+
+Hand-out order of one pool's free blocks, first to last (:data:`HAND_OUT_ORDER`):
+
+1. ``CLEAN``: blocks without a prefix-cache hash, farthest from the arena's
+   boundary first (token pool: lowest id, state pool: highest id), so blocks
+   next to the boundary stay free and the boundary stays movable;
+2. ``CACHED``: evictable cached blocks, least recently freed first, as
+   upstream does; a freed turn-end (decode) checkpoint goes to the head of
+   its segment (:data:`PLACES`), so it only uses memory no other entry wants;
+3. ``PROTECTED``: cached blocks that served :data:`PROTECT_AFTER_HITS` prefix
+   hits since they were cached (a shared system prompt, a conversation that
+   was followed up), in their own LRU: a burst of one-off entries cannot
+   flush them (a segmented LRU).
+
+Entries that can no longer serve any hit are evicted when they are found
+(:data:`PLACES`): a superseded decode checkpoint (retention) and a *dead*
+entry, whose other half the other pool has evicted (coupling, which says
+what dead means). Evicted, they are clean and handed out first.
+
+Admission (:data:`ADMISSION`): a request is first served without reaching
+into the protected segment (the boundary may move for that); then a running
+request may cross its state block edge in place, losing a checkpoint that has
+served no hit yet; only then may a protected entry go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, runtime_checkable
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+#: Prefix hits after which a cached block joins its free queue's protected
+#: segment. One hit can be chance (a retried request); two mean the entry is
+#: shared or followed up.
+PROTECT_AFTER_HITS = 2
+
+
+class Segment(Enum):
+    """A part of a pool's free queue; see :data:`HAND_OUT_ORDER`."""
+
+    CLEAN = "clean"
+    CACHED = "cached"
+    PROTECTED = "protected"
+
+
+#: Segments in the order their blocks are handed out.
+HAND_OUT_ORDER: tuple[Segment, ...] = (
+    Segment.CLEAN,
+    Segment.CACHED,
+    Segment.PROTECTED,
+)
+
+
+class Entry(Enum):
+    """What a caller knows about a free cached block that the LRU does not."""
+
+    #: A freed turn-end (decode) checkpoint: serves a follow-up turn, if any.
+    TURN_END = "turn_end"
+    #: A decode checkpoint a later edge of the same request replaced.
+    SUPERSEDED = "superseded"
+    #: An entry the other pool made useless (see ``coupling``).
+    DEAD = "dead"
+
+
+class Place(Enum):
+    """Where a free block goes when its caller ranks it."""
+
+    #: First of its segment.
+    HEAD = "head"
+    #: Last of its segment.
+    TAIL = "tail"
+    #: Out of the prefix cache: clean, handed out first.
+    EVICT = "evict"
+
+
+#: Where each kind of entry goes. A turn end goes to the head: ranked like
+#: any freed block it would be newer than the prompt checkpoints retired
+#: before it, and a full pool would evict those first, so a resent prompt
+#: lost its hit to make room for an answer nobody may follow up on
+#: (measured: a repeat pass of the benchmark's fixed prompts on tiny
+#: ``qwen3_next`` fell from 4,224 to 1,536 cached tokens). At the head it
+#: only uses memory no other entry wants.
+PLACES: dict[Entry, Place] = {
+    Entry.TURN_END: Place.HEAD,
+    Entry.SUPERSEDED: Place.EVICT,
+    Entry.DEAD: Place.EVICT,
+}
+
+
+class Reach(Enum):
+    """How far into the free queues an allocation may reach."""
+
+    #: Every free block but the protected segment's.
+    SPARE_PROTECTED = "spare_protected"
+    #: Every free block.
+    ANY = "any"
+
+
+#: Segments an allocation of each reach must leave alone.
+SPARED: dict[Reach, frozenset[Segment]] = {
+    Reach.SPARE_PROTECTED: frozenset({Segment.PROTECTED}),
+    Reach.ANY: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class AdmissionAttempt:
+    """One way to serve a request's blocks."""
+
+    reach: Reach
+    #: A running request advances its state in the block it owns instead of
+    #: taking a fresh one at a state block edge (its checkpoint is lost).
+    in_place: bool = False
+
+
+#: The ways to serve a request, tried in this order.
+ADMISSION: tuple[AdmissionAttempt, ...] = (
+    AdmissionAttempt(Reach.SPARE_PROTECTED),
+    AdmissionAttempt(Reach.ANY, in_place=True),
+    AdmissionAttempt(Reach.ANY),
+)
+
+
+class EvictionPolicy:
+    """The per-pool state of the order: prefix hits of each cached block.
+
+    Owned by a pool's free queue, which files each free block in the segment
+    :meth:`segment_of` names.
+    """
+
+    def __init__(self) -> None:
+        self._hits: dict[int, int] = {}
+
+    def record_hit(self, block: KVCacheBlock) -> None:
+        """A prefix hit took a reference to ``block``."""
+        if block.block_hash is not None and not block.is_null:
+            self._hits[block.block_id] = self._hits.get(block.block_id, 0) + 1
+
+    def forget(self, block: KVCacheBlock) -> None:
+        """``block`` left the prefix cache: its hits no longer count."""
+        self._hits.pop(block.block_id, None)
+
+    def hit_counts(self) -> dict[int, int]:
+        """Prefix hits per cached block id since it was cached (a copy)."""
+        return dict(self._hits)
+
+    def is_proven(self, block: KVCacheBlock) -> bool:
+        """Whether a cached block served :data:`PROTECT_AFTER_HITS` hits."""
+        return self._hits.get(block.block_id, 0) >= PROTECT_AFTER_HITS
+
+    def segment_of(self, block: KVCacheBlock) -> Segment:
+        """The segment a free block belongs in."""
+        if block.block_hash is None:
+            return Segment.CLEAN
+        return Segment.PROTECTED if self.is_proven(block) else Segment.CACHED
+
+
+@runtime_checkable
+class RanksEntries(Protocol):
+    """A pool that files ranked entries itself (the arena's pools)."""
+
+    def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None: ...
+
+
+def rank_entry(pool: Any, block: KVCacheBlock, entry: Entry) -> None:
+    """Put a free cached block of ``pool`` where :data:`PLACES` says.
+
+    The arena's pools file it in their segments; upstream's single pool (one
+    LRU list, used with turn-end retention outside pooled mode) gets the same
+    place in its one list.
+    """
+    if isinstance(pool, RanksEntries):
+        pool.rank_entry(block, entry)
+        return
+    place = PLACES[entry]
+    if place is Place.EVICT:
+        pool.evict_blocks({block.block_id})
+        return
+    queue = pool.free_block_queue
+    queue.remove(block)
+    if place is Place.HEAD:
+        queue.prepend_n([block])
+    else:
+        queue.append_n([block])
