@@ -109,10 +109,14 @@ def folder_bytes(path: Path) -> int:
 
 
 def commit() -> str:
-    out = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    )
-    return out.stdout.strip()
+    """The checkout's commit; empty where there is no git or no .git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
 
 
 def main(argv: list[str] | None = None) -> int:

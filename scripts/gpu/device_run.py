@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import sitedir
-from bundle import BUNDLE, DEVICE, REHEARSAL, TREE_NAME, is_pure
+from bundle import BUNDLE, DEVICE, REHEARSAL, TREE_NAME, commit, is_pure
 
 #: part -> (script, budget on the device in s, budget in the rehearsal in s).
 #: Device budgets add up to 450 s: with a 1-2 minute machine start the call
@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "mode": args.mode,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": manifest["commit"],
+        # the device's copy of the tree may have no .git: then the commit the
+        # bundle was packed at (pack right before a device call)
+        "commit": commit() or manifest["commit"],
+        "bundle_commit": manifest["commit"],
         "setup_seconds": round(time.monotonic() - start, 1),
         "site": facts,
         "gpu": gpu_facts() if args.mode == "device" else None,
