@@ -7,4 +7,4 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
-exec python -m vllm_hybrid.tools.demo "$@"
+exec python scripts/demo.py "$@"

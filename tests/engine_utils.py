@@ -9,10 +9,8 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -67,9 +65,16 @@ def with_engine(
         plugin.register()
 
 
+def engine_core(llm: Any) -> Any:
+    """The in-process ``EngineCore`` (needs multiprocessing off):
+    ``LLMEngine.engine_core`` is an ``InprocClient``, whose ``engine_core``
+    is the core."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 def scheduler(llm: Any) -> Any:
     """The in-process scheduler (needs multiprocessing off)."""
-    return llm.llm_engine.engine_core.engine_core.scheduler
+    return engine_core(llm).scheduler
 
 
 def record_preemptions(sched: Any) -> list[tuple[str, int]]:
@@ -100,17 +105,11 @@ def record_calls(obj: Any, name: str) -> list[tuple]:
     return calls
 
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
 def bench_pooled() -> ModuleType:
     """The library behind ``benchmarks/bench_pooled.py``, the package
-    ``benchmarks/pooled``. ``benchmarks`` is not a package: its folder goes
-    on ``sys.path``, as when the script runs, so the package imports as
-    ``pooled``."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module("pooled")
+    ``benchmarks.pooled`` (the repository root is on ``sys.path`` through
+    its ``conftest.py``)."""
+    return importlib.import_module("benchmarks.pooled")
 
 
 #: Largest best-minus-second log-probability at which greedy decoding counts

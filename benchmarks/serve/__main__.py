@@ -1,12 +1,13 @@
-"""``python benchmarks/serve [options]``: see :mod:`serve.cli`."""
+"""``python benchmarks/serve [options]``: see :mod:`benchmarks.serve.cli`."""
 
 import sys
 from pathlib import Path
 
-# Run as a folder: its parent goes on sys.path so the package imports as ``serve``.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as a folder: the repository root takes the folder's place on sys.path,
+# so the benchmarks import as the package ``benchmarks``.
+sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from serve.cli import main  # noqa: E402
+from benchmarks.serve.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,42 +1,41 @@
-"""Settings of a serving benchmark run and the servers it starts."""
+"""Settings of a serving benchmark run: the servers, and the load vLLM's
+serving benchmark sends them."""
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field, replace
+import zlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-MIB = 2**20
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.harness import KV_CACHE_DTYPES, MIB, MODELS, MODES, TINY_MODELS
 
-#: Modes and the value of ``VLLM_HYBRID_KV`` the server process gets.
-MODES = {"pooled": "1", "upstream": "0"}
-MODELS = ("qwen3_5", "qwen3_next")
-KV_CACHE_DTYPES = ("auto", "turboquant_k8v4")
-SATURATION = math.inf
-
-
-@dataclass(frozen=True)
-class LoadShape:
-    """The request mix of one rate run (the same for every server).
-
-    Most requests start with one of a few shared prefixes, as requests of a
-    chat service start with its system prompt, so prefix caching matters;
-    the rest are unrelated prompts. Output lengths vary so that requests
-    finish at different steps and the batch changes shape while decoding.
-    """
-
-    requests: int = 40
-    #: 576 tokens is 4.5 blocks of 128 (pooled mode), 2.25 of upstream's
-    #: 256-token ``qwen3_5`` block and 1.5 of its 384-token ``qwen3_next``
-    #: block: every layout loses a partial block of the prefix, as it would
-    #: with a system prompt of arbitrary length.
-    shared_prefix_len: int = 576
-    prefix_groups: int = 2
-    shared_fraction: float = 0.75
-    suffix_len: tuple[int, int] = (32, 256)
-    unshared_len: tuple[int, int] = (128, 768)
-    output_len: tuple[int, int] = (32, 96)
+#: The load of one rate, in ``vllm bench serve`` options: every prompt starts
+#: with the same 576 random tokens (a chat service's system prompt: 4.5 blocks
+#: of 128 tokens in pooled mode, 2.25 of upstream's 256-token ``qwen3_5``
+#: block, 1.5 of its 384-token ``qwen3_next`` block: every layout loses a
+#: partial block), then 36-252 tokens of its own; 32-96 output tokens, so
+#: requests finish at different steps and the batch changes shape.
+DATASET_ARGS = (
+    "--dataset-name=random",
+    "--random-prefix-len=576",
+    "--random-input-len=144",
+    "--random-output-len=64",
+    '--random-range-ratio={"input": 0.75, "output": 0.5}',
+)
+#: The same with 16-32 output tokens (``--quick``).
+QUICK_DATASET_ARGS = (
+    *DATASET_ARGS[:3],
+    "--random-output-len=24",
+    '--random-range-ratio={"input": 0.75, "output": 0.34}',
+)
+#: KV cache dtypes upstream vLLM 0.32 can serve on CPU: its CPU platform
+#: gives every decoder layer CPU_ATTN, which stores ``auto`` and fp8 only. A
+#: TurboQuant server would start, then write bf16 K/V into pages sized for
+#: TurboQuant's packed slot (a segfault under load;
+#: docs/turboquant-backend.md), so it is not started.
+UPSTREAM_CPU_DTYPES = ("auto",)
 
 
 @dataclass(frozen=True)
@@ -46,72 +45,92 @@ class BenchConfig:
     models: tuple[str, ...] = MODELS
     modes: tuple[str, ...] = tuple(MODES)
     dtypes: tuple[str, ...] = KV_CACHE_DTYPES
-    #: Requests per second of the Poisson arrivals; ``inf`` sends every
-    #: request of the run at once (saturation). On 2 cores the tiny models
-    #: saturate at 2-4 req/s with the default load, so these span a lightly
-    #: loaded server to one that queues.
-    rates: tuple[float, ...] = (1.0, 2.0, 3.0, SATURATION)
-    load: LoadShape = field(default_factory=LoadShape)
-    #: The same byte budget for every server. Small enough that upstream's
-    #: block layout limits how many requests run at once.
+    #: Poisson arrival rates in requests per second; ``inf`` sends every
+    #: request at once (saturation). On 2 cores the tiny models saturate at
+    #: 2-4 req/s with this load: a lightly loaded server to one that queues.
+    rates: tuple[float, ...] = (1.0, 2.0, 3.0, math.inf)
+    requests: int = 40
+    dataset_args: tuple[str, ...] = DATASET_ARGS
+    #: The same byte budget for every server, small enough that upstream's
+    #: block layout limits how many requests run at once; ``max_num_seqs``
+    #: is above what either mode admits: memory decides the concurrency.
     kv_cache_mib: float = 32.0
-    #: Above what either mode can admit at this budget: memory, not this
-    #: cap, decides the concurrency.
     max_num_seqs: int = 32
     max_model_len: int = 2048
     seed: int = 0
+    #: Unmeasured requests before the first rate: a server's first requests
+    #: pay one-time costs that would land in whichever rate comes first.
     warmup_requests: int = 2
-    #: Bound on one request, first byte to last.
-    request_timeout: float = 600.0
-    ready_timeout: float = 300.0
-    #: How often ``/metrics`` is read during a run (peak running requests).
+    #: How often ``/metrics`` is read during a rate (peak running, pool bytes).
     metrics_interval: float = 0.5
-    #: Start upstream with a TurboQuant dtype even where the probe says
-    #: upstream's CPU attention cannot store it.
-    force_upstream_turboquant: bool = False
     compile: bool = False
-    model_dir: Path = REPO_ROOT / ".tiny-models"
+    model_dir: Path = TINY_MODELS
     log_dir: Path | None = None
 
     def server_args(self, dtype: str) -> list[str]:
-        """``vllm serve`` options; only the dtype differs between servers."""
+        """``vllm serve`` options; only the dtype differs between servers.
+        float32 SSM state: vLLM forces it on AVX512-BF16 hosts and keeps
+        bf16 elsewhere; fixed, the budget splits the same on every machine.
+        Eager: torch.compile costs ~35 s per server start on CPU."""
         args = [
-            "--kv-cache-memory-bytes",
-            str(int(self.kv_cache_mib * MIB)),
-            "--kv-cache-dtype",
-            dtype,
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            # vLLM forces float32 SSM state on AVX512-BF16 hosts and keeps
-            # bf16 elsewhere; fixing it keeps the budget's split the same on
-            # every machine.
-            "--mamba-ssm-cache-dtype",
-            "float32",
-            "--seed",
-            str(self.seed),
+            f"--kv-cache-memory-bytes={int(self.kv_cache_mib * MIB)}",
+            f"--kv-cache-dtype={dtype}",
+            f"--max-model-len={self.max_model_len}",
+            f"--max-num-seqs={self.max_num_seqs}",
+            "--mamba-ssm-cache-dtype=float32",
+            f"--seed={self.seed}",
             "--disable-uvicorn-access-log",
         ]
-        if not self.compile:
-            # torch.compile costs ~35 s per server start on CPU.
-            args.append("--enforce-eager")
-        return args
+        return args if self.compile else [*args, "--enforce-eager"]
+
+    def bench_args(self, url: str, model: str, rate: float) -> list[str]:
+        """``vllm bench serve`` options of one rate on one server: streaming
+        ``/v1/completions``, greedy, every request generating its whole
+        output. Each rate has its own seed, so its prompts are the same on
+        every server and share no prefix with another rate's. vLLM's probe
+        and warm-up requests would cache the rate's prefix before it starts:
+        they are off (the warm-up is :func:`warmup`'s run)."""
+        return [
+            "--backend=vllm",
+            f"--base-url={url}",
+            f"--model={model}",
+            *self.dataset_args,
+            f"--num-prompts={self.requests}",
+            f"--request-rate={rate}",
+            f"--seed={rate_seed(self.seed, rate)}",
+            "--temperature=0",
+            "--ignore-eos",
+            "--percentile-metrics=ttft,tpot,itl,e2el",
+            "--metric-percentiles=50,90,99",
+            "--ready-check-timeout-sec=0",
+            "--num-warmups=0",
+            "--disable-tqdm",
+            "--save-detailed",
+        ]
+
+
+def warmup(cfg: BenchConfig) -> BenchConfig:
+    """A few requests at once, seeded apart from every rate."""
+    return replace(cfg, requests=cfg.warmup_requests, seed=cfg.seed + 1)
 
 
 def quick(cfg: BenchConfig) -> BenchConfig:
-    """A few minutes instead of a quarter hour: one rate plus saturation, a
-    quarter of the requests, shorter outputs. Checks the harness; its
-    numbers are too small a sample to compare modes."""
-    load = replace(cfg.load, requests=10, output_len=(16, 32))
-    return replace(cfg, rates=(4.0, SATURATION), load=load, warmup_requests=1)
-
-
-def rate_label(rate: float) -> str:
-    """``"2 req/s"`` or ``"saturation"``, for tables and plots."""
-    return "saturation" if math.isinf(rate) else f"{rate:g} req/s"
+    """Checks the harness in a few minutes (too small a sample to compare
+    modes): one rate and saturation, 10 requests, shorter outputs."""
+    return replace(
+        cfg,
+        rates=(4.0, math.inf),
+        requests=10,
+        dataset_args=QUICK_DATASET_ARGS,
+        warmup_requests=1,
+    )
 
 
 def rate_key(rate: float) -> str:
-    """JSON-safe name of a rate (JSON has no infinity)."""
+    """JSON-safe name of a rate (JSON has no infinity): ``"2"``, ``"inf"``."""
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def rate_seed(seed: int, rate: float) -> int:
+    """The dataset seed of one rate, whatever rates run before it."""
+    return zlib.crc32(json.dumps([seed, rate_key(rate)]).encode()) % 2**31

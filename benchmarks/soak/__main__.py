@@ -1,12 +1,13 @@
-"""``python benchmarks/soak [options]``: see :mod:`soak.cli`."""
+"""``python benchmarks/soak [options]``: see :mod:`benchmarks.soak.cli`."""
 
 import sys
 from pathlib import Path
 
-# Run as a folder: its parent goes on sys.path so the package imports as ``soak``.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Run as a folder: the repository root takes the folder's place on sys.path,
+# so the benchmarks import as the package ``benchmarks``.
+sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-from soak.cli import main  # noqa: E402
+from benchmarks.soak.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,13 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MIB = 2**20
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-#: Modes and the value of ``VLLM_HYBRID_KV`` the server process gets.
-MODES = {"pooled": "1", "upstream": "0"}
-MODELS = ("qwen3_5", "qwen3_next")
-KV_CACHE_DTYPES = ("auto", "turboquant_k8v4")
+from benchmarks.harness import MIB, MODES, TINY_MODELS
 
 
 @dataclass(frozen=True)
@@ -19,14 +13,11 @@ class SoakConfig:
     """One soak run; every mode of it uses the same settings and seed."""
 
     model: str = "qwen3_5"
-    modes: tuple[str, ...] = ("pooled", "upstream")
+    modes: tuple[str, ...] = tuple(MODES)
     kv_cache_dtype: str = "auto"
     #: Requests per mode (conversation turns count one each; greedy probes
     #: and check requests do not count).
     requests: int = 1000
-    #: Wall-time limit of the traffic of one mode: no new request starts
-    #: after it; the checks still run.
-    seconds: float = 1200.0
     seed: int = 0
     max_model_len: int = 1024
     kv_cache_mib: float = 16.0
@@ -34,14 +25,12 @@ class SoakConfig:
     #: Client threads of the mixed phases (a little above max_num_seqs, so
     #: some requests queue all the time).
     concurrency: int = 6
-    #: Requests fired at once in a burst phase (default 8 x max_num_seqs).
+    #: Requests fired at once in a burst phase.
     burst: int = 32
     #: Mixed + burst rounds after the warm-up phase.
     rounds: int = 4
-    #: Bound on one request, first byte to last (no hang beyond it).
+    #: Socket timeout of every request: no request hangs beyond it.
     request_timeout: float = 120.0
-    #: How long idle gauges may take to reach 0 after a phase.
-    idle_timeout: float = 30.0
     #: Allowed growth of the server's RSS (all its processes) from the
     #: middle of the run to its end. The engine worker's memory rises in
     #: steps when a batch reaches a new size (measured at 1,200 requests:
@@ -57,33 +46,28 @@ class SoakConfig:
     rss_min_requests: int = 800
     #: Greedy probes sent at the start and again at the end.
     probes: int = 3
+    probe_tokens: int = 16
+    #: Requests beyond ``max_num_seqs`` held open in the queue check.
+    held_extra: int = 2
     #: Per-request ``seed`` on sampled requests (see WorkloadContext).
     request_seeds: bool = False
     #: Upper end of max_tokens of the "large" requests (None: max_model_len).
     large_max_tokens: int | None = None
-    probe_tokens: int = 16
-    model_dir: Path = field(default=REPO_ROOT / ".tiny-models")
+    model_dir: Path = field(default=TINY_MODELS)
     log_dir: Path | None = None
     compile: bool = False
     ready_timeout: float = 300.0
 
     def server_args(self) -> list[str]:
         args = [
-            "--max-model-len",
-            str(self.max_model_len),
-            "--kv-cache-memory-bytes",
-            str(int(self.kv_cache_mib * MIB)),
-            "--max-num-seqs",
-            str(self.max_num_seqs),
-            "--kv-cache-dtype",
-            self.kv_cache_dtype,
-            "--seed",
-            str(self.seed),
+            f"--max-model-len={self.max_model_len}",
+            f"--kv-cache-memory-bytes={int(self.kv_cache_mib * MIB)}",
+            f"--max-num-seqs={self.max_num_seqs}",
+            f"--kv-cache-dtype={self.kv_cache_dtype}",
+            f"--seed={self.seed}",
             "--disable-uvicorn-access-log",
         ]
-        if not self.compile:
-            args.append("--enforce-eager")
-        return args
+        return args if self.compile else [*args, "--enforce-eager"]
 
 
 @dataclass(frozen=True)
@@ -102,18 +86,14 @@ def phase_plan(cfg: SoakConfig) -> list[PhasePlan]:
     """
     total = max(1, cfg.requests)
     warmup = min(total, max(10, total // 10))
-    rest = total - warmup
-    rounds = max(1, cfg.rounds)
+    rest, rounds = total - warmup, max(1, cfg.rounds)
     per_round = rest // rounds
     plan = [PhasePlan("warmup", "mixed", warmup)]
     for i in range(1, rounds + 1):
         budget = per_round + (rest - per_round * rounds if i == rounds else 0)
         burst = min(cfg.burst, budget // 2)
-        mixed = budget - burst
-        if mixed:
-            plan.append(PhasePlan(f"mixed-{i}", "mixed", mixed))
-        if burst:
-            plan.append(PhasePlan(f"burst-{i}", "burst", burst))
+        plan += [PhasePlan(f"mixed-{i}", "mixed", budget - burst)] * (budget > burst)
+        plan += [PhasePlan(f"burst-{i}", "burst", burst)] * (burst > 0)
     return plan
 
 

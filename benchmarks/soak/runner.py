@@ -1,61 +1,71 @@
-"""One soak mode: start the server, run the phases, check after each, stop."""
+"""One soak mode: start the server, run the phases, check after each, hold a
+queue open, probe, stop."""
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_hybrid.tools.server import serve, shutdown_report, stop
+import numpy as np
+import psutil
 
-from .checks import (
-    Check,
-    IdleKV,
-    health,
-    idle_kv,
-    log_problems,
-    process_rss,
-    run_probes,
-    same_tokens,
+from benchmarks.harness import (
+    MIB,
+    PREEMPTIONS,
+    ServerHandle,
+    held_requests,
+    mode_env,
+    read_log,
+    request,
+    scrape,
+    serve,
+    shutdown_report,
+    stop,
+    tiny_model,
+    wait_idle,
 )
-from .client import FAILURES, MetricsMonitor, Target, run_phase
-from .config import MIB, MODES, SoakConfig, middle_phase, phase_plan
+
+from .client import FAILURES, Target, run_phase, submit
+from .config import SoakConfig, middle_phase, phase_plan
 from .workload import WorkloadContext, make_jobs, probe_specs
 
-#: Longest job (a conversation) in requests: bounds how long a phase may
-#: wait for its last jobs after the time limit.
-MAX_JOB_REQUESTS = 4
+ROLES = ("api_server", "engine_core", "workers", "other")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    #: False: measured and reported, but the run was too short to judge it.
+    judged: bool = True
 
 
 @dataclass
 class PhaseReport:
     name: str
     kind: str
-    planned: int
     threads: int
+    seconds: float = 0.0
     counts: dict[str, int] = field(default_factory=dict)
     kinds: dict[str, int] = field(default_factory=dict)
-    seconds: float = 0.0
+    #: Request latency p50 and max, seconds (disconnects left out).
     latency: dict[str, float] = field(default_factory=dict)
-    unresolved: int = 0
-    skipped: int = 0
-    peaks: dict[str, float] = field(default_factory=dict)
-    idle: IdleKV | None = None
-    rss_bytes: int = 0
+    #: ``vllm:num_preemptions_total`` at the end of the phase.
+    preemptions: float = 0.0
+    #: :meth:`Metrics.kv_in_use` once idle after the phase.
+    idle: dict[str, float] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
     @property
     def sent(self) -> int:
         return sum(self.counts.values())
-
-    @property
-    def ok(self) -> bool:
-        return all(check.ok for check in self.checks)
 
 
 @dataclass
@@ -67,19 +77,18 @@ class ModeReport:
     startup_seconds: float = 0.0
     seconds: float = 0.0
     phases: list[PhaseReport] = field(default_factory=list)
+    #: :meth:`Metrics.kv_in_use` while ``max_num_seqs + held_extra`` long
+    #: requests were held open.
+    held: dict[str, float] = field(default_factory=dict)
     probes_start: list = field(default_factory=list)
     probes_end: list = field(default_factory=list)
-    rss: dict[str, int] = field(default_factory=dict)
-    #: ``{sample: {"Name pid": bytes}}`` for the samples in ``rss``.
-    rss_processes: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: RSS bytes per sample (after a phase, ``start``, ``end``) and role.
+    rss: dict[str, dict[str, int]] = field(default_factory=dict)
     rss_middle_phase: str = ""
-    #: Anonymous (private, heap) part of ``rss``, per sample.
-    rss_anon: dict[str, int] = field(default_factory=dict)
     plan_lines: list[str] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     log_path: str = ""
     error: str = ""
-    server_pid: int = 0
 
     @property
     def all_checks(self) -> list[tuple[str, Check]]:
@@ -91,22 +100,185 @@ class ModeReport:
         return not self.error and all(check.ok for _, check in self.all_checks)
 
     def totals(self) -> Counter:
-        total: Counter = Counter()
-        for phase in self.phases:
-            total.update(phase.counts)
-        return total
+        return sum((Counter(p.counts) for p in self.phases), Counter())
 
-    def to_json(self) -> dict:
-        def plain(obj):
-            if hasattr(obj, "__dataclass_fields__"):
-                return {k: plain(v) for k, v in vars(obj).items()}
-            if isinstance(obj, dict):
-                return {str(k): plain(v) for k, v in obj.items()}
-            if isinstance(obj, (list, tuple)):
-                return [plain(v) for v in obj]
-            return obj
+    def growth(self, first: str, last: str) -> dict[str, int]:
+        """Bytes each role's processes grew between two RSS samples."""
+        a, b = self.rss.get(first, {}), self.rss.get(last, {})
+        return {role: b.get(role, 0) - a.get(role, 0) for role in ROLES}
 
-        return plain(self)
+
+def rss_sample(pid: int) -> dict[str, int]:
+    """RSS bytes of the server process tree by role: ``api_server`` (the
+    process ``serve`` started), ``engine_core``, ``workers``, ``other``."""
+    root = psutil.Process(pid)
+    roles = dict.fromkeys(ROLES, 0)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name, rss = proc.name(), proc.memory_info().rss
+        except psutil.Error:
+            continue
+        role = "api_server" if proc.pid == pid else "other"
+        role = "engine_core" if name.startswith("VLLM::EngineCor") else role
+        roles["workers" if name.startswith("VLLM::Worker") else role] += rss
+    return roles
+
+
+def same_tokens(start: list, end: list) -> Check:
+    """The probes' greedy tokens at the end against those at the start."""
+    equal = sum(
+        1 for a, b in zip(start, end, strict=False) if isinstance(a, list) and a == b
+    )
+    diffs = []
+    for i, (a, b) in enumerate(zip(start, end, strict=False)):
+        if a != b and isinstance(a, list) and isinstance(b, list):
+            at = next(
+                (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                len(a),
+            )
+            diffs.append(f"probe {i} differs at token {at}")
+        elif a != b:
+            diffs.append(f"probe {i}: {a if isinstance(a, str) else b}")
+    ok = equal == len(start) == len(end)
+    return Check(
+        "greedy same tokens",
+        ok,
+        f"{equal}/{len(start)} probes" + ("; " + "; ".join(diffs) if diffs else ""),
+    )
+
+
+def _probes(target: Target, specs) -> list[list[int] | str]:
+    """Each probe alone on the server (its tokens do not depend on a
+    batch): its token ids, or what went wrong."""
+    out: list[list[int] | str] = []
+    for spec in specs:
+        o = submit(target, spec)
+        ok = o.result == "ok" and o.token_ids is not None
+        out.append(list(o.token_ids) if ok else f"{o.result} {o.status}: {o.detail}")
+    return out
+
+
+def _health(url: str) -> Check:
+    try:
+        status = request(url + "/health", timeout=30.0)[0]
+    except OSError as err:
+        return Check("health", False, repr(err))
+    return Check("health", status == 200, f"/health {status}")
+
+
+def _idle(url: str, pooled: bool, name: str = "idle KV = 0") -> tuple[Check, dict]:
+    """No request and no KV block in use once idle: both pools' used bytes
+    (pooled mode) and vLLM's usage gauge; a value that stays above 0 is a
+    leaked block."""
+    values = wait_idle(url)
+    missing = pooled and not {"token_used_bytes", "state_used_bytes"} <= set(values)
+    detail = ", ".join(f"{k} {v:g}" for k, v in values.items())
+    detail += "; no per-pool gauges" if missing else ""
+    return Check(name, not missing and not any(values.values()), detail), values
+
+
+def _held(cfg: SoakConfig, target: Target, pooled: bool) -> tuple[Check, dict]:
+    """``max_num_seqs + held_extra`` long requests held open: the scheduler
+    runs at most ``max_num_seqs`` of them and queues the rest, and KV memory
+    is in use while they run (both pools in pooled mode)."""
+    count = cfg.max_num_seqs + cfg.held_extra
+    with held_requests(target.url, target.model, count) as metrics:
+        held = metrics.kv_in_use()
+    busy = (
+        ("token_used_bytes", "state_used_bytes") if pooled else ("kv_cache_usage_perc",)
+    )
+    ok = 1 <= held["running"] <= cfg.max_num_seqs
+    ok = ok and held["running"] + held["waiting"] == count
+    ok = ok and all(held.get(key, 0) > 0 for key in busy)
+    name = f"{count} held: <= max-num-seqs run, the rest wait, KV in use"
+    return Check(name, ok, ", ".join(f"{k} {v:g}" for k, v in held.items())), held
+
+
+def _phase(cfg: SoakConfig, target: Target, jobs, step, pooled: bool) -> PhaseReport:
+    burst = step.kind == "burst"
+    phase = PhaseReport(step.name, step.kind, len(jobs) if burst else cfg.concurrency)
+    began = time.monotonic()
+    outcomes = run_phase(target, jobs, phase.threads)
+    phase.seconds = round(time.monotonic() - began, 1)
+    counts = Counter(o.result for o in outcomes)
+    phase.counts, phase.kinds = dict(counts), dict(Counter(o.kind for o in outcomes))
+    seconds = [o.seconds for o in outcomes if o.result != "disconnected"]
+    if seconds:
+        phase.latency = {"p50": float(np.median(seconds)), "max": max(seconds)}
+    phase.failures = [
+        f"{o.rid} {o.kind} -> {o.result} {o.status}: {o.detail}"[:300]
+        for o in outcomes
+        if o.failed
+    ][:5]
+    other = {k: v for k, v in counts.items() if k in FAILURES - {"5xx", "hang"}}
+    idle, phase.idle = _idle(target.url, pooled)
+    phase.checks = [
+        Check("no 5xx", not counts["5xx"], f"{counts['5xx']} 5xx"),
+        Check("no hang", not counts["hang"], f"{counts['hang']} unanswered"),
+        Check("no other failure", not other, str(other or "none")),
+        _health(target.url),
+        idle,
+    ]
+    phase.preemptions = scrape(target.url).total(PREEMPTIONS)
+    return phase
+
+
+def _rss_checks(cfg: SoakConfig, report: ModeReport) -> list[Check]:
+    middle = report.rss_middle_phase
+    if middle not in report.rss:
+        return [Check("RSS stable", False, "no middle sample")]
+    growth = report.growth(middle, "end")
+    total = sum(growth.values()) / MIB
+    judged = cfg.requests >= cfg.rss_min_requests
+    detail = f"{total:+.1f} MiB from {middle} to end (bound < {cfg.rss_growth_mib:g})"
+    detail += "" if judged else f"; not judged below {cfg.rss_min_requests} requests"
+    flat = {role: growth[role] / MIB for role in ("api_server", "engine_core")}
+    return [
+        Check("RSS stable", total < cfg.rss_growth_mib or not judged, detail, judged),
+        Check(
+            "API server and engine core RSS flat",
+            max(flat.values()) < cfg.flat_process_mib,
+            ", ".join(f"{r} {v:+.1f} MiB" for r, v in flat.items())
+            + f" (bound < {cfg.flat_process_mib:g} MiB each)",
+        ),
+    ]
+
+
+def _soak(cfg, report, handle: ServerHandle, ctx, log) -> None:
+    pooled, pid = report.mode == "pooled", handle.process.pid
+    target = Target(handle.url, handle.model, cfg.max_model_len, cfg.request_timeout)
+    probes = probe_specs(ctx, cfg.probes, cfg.probe_tokens)
+    report.probes_start = _probes(target, probes)
+    report.checks.append(_idle(handle.url, pooled, "idle KV = 0 at start")[0])
+    report.rss["start"] = rss_sample(pid)
+    for step in phase_plan(cfg):
+        if handle.process.poll() is not None:
+            break
+        jobs = make_jobs(ctx, step.name, step.requests, step.kind == "burst")
+        phase = _phase(cfg, target, jobs, step, pooled)
+        report.phases.append(phase)
+        report.rss[phase.name] = rss_sample(pid)
+        ok = all(c.ok for c in phase.checks)
+        log(
+            f"[{report.mode}] {phase.name}: {phase.sent} requests in "
+            f"{phase.seconds:.0f}s {phase.counts} {'ok' if ok else 'FAILED'}"
+        )
+    if handle.process.poll() is not None:
+        code = handle.process.returncode
+        report.checks.append(Check("server alive", False, f"exited with code {code}"))
+        return
+    check, report.held = _held(cfg, target, pooled)
+    report.checks.append(check)
+    report.checks.append(_idle(handle.url, pooled, "idle KV = 0 after held")[0])
+    report.probes_end = _probes(target, probes)
+    report.checks.append(same_tokens(report.probes_start, report.probes_end))
+    report.checks.append(_health(handle.url))
+    report.rss["end"] = rss_sample(pid)
+    report.checks += _rss_checks(cfg, report)
+    serving = read_log(handle.log_text()).while_serving
+    report.checks.append(
+        Check("no error in server log", not serving, "; ".join(serving) or "none")
+    )
 
 
 def vocab_size(model_path: Path) -> int:
@@ -114,82 +286,19 @@ def vocab_size(model_path: Path) -> int:
     return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
 
 
-def model_path(cfg: SoakConfig) -> Path:
-    from vllm_hybrid.tools.tiny_models import build_tiny_model
-
-    return Path(build_tiny_model(cfg.model_dir / cfg.model, cfg.model))
-
-
-def _latency(seconds: list[float]) -> dict[str, float]:
-    if not seconds:
-        return {}
-    ordered = sorted(seconds)
-
-    def pick(q: float) -> float:
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
-
-    return {"p50": pick(0.5), "p99": pick(0.99), "max": round(ordered[-1], 3)}
-
-
-def _phase_checks(phase: PhaseReport, cfg: SoakConfig, target: Target) -> None:
-    counts = phase.counts
-    checks = phase.checks
-    checks.append(
-        Check(
-            "every request answered",
-            phase.unresolved == 0,
-            f"{phase.sent} answered, {phase.unresolved} still open at the bound",
-        )
-    )
-    checks.append(
-        Check("no 5xx", counts.get("5xx", 0) == 0, f"{counts.get('5xx', 0)} 5xx")
-    )
-    max_latency = phase.latency.get("max", 0.0)
-    checks.append(
-        Check(
-            "no hang",
-            counts.get("hang", 0) == 0 and max_latency <= cfg.request_timeout,
-            f"{counts.get('hang', 0)} hung; slowest {max_latency:.1f}s "
-            f"(bound {cfg.request_timeout:.0f}s)",
-        )
-    )
-    other = {k: v for k, v in counts.items() if k in FAILURES - {"5xx", "hang"} and v}
-    checks.append(Check("no other failure", not other, str(other or "none")))
-    running = phase.peaks.get("running", 0.0)
-    checks.append(
-        Check(
-            "running <= max-num-seqs",
-            running <= cfg.max_num_seqs,
-            f"peak running {running:.0f}, waiting {phase.peaks.get('waiting', 0):.0f}",
-        )
-    )
-    checks.append(health(target))
-
-
-def _idle_check(idle: IdleKV, pooled: bool) -> Check:
-    gauges = "kv_pool_used_bytes{token,state}" if pooled else "kv_cache_usage_perc"
-    values = ", ".join(f"{k} {v:g}" for k, v in idle.values.items())
-    detail = f"{gauges} idle after {idle.waited:.1f}s: {values}"
-    return Check(
-        "idle KV = 0", idle.ok, detail if idle.ok else f"{detail}; {idle.detail}"
-    )
-
-
-def run_mode(cfg: SoakConfig, mode: str, log: callable = print) -> ModeReport:
+def run_mode(
+    cfg: SoakConfig, mode: str, log: Callable[[str], None] = print
+) -> ModeReport:
     """Start a server in ``mode`` (``pooled`` or ``upstream``), soak it, stop it."""
-    path = model_path(cfg)
+    path = tiny_model(cfg.model, cfg.model_dir)
     report = ModeReport(
-        mode,
-        cfg.model,
-        cfg.kv_cache_dtype,
-        {k: str(v) for k, v in vars(cfg).items()},
+        mode, cfg.model, cfg.kv_cache_dtype, {k: str(v) for k, v in asdict(cfg).items()}
     )
+    report.rss_middle_phase = middle_phase(phase_plan(cfg))
     log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="soak-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_file = log_dir / f"soak-{cfg.model}-{mode}-{cfg.kv_cache_dtype}.log"
     report.log_path = str(log_file)
-    env = dict(os.environ, VLLM_HYBRID_KV=MODES[mode])
-    pooled = mode == "pooled"
     ctx = WorkloadContext(
         vocab_size(path),
         cfg.max_model_len,
@@ -197,172 +306,33 @@ def run_mode(cfg: SoakConfig, mode: str, log: callable = print) -> ModeReport:
         cfg.request_seeds,
         cfg.large_max_tokens,
     )
-    plan = phase_plan(cfg)
-    report.rss_middle_phase = middle_phase(plan)
     begin = time.monotonic()
     try:
         with serve(
             path,
             cfg.server_args(),
             log_path=log_file,
-            env=env,
+            env=mode_env(mode),
             ready_timeout=cfg.ready_timeout,
         ) as handle:
             report.startup_seconds = round(time.monotonic() - begin, 1)
-            report.server_pid = handle.process.pid
-            log(
-                f"[{mode}] server ready in {report.startup_seconds:.0f}s; "
-                f"log {log_file}"
-            )
+            log(f"[{mode}] ready in {report.startup_seconds:.0f}s; log {log_file}")
             report.plan_lines = [
-                ln.split("] ", 1)[-1]
-                for ln in handle.plan_lines()
-                if "KV cache plan" in ln or "KV cache size" in ln
+                line.split("] ", 1)[-1]
+                for line in handle.plan_lines()
+                if "KV cache plan" in line or "KV cache size" in line
             ]
-            target = Target(
-                handle.url, handle.model, cfg.max_model_len, cfg.request_timeout
-            )
-            _soak(cfg, report, handle, target, ctx, plan, pooled, log)
-            exit_code = stop(handle)
-            shutdown = shutdown_report(handle, exit_code)
+            _soak(cfg, report, handle, ctx, log)
+            shutdown = shutdown_report(handle, stop(handle))
+            problems = list(shutdown.problems) or "none"
             report.checks.append(
                 Check(
                     "clean shutdown",
                     shutdown.clean,
-                    f"exit code {exit_code}; "
-                    f"problems {list(shutdown.problems) or 'none'}",
+                    f"exit code {shutdown.exit_code}; problems {problems}",
                 )
             )
-    except (RuntimeError, TimeoutError, OSError) as err:
+    except (RuntimeError, OSError) as err:
         report.error = f"{type(err).__name__}: {err}"[:2000]
     report.seconds = round(time.monotonic() - begin, 1)
     return report
-
-
-def _exited(handle) -> Check:
-    code = handle.process.returncode
-    return Check("server alive", False, f"server exited with code {code}")
-
-
-def _sample_rss(report: ModeReport, key: str, pid: int) -> int:
-    processes = process_rss(pid)
-    report.rss_processes[key] = processes
-    report.rss[key] = sum(processes.values())
-    report.rss_anon[key] = sum(process_rss(pid, "RssAnon").values())
-    return report.rss[key]
-
-
-def rss_by_role(report: ModeReport, sample: str) -> dict[str, int]:
-    """RSS bytes of one sample by role: ``api_server`` (the process
-    ``serve`` started), ``engine_core``, ``workers``, ``other`` (helpers)."""
-    out = {"api_server": 0, "engine_core": 0, "workers": 0, "other": 0}
-    for key, rss in report.rss_processes.get(sample, {}).items():
-        name, _, pid = key.rpartition(" ")
-        if int(pid) == report.server_pid:
-            role = "api_server"
-        elif name.startswith("VLLM::EngineCor"):
-            role = "engine_core"
-        elif name.startswith("VLLM::Worker"):
-            role = "workers"
-        else:
-            role = "other"
-        out[role] += rss
-    return out
-
-
-def rss_growth_by_role(report: ModeReport, first: str, last: str) -> dict[str, int]:
-    """Bytes each role's processes grew between two samples."""
-    a, b = rss_by_role(report, first), rss_by_role(report, last)
-    return {role: b[role] - a[role] for role in b}
-
-
-def _soak(cfg, report, handle, target, ctx, plan, pooled, log) -> None:
-    probes = probe_specs(ctx, cfg.probes, cfg.probe_tokens)
-    report.probes_start = run_probes(target, probes)
-    start_idle = idle_kv(target, pooled, cfg.idle_timeout)
-    check = _idle_check(start_idle, pooled)
-    check.name = "idle KV = 0 at start"
-    report.checks.append(check)
-    _sample_rss(report, "start", handle.process.pid)
-    stop_at = time.monotonic() + cfg.seconds
-    for step in plan:
-        jobs = make_jobs(ctx, step.name, step.requests, step.kind == "burst")
-        threads = len(jobs) if step.kind == "burst" else cfg.concurrency
-        phase = PhaseReport(step.name, step.kind, step.requests, threads)
-        report.phases.append(phase)
-        if time.monotonic() > stop_at:
-            phase.skipped = len(jobs)
-            continue
-        if handle.process.poll() is not None:
-            phase.skipped = len(jobs)
-            phase.checks.append(_exited(handle))
-            continue
-        join_bound = (
-            max(0.0, stop_at - time.monotonic())
-            + MAX_JOB_REQUESTS * cfg.request_timeout
-            + 30.0
-        )
-        with MetricsMonitor(target) as monitor:
-            run = run_phase(target, jobs, threads, stop_at, join_bound)
-        phase.peaks = dict(monitor.peaks)
-        phase.seconds = round(run.seconds, 1)
-        phase.unresolved, phase.skipped = run.unresolved, run.skipped
-        phase.counts = dict(Counter(o.result for o in run.outcomes))
-        phase.kinds = dict(Counter(o.kind for o in run.outcomes))
-        phase.latency = _latency(
-            [o.seconds for o in run.outcomes if o.result != "disconnected"]
-        )
-        phase.failures = [
-            f"{o.rid} {o.kind} -> {o.result} {o.status}: {o.detail}"[:300]
-            for o in run.outcomes
-            if o.failed
-        ][:5]
-        _phase_checks(phase, cfg, target)
-        phase.idle = idle_kv(target, pooled, cfg.idle_timeout)
-        phase.checks.append(_idle_check(phase.idle, pooled))
-        phase.rss_bytes = _sample_rss(report, phase.name, handle.process.pid)
-        log(
-            f"[{report.mode}] {phase.name}: {phase.sent} requests in "
-            f"{phase.seconds:.0f}s {phase.counts} "
-            f"{'ok' if phase.ok else 'FAILED'}"
-        )
-    if handle.process.poll() is not None:
-        report.checks.append(_exited(handle))
-        return
-    report.probes_end = run_probes(target, probes)
-    report.checks.append(same_tokens(report.probes_start, report.probes_end))
-    report.checks.append(health(target))
-    end_idle = idle_kv(target, pooled, cfg.idle_timeout)
-    report.checks.append(_idle_check(end_idle, pooled))
-    _sample_rss(report, "end", handle.process.pid)
-    middle = report.rss.get(report.rss_middle_phase)
-    if middle is None:
-        report.checks.append(
-            Check("RSS stable", False, "no middle sample (phases skipped)")
-        )
-    else:
-        growth = (report.rss["end"] - middle) / MIB
-        detail = (
-            f"{growth:+.1f} MiB from {report.rss_middle_phase} to end "
-            f"(bound < {cfg.rss_growth_mib:g} MiB)"
-        )
-        judged = cfg.requests >= cfg.rss_min_requests
-        if not judged:
-            detail += f"; not judged below {cfg.rss_min_requests} requests"
-        ok = growth < cfg.rss_growth_mib or not judged
-        report.checks.append(Check("RSS stable", ok, detail, judged))
-        roles = rss_growth_by_role(report, report.rss_middle_phase, "end")
-        flat = {r: roles[r] / MIB for r in ("api_server", "engine_core")}
-        report.checks.append(
-            Check(
-                "API server and engine core RSS flat",
-                max(flat.values()) < cfg.flat_process_mib,
-                ", ".join(f"{r} {v:+.1f} MiB" for r, v in flat.items())
-                + f" from {report.rss_middle_phase} to end "
-                f"(bound < {cfg.flat_process_mib:g} MiB each)",
-            )
-        )
-    problems = log_problems(handle.log_text())
-    report.checks.append(
-        Check("no error in server log", not problems, "; ".join(problems) or "none")
-    )

@@ -12,8 +12,7 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+from benchmarks.harness import CHAT, COMPLETIONS
 
 #: Job kinds and their weights in the mix.
 MIX = {
@@ -30,14 +29,13 @@ MIX = {
     "drop": 4,
     "shared_prefix": 4,
 }
-
 #: Stop string sets (the OpenAI API allows at most 4): frequent ones end
 #: most outputs early, rare ones almost never.
 STOP_SETS = (["e"], ["a", "o"], [" s", "\n"], ["zq", "qz"], ["th", "in", "er", "an"])
-
 #: Token ids below this are the tiny models' special tokens (pad, bos, eos).
 FIRST_ORDINARY_ID = 3
 SHARED_PREFIX_TOKENS = 256
+LETTERS = "etaoinshrdlucmfwypvbgkqjxz"
 
 
 @dataclass
@@ -56,26 +54,14 @@ class RequestSpec:
     prompt_len: int | None = None
 
     @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
     def n(self) -> int:
         return int(self.body.get("n", 1))
-
-    @property
-    def stop(self) -> list[str]:
-        return list(self.body.get("stop") or [])
 
 
 @dataclass
 class Job:
     kind: str
     specs: list[RequestSpec] = field(default_factory=list)
-
-    @property
-    def conversation(self) -> bool:
-        return self.kind == "conversation"
 
 
 @dataclass(frozen=True)
@@ -92,174 +78,126 @@ class WorkloadContext:
     #: Upper end of ``max_tokens`` in the "large" kind (None: max_model_len).
     large_max_tokens: int | None = None
 
-    def words(self) -> list[str]:
-        rng = random.Random(self.seed * 7919 + 1)
-        letters = "etaoinshrdlucmfwypvbgkqjxz"
-        weights = [26 - i for i in range(26)]
-        return [
-            "".join(rng.choices(letters, weights, k=rng.randint(2, 8)))
-            for _ in range(300)
-        ]
+    def rng(self, name: str) -> random.Random:
+        return random.Random(self.seed * 1_000_003 + zlib.crc32(name.encode()))
 
-    def system_prompt(self) -> str:
-        """The system prompt every chat request shares (about 200 tokens)."""
-        rng = random.Random(self.seed * 104729 + 2)
-        return "You are a soak test. " + " ".join(rng.choices(self.words(), k=45))
-
-    def shared_prefix(self) -> list[int]:
-        rng = random.Random(self.seed * 15485863 + 3)
-        return [
-            rng.randrange(FIRST_ORDINARY_ID, self.vocab_size)
-            for _ in range(SHARED_PREFIX_TOKENS)
-        ]
-
-
-def phase_rng(seed: int, phase: str) -> random.Random:
-    return random.Random(seed * 1_000_003 + zlib.crc32(phase.encode()))
+    def tokens(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(FIRST_ORDINARY_ID, self.vocab_size) for _ in range(n)]
 
 
 class MixBuilder:
     """Draws jobs of the mix; ``rid`` values are ``phase:number``."""
 
     def __init__(self, ctx: WorkloadContext, phase: str) -> None:
-        self.ctx = ctx
-        self.phase = phase
-        self.rng = phase_rng(ctx.seed, phase)
-        self.words = ctx.words()
-        self.system = ctx.system_prompt()
-        self.prefix = ctx.shared_prefix()
-        self.count = 0
-
-    # -- pieces ---------------------------------------------------------
-    def _rid(self) -> str:
-        self.count += 1
-        return f"{self.phase}:{self.count}"
-
-    def _tokens(self, n: int) -> list[int]:
-        return [
-            self.rng.randrange(FIRST_ORDINARY_ID, self.ctx.vocab_size) for _ in range(n)
+        self.ctx, self.phase, self.count = ctx, phase, 0
+        self.rng = ctx.rng(phase)
+        words = ctx.rng("words")
+        weights = range(26, 0, -1)
+        self.words = [
+            "".join(words.choices(LETTERS, weights, k=words.randint(2, 8)))
+            for _ in range(300)
         ]
+        # About 200 tokens every chat request shares, and a token prefix.
+        self.system = "You are a soak test. " + " ".join(
+            ctx.rng("system").choices(self.words, k=45)
+        )
+        self.prefix = ctx.tokens(ctx.rng("prefix"), SHARED_PREFIX_TOKENS)
 
     def _length(self, low: int, high: int) -> int:
         """Log-uniform integer in [low, high]."""
-        if high <= low:
-            return low
         value = int(round(low * (high / low) ** self.rng.random()))
         return min(high, max(low, value))
 
     def _text(self, low: int, high: int) -> str:
         return " ".join(self.rng.choices(self.words, k=self.rng.randint(low, high)))
 
-    def _sampling(self, max_tokens: int | None = None) -> dict:
+    def _spec(self, kind: str, endpoint: str, body: dict, **extra) -> RequestSpec:
+        """Sampling drawn for every request, then ``body``'s own settings."""
         temperature = self.rng.choice([0.0, 0.0, 0.7, 1.0])
-        body = {
-            "max_tokens": max_tokens or self.rng.randint(2, 48),
+        sampling = {
+            "max_tokens": self.rng.randint(2, 48),
             "temperature": temperature,
             "ignore_eos": self.rng.random() < 0.5,
         }
         seed = self.rng.randrange(2**31)
         if temperature > 0 and self.ctx.request_seeds:
-            body["seed"] = seed
-        return body
+            sampling["seed"] = seed
+        body = {**sampling, **body}
+        if body.pop("stream", self.rng.random() < 0.5):
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        self.count += 1
+        return RequestSpec(f"{self.phase}:{self.count}", kind, endpoint, body, **extra)
 
-    def _stream(self, body: dict, stream: bool) -> dict:
-        if stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        return body
+    def chat(self, kind: str, words: int = 60, **body) -> RequestSpec:
+        """The shared system prompt and 1 to ``words`` words (about 4.4
+        tokens each with the tiny models' 960-token vocabulary)."""
+        user = {"role": "user", "content": self._text(1, words)}
+        messages = [{"role": "system", "content": self.system}, user]
+        return self._spec(kind, CHAT, {"messages": messages, **body})
 
-    def _chat(
-        self, kind: str, stream: bool, words: int = 60, **sampling
-    ) -> RequestSpec:
-        """A chat request: the shared system prompt and 1 to ``words`` words
-        (about 4.4 tokens each with the tiny models' 960-token vocabulary)."""
-        body = {
-            "messages": [
-                {"role": "system", "content": self.system},
-                {"role": "user", "content": self._text(1, words)},
-            ],
-            **self._sampling(),
-            **sampling,
-        }
-        return RequestSpec(self._rid(), kind, CHAT, self._stream(body, stream))
+    def completion(self, kind: str, prompt: list[int], **body) -> RequestSpec:
+        spec = self._spec(kind, COMPLETIONS, {"prompt": prompt, **body})
+        spec.prompt_len = len(prompt)
+        return spec
 
-    def _completion(
-        self, kind: str, stream: bool, prompt: list[int], **sampling
-    ) -> RequestSpec:
-        body = {"prompt": prompt, **self._sampling(), **sampling}
-        return RequestSpec(
-            self._rid(),
-            kind,
-            COMPLETIONS,
-            self._stream(body, stream),
-            prompt_len=len(prompt),
-        )
-
-    def _any(self, kind: str, stream: bool | None = None, **sampling) -> RequestSpec:
+    def any(self, kind: str, **body) -> RequestSpec:
         """A chat or completion request of ordinary length."""
-        stream = self.rng.random() < 0.5 if stream is None else stream
         if self.rng.random() < 0.5:
-            return self._chat(kind, stream, **sampling)
+            return self.chat(kind, **body)
         length = self._length(1, self.ctx.max_model_len - 1)
-        return self._completion(kind, stream, self._tokens(length), **sampling)
+        return self.completion(kind, self.ctx.tokens(self.rng, length), **body)
 
-    # -- jobs -------------------------------------------------------------
     def job(self, kind: str) -> Job:
-        rng, mml = self.rng, self.ctx.max_model_len
+        rng, mml, tokens = self.rng, self.ctx.max_model_len, self.ctx.tokens
         if kind == "chat":
-            return Job(kind, [self._chat(kind, rng.random() < 0.5)])
-        if kind == "completion":
-            prompt = self._tokens(self._length(1, mml - 1))
-            return Job(kind, [self._completion(kind, rng.random() < 0.5, prompt)])
-        if kind == "shared_prefix":
-            prompt = self.prefix + self._tokens(self._length(1, 200))
-            return Job(kind, [self._completion(kind, rng.random() < 0.5, prompt)])
-        if kind == "conversation":
+            specs = [self.chat(kind)]
+        elif kind == "completion":
+            specs = [self.completion(kind, tokens(rng, self._length(1, mml - 1)))]
+        elif kind == "shared_prefix":
+            prompt = self.prefix + tokens(rng, self._length(1, 200))
+            specs = [self.completion(kind, prompt)]
+        elif kind == "conversation":
             # at most ~200 system + 4 x (90 user + 32 reply) tokens + template:
             # the whole conversation fits in max_model_len 1024
             turns = rng.randint(2, 4)
             specs = [
-                self._chat(kind, rng.random() < 0.5, 20, max_tokens=rng.randint(4, 32))
-                for _ in range(turns)
+                self.chat(kind, 20, max_tokens=rng.randint(4, 32)) for _ in range(turns)
             ]
-            return Job(kind, specs)
-        if kind == "n_gt_1":
+        elif kind == "n_gt_1":
             # vLLM refuses n > 1 with greedy sampling
-            spec = self._any(kind, n=rng.randint(2, 4), temperature=1.0)
-            return Job(kind, [spec])
-        if kind == "stop":
-            return Job(kind, [self._any(kind, stop=list(rng.choice(STOP_SETS)))])
-        if kind == "max_tokens_1":
-            return Job(kind, [self._any(kind, max_tokens=1)])
-        if kind == "max_tokens_large":
+            specs = [self.any(kind, n=rng.randint(2, 4), temperature=1.0)]
+        elif kind == "stop":
+            specs = [self.any(kind, stop=list(rng.choice(STOP_SETS)))]
+        elif kind == "max_tokens_1":
+            specs = [self.any(kind, max_tokens=1)]
+        elif kind == "max_tokens_large":
             high = self.ctx.large_max_tokens or mml
-            spec = self._any(kind, max_tokens=rng.randint(min(200, high), high))
-            return Job(kind, [spec])
-        if kind == "too_long":
+            specs = [self.any(kind, max_tokens=rng.randint(min(200, high), high))]
+        elif kind == "too_long":
             if rng.random() < 0.3:
                 # far beyond: every word is at least one token
-                text = self._text(2 * mml, 2 * mml)
-                spec = self._chat(kind, rng.random() < 0.5)
-                spec.body["messages"][-1]["content"] = text
+                specs = [self.chat(kind)]
+                specs[0].body["messages"][-1]["content"] = self._text(2 * mml, 2 * mml)
             else:
                 length = rng.choice([mml, mml + 1, self._length(mml + 1, 3 * mml)])
-                spec = self._completion(kind, rng.random() < 0.5, self._tokens(length))
-            spec.expect = 400
-            return Job(kind, [spec])
-        if kind == "at_limit":
+                specs = [self.completion(kind, tokens(rng, length))]
+            specs[0].expect = 400
+        elif kind == "at_limit":
             # the longest prompt that fits: one token of room for the output
-            prompt = self._tokens(mml - 1)
-            return Job(kind, [self._completion(kind, rng.random() < 0.5, prompt)])
-        if kind == "disconnect":
-            spec = self._any(kind, stream=True, max_tokens=rng.randint(64, 256))
-            spec.body["ignore_eos"] = True
-            spec.disconnect_after = rng.randint(1, 6)
-            return Job(kind, [spec])
-        if kind == "drop":
-            spec = self._any(kind, stream=False, max_tokens=rng.randint(32, 128))
-            spec.disconnect_after = 0
-            return Job(kind, [spec])
-        raise ValueError(f"unknown job kind {kind!r}")
+            specs = [self.completion(kind, tokens(rng, mml - 1))]
+        elif kind == "disconnect":
+            specs = [
+                self.any(
+                    kind, stream=True, max_tokens=rng.randint(64, 256), ignore_eos=True
+                )
+            ]
+            specs[0].disconnect_after = rng.randint(1, 6)
+        elif kind == "drop":
+            specs = [self.any(kind, stream=False, max_tokens=rng.randint(32, 128))]
+            specs[0].disconnect_after = 0
+        else:
+            raise ValueError(f"unknown job kind {kind!r}")
+        return Job(kind, specs)
 
     def jobs(self, requests: int, burst: bool = False) -> list[Job]:
         """Jobs of the mix holding exactly ``requests`` requests. A burst has
@@ -267,11 +205,10 @@ class MixBuilder:
         kinds = [k for k in MIX if not (burst and k == "conversation")]
         weights = [MIX[k] for k in kinds]
         out: list[Job] = []
-        left = requests
-        while left > 0:
+        while requests > 0:
             job = self.job(self.rng.choices(kinds, weights)[0])
-            job.specs = job.specs[:left]
-            left -= len(job.specs)
+            job.specs = job.specs[:requests]
+            requests -= len(job.specs)
             out.append(job)
         return out
 
@@ -284,23 +221,16 @@ def make_jobs(
 
 def probe_specs(ctx: WorkloadContext, count: int, max_tokens: int) -> list[RequestSpec]:
     """Greedy probes: prompts shorter than one attention block, so no prefix
-    cache hit can change how they are computed between the start and the end.
-    """
-    rng = random.Random(ctx.seed * 31 + 4)
-    specs = []
-    for i in range(count):
-        length = [5, 40, 100][i % 3]
-        prompt = [
-            rng.randrange(FIRST_ORDINARY_ID, ctx.vocab_size) for _ in range(length)
-        ]
-        body = {
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        specs.append(
-            RequestSpec(f"probe:{i}", "probe", COMPLETIONS, body, prompt_len=length)
+    cache hit can change how they are computed between the start and the end."""
+    rng = ctx.rng("probes")
+    body = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return [
+        RequestSpec(
+            f"probe:{i}",
+            "probe",
+            COMPLETIONS,
+            {"prompt": ctx.tokens(rng, n), **body, "return_token_ids": True},
+            prompt_len=n,
         )
-    return specs
+        for i, n in enumerate([5, 40, 100][i % 3] for i in range(count))
+    ]

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from pooled import checkpoints, cli, config, prompts
+
+from benchmarks.pooled import checkpoints, cli, config, prompts
 
 
 def _align_manager():

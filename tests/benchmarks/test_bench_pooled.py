@@ -15,7 +15,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from pooled import (
+
+from benchmarks.pooled import (
     cli,
     config,
     driver,
@@ -26,7 +27,6 @@ from pooled import (
     worker,
     workloads,
 )
-
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
 from vllm_hybrid.v1.core.pooled.usage import PoolUsage

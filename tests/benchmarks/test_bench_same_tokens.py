@@ -19,8 +19,9 @@ import os
 
 import pytest
 from engine_utils import Greedy, near_tie_differences
-from pooled import cli
-from pooled.config import MODES
+
+from benchmarks.pooled import cli
+from benchmarks.pooled.config import MODES
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from vllm_hybrid.tools.server import serve
+from benchmarks.harness import serve
 
 pytestmark = pytest.mark.slow
 

@@ -13,13 +13,11 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import psutil
 import pytest
 
-from vllm_hybrid.tools.server import post_json, serve, shutdown_report
+from benchmarks.harness import RUNNING, request, scrape, serve, shutdown_report
 from vllm_hybrid.v1.engine.async_llm import SHUTDOWN_MESSAGE
 
 pytestmark = pytest.mark.slow
@@ -39,7 +37,7 @@ def _complete(url: str, model: str, max_tokens: int, timeout: float = 120.0):
         "temperature": 0.0,
         "ignore_eos": True,
     }
-    return post_json(url + "/v1/completions", body, timeout)
+    return request(url + "/v1/completions", body, timeout)
 
 
 def _load(url: str, model: str, n: int) -> tuple[list[object], list[threading.Thread]]:
@@ -123,13 +121,8 @@ def _still_running(procs: list[psutil.Process]) -> list[psutil.Process]:
 def _wait_running(url: str, model: str, outcomes: list[object]) -> None:
     """Until the server reports running requests (decode under way)."""
     for _ in range(240):  # polled every 0.5 s: about two minutes
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-        for line in text.splitlines():
-            if line.startswith("vllm:num_requests_running{") and float(
-                line.split()[-1]
-            ):
-                return
+        if scrape(url, timeout=10).total(RUNNING):
+            return
         time.sleep(0.5)
     raise AssertionError(f"no request started running; outcomes {outcomes}")
 

@@ -8,29 +8,22 @@ from __future__ import annotations
 import json
 import random
 import re
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from engine_utils import BENCHMARKS
 
-from vllm_hybrid.tools.server import (
+from benchmarks.harness import (
     LOOPBACK,
     free_port,
-    parse_metrics,
-    post_json,
+    held_requests,
+    read_log,
+    request,
     serve,
+    wait_idle,
 )
-
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-from soak.checks import idle_values, log_problems  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -46,31 +39,10 @@ def _complete(url: str, model: str, prompt: str, max_tokens: int, timeout: float
         "temperature": 0.0,
         "ignore_eos": True,
     }
-    status, raw = post_json(url + "/v1/completions", body, timeout)
+    status, raw = request(url + "/v1/completions", body, timeout)
     if status != 200:
         return status, raw.decode(errors="replace")[:300]
     return status, json.loads(raw)["usage"]["completion_tokens"]
-
-
-def _refused(err: OSError) -> bool:
-    reason = getattr(err, "reason", err)
-    return isinstance(reason, ConnectionRefusedError)
-
-
-def _metrics(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
-        return resp.read().decode()
-
-
-def _wait_idle(url: str) -> dict[str, float]:
-    """The KV gauges once nothing runs (polled every 0.5 s, up to 60 s)."""
-    values: dict[str, float] = {}
-    for _ in range(120):
-        values = idle_values(_metrics(url), pooled=True)
-        if values and all(v == 0 for v in values.values()):
-            break
-        time.sleep(0.5)
-    return values
 
 
 # -- clients arriving during start-up -------------------------------------
@@ -97,22 +69,19 @@ def test_clients_arriving_during_start_up_are_served(tiny_model_dir, tmp_path):
             try:
                 results[i] = _complete(url, model, prompt, FLOOD_TOKENS, 300.0)
                 return
-            except OSError as err:
-                if not _refused(err):
-                    results[i] = type(getattr(err, "reason", err)).__name__
-                    return
+            except ConnectionRefusedError:
                 refused[i] += 1
                 time.sleep(0.25)
+            except OSError as err:
+                results[i] = type(err).__name__
+                return
         results[i] = "gave up"
 
     def readiness_probe() -> None:
         # /health polled as an orchestrator's readiness probe would
         while not done.is_set():
             try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as resp:
-                    probes[resp.status] += 1
-            except urllib.error.HTTPError as err:
-                probes[err.code] += 1
+                probes[request(url + "/health", timeout=5)[0]] += 1
             except OSError:
                 probes["no answer"] += 1
             time.sleep(0.1)
@@ -131,7 +100,7 @@ def test_clients_arriving_during_start_up_are_served(tiny_model_dir, tmp_path):
             for thread in threads[:-1]:
                 thread.join(timeout=300)
             status, _ = server.request("/health")
-            problems = log_problems(server.log_text())
+            problems = read_log(server.log_text()).while_serving
     finally:
         done.set()
         threads[-1].join(timeout=30)
@@ -140,7 +109,7 @@ def test_clients_arriving_during_start_up_are_served(tiny_model_dir, tmp_path):
     assert all(n > 0 for n in refused), refused
     assert results == [(200, FLOOD_TOKENS)] * FLOOD, results
     assert status == 200
-    assert problems == []
+    assert problems == ()
     # the probe saw the server come up; no probe ever got a 5xx
     assert probes[200] > 0, probes
     assert not [code for code in probes if isinstance(code, int) and code >= 500]
@@ -150,6 +119,10 @@ def test_clients_arriving_during_start_up_are_served(tiny_model_dir, tmp_path):
 
 BURST = 256
 BURST_BUDGET = 16 * 2**20
+
+
+#: Long requests held open beyond what the arena can run at once.
+HELD_EXTRA = 4
 
 
 def _state_ids(plan_line: str) -> int:
@@ -168,59 +141,47 @@ def test_burst_of_max_num_seqs_on_an_arena_of_few_states(tiny_model_dir, tmp_pat
         )
         for _ in range(BURST)
     ]
-    peaks = {"running": 0.0, "waiting": 0.0}
-    done = threading.Event()
+    args = ["--max-model-len=1024", f"--kv-cache-memory-bytes={BURST_BUDGET}"]
     with serve(
         str(tiny_model_dir("qwen3_5")),
-        [
-            "--max-model-len",
-            "1024",
-            "--kv-cache-memory-bytes",
-            str(BURST_BUDGET),
-            "--max-num-seqs",
-            str(BURST),
-        ],
+        [*args, f"--max-num-seqs={BURST}"],
         log_path=tmp_path / "server.log",
     ) as server:
         plan = [ln for ln in server.plan_lines() if "KV cache plan (pooled)" in ln]
         assert len(plan) == 1, server.plan_lines()
         states = _state_ids(plan[0])
-
-        def watch() -> None:
-            while not done.is_set():
-                metrics = parse_metrics(_metrics(server.url))
-                for key in peaks:
-                    value = sum(metrics.get(f"vllm:num_requests_{key}", {}).values())
-                    peaks[key] = max(peaks[key], value)
-                time.sleep(0.2)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            with ThreadPoolExecutor(BURST) as pool:
-                results = list(
-                    pool.map(
-                        lambda job: _complete(server.url, server.model, *job, 600.0),
-                        jobs,
-                    )
+        with ThreadPoolExecutor(BURST) as pool:
+            results = list(
+                pool.map(
+                    lambda job: _complete(server.url, server.model, *job, 600.0),
+                    jobs,
                 )
-        finally:
-            done.set()
-            watcher.join(timeout=60)
-        idle = _wait_idle(server.url)
-        problems = log_problems(server.log_text())
-    # the arena could never hold a state for each of the 256 at once ...
+            )
+        idle = wait_idle(server.url)
+        # more long requests than the arena has states, held open at once
+        held = states + HELD_EXTRA
+        with held_requests(server.url, server.model, held) as metrics:
+            in_use = metrics.kv_in_use()
+        idle_after_held = wait_idle(server.url)
+        problems = read_log(server.log_text()).while_serving
+    # the arena could never hold a state for each of the 256 at once, and
+    # every request got all its tokens; afterwards nothing is held
     assert states * 4 <= BURST, states
-    # ... so the scheduler queued the rest, ran no more than the arena holds
-    assert peaks["waiting"] > 0, peaks
-    assert 1 < peaks["running"] <= states, (peaks, states)
-    # and every request got all its tokens; afterwards nothing is held
     assert results == [(200, max_tokens) for _, max_tokens in jobs]
-    assert idle == {
-        "running": 0.0,
-        "waiting": 0.0,
-        "kv_cache_usage_perc": 0.0,
-        "token_used_bytes": 0.0,
-        "state_used_bytes": 0.0,
-    }
-    assert problems == []
+    assert (
+        idle
+        == idle_after_held
+        == {
+            "running": 0.0,
+            "waiting": 0.0,
+            "kv_cache_usage_perc": 0.0,
+            "token_used_bytes": 0.0,
+            "state_used_bytes": 0.0,
+        }
+    )
+    # while the long requests were held the scheduler ran no more than the
+    # arena holds and queued the rest, both pools in use
+    assert 1 < in_use["running"] <= states, (in_use, states)
+    assert in_use["running"] + in_use["waiting"] == held, in_use
+    assert in_use["token_used_bytes"] > 0 and in_use["state_used_bytes"] > 0
+    assert problems == ()

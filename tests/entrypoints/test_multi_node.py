@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid.tools.server import free_port, serve
+from benchmarks.harness import free_port, serve
 
 pytestmark = pytest.mark.slow
 

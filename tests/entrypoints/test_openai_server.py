@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from vllm_hybrid.tools.server import serve
+from benchmarks.harness import Metrics, scrape, serve, shutdown_report, stop
 
 pytestmark = pytest.mark.slow
 
@@ -78,18 +78,8 @@ def test_chat_completion_streaming(server):
 def test_metrics(server):
     status, raw = server.request("/metrics")
     assert status == 200
-    text = raw.decode()
-    assert "vllm:kv_cache_usage_perc" in text
-    assert re.search(r"^vllm:num_requests_running\{", text, re.M)
-
-
-def _samples(text: str, name: str) -> dict[str, float]:
-    """``{pool label (or ""): value}`` of one gauge in Prometheus text format."""
-    out = {}
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        pool = re.search(r'pool="([^"]*)"', m.group(1))
-        out[pool.group(1) if pool else ""] = float(m.group(2))
-    return out
+    names = {name for name, _, _ in Metrics.parse(raw.decode()).samples}
+    assert {"vllm:kv_cache_usage_perc", "vllm:num_requests_running"} <= names
 
 
 def test_plan_log_line_describes_the_pools(server):
@@ -106,13 +96,11 @@ def test_plan_log_line_describes_the_pools(server):
 def test_metrics_per_pool_gauges(server):
     # a request with a long prompt, so both pools were used at some point
     server.chat("state space " * 200, max_tokens=4, ignore_eos=True)
-    status, raw = server.request("/metrics")
-    assert status == 200
-    text = raw.decode()
-    owned = _samples(text, "vllm_hybrid:kv_pool_owned_bytes")
-    used = _samples(text, "vllm_hybrid:kv_pool_used_bytes")
-    usage = _samples(text, "vllm_hybrid:kv_pool_usage_perc")
-    arena = _samples(text, "vllm_hybrid:kv_arena_usage_perc")
+    metrics = scrape(server.url)
+    owned = metrics.by("vllm_hybrid:kv_pool_owned_bytes", "pool")
+    used = metrics.by("vllm_hybrid:kv_pool_used_bytes", "pool")
+    usage = metrics.by("vllm_hybrid:kv_pool_usage_perc", "pool")
+    arena = metrics.by("vllm_hybrid:kv_arena_usage_perc", "pool")
     assert set(owned) == set(used) == set(usage) == {"token", "state"}
     assert set(arena) == {""}
     # the boundary splits the 32 MiB arena: both pools own memory, together
@@ -171,9 +159,7 @@ def test_overlay_active_in_server_processes(server):
 def test_shutdown_is_clean_and_its_exit_noise_is_known(server):
     """Last in this module: SIGINT stops the server with exit code 0 and no
     failure in its log; what else it prints at exit is upstream's known
-    noise (see ``HARMLESS_SHUTDOWN_MARKERS``)."""
-    from vllm_hybrid.tools.server import shutdown_report, stop
-
+    noise (see ``benchmarks.harness.HARMLESS_SHUTDOWN_MARKERS``)."""
     report = shutdown_report(server, stop(server))
     assert report.exit_code == 0
     assert report.problems == ()

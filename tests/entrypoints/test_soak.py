@@ -4,34 +4,30 @@ Runs the phases of ``benchmarks/soak`` (warm-up, then mixed and burst
 rounds: streaming and non-streaming chat and completions, a shared system
 prompt and token prefix, conversations, prompts from 1 token to beyond
 --max-model-len, n > 1, stop strings, max_tokens 1 and large, clients that
-disconnect, bursts far above --max-num-seqs) once per mode on the tiny
-``qwen3_5``, and asserts the soak's checks with their numbers. One server
-per mode, shared by every test of that mode (module-scoped fixture).
-"""
+disconnect, bursts far above --max-num-seqs; then long requests held open
+beyond --max-num-seqs) once per mode on the tiny ``qwen3_5``, and asserts
+the soak's checks with their numbers. One server per mode, shared by every
+test of that mode (module-scoped fixture). Nothing here bounds a time: the
+socket timeout of each request only keeps a hung server from hanging the
+test, and an unanswered request fails it as a "hang"."""
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 
 import pytest
-from engine_utils import BENCHMARKS
 
-if str(BENCHMARKS) not in sys.path:
-    sys.path.insert(0, str(BENCHMARKS))
-
-from soak.checks import idle_values, same_tokens  # noqa: E402
-from soak.client import FAILURES  # noqa: E402
-from soak.config import SoakConfig, middle_phase, phase_plan  # noqa: E402
-from soak.runner import rss_by_role, rss_growth_by_role, run_mode  # noqa: E402
-from soak.workload import MIX, WorkloadContext, make_jobs  # noqa: E402
+from benchmarks.soak.client import FAILURES
+from benchmarks.soak.config import SoakConfig, middle_phase, phase_plan
+from benchmarks.soak.runner import run_mode, same_tokens
+from benchmarks.soak.workload import MIX, WorkloadContext, make_jobs
 
 pytestmark = pytest.mark.slow
 
 MAX_NUM_SEQS = 4
 REQUESTS = 100  # per mode
 BURST = 5 * MAX_NUM_SEQS
-HANG_BOUND = 120.0
+HELD_EXTRA = 2
 #: RSS growth from the middle of the run to its end. The engine worker's
 #: private memory grows for its first ~450 requests in both modes (new batch
 #: shapes; docs/benchmarks.md, "Soak"), so this short run compares the
@@ -50,11 +46,10 @@ def soak_config(model_dir, log_dir) -> SoakConfig:
         burst=BURST,
         max_num_seqs=MAX_NUM_SEQS,
         concurrency=MAX_NUM_SEQS + 2,
+        held_extra=HELD_EXTRA,
         max_model_len=1024,
         kv_cache_mib=16,
         large_max_tokens=128,
-        request_timeout=HANG_BOUND,
-        seconds=900,
         model_dir=model_dir,
         log_dir=log_dir,
     )
@@ -97,19 +92,12 @@ def test_mix_is_seeded_and_holds_the_requested_count():
     assert len({s.prompt_len for s in specs if s.prompt_len}) > 20
 
 
-def test_checks_fail_on_a_busy_pool_and_on_other_tokens():
-    busy = (
-        'vllm:num_requests_running{engine="0"} 0.0\n'
-        'vllm:num_requests_waiting{engine="0"} 0.0\n'
-        'vllm:kv_cache_usage_perc{engine="0"} 0.0\n'
-        'vllm_hybrid:kv_pool_used_bytes{engine="0",pool="token"} 0.0\n'
-        'vllm_hybrid:kv_pool_used_bytes{engine="0",pool="state"} 1609728.0\n'
-    )
-    values = idle_values(busy, pooled=True)
-    assert values["state_used_bytes"] == 1609728.0 and values["token_used_bytes"] == 0
+def test_same_tokens_names_the_first_difference():
     assert same_tokens([[1, 2, 3]], [[1, 2, 3]]).ok
     check = same_tokens([[1, 2, 3], [4]], [[1, 2, 4], [4]])
     assert not check.ok and "1/2" in check.detail and "at token 2" in check.detail
+    check = same_tokens([[1]], ["hang None: no answer"])
+    assert not check.ok and "probe 0: hang None" in check.detail
 
 
 # -- live soak, one server per mode (one at a time)
@@ -134,27 +122,23 @@ def soak(request, soaks):
     return soaks[request.param]
 
 
+def _end(report) -> dict:
+    return {c.name: c for where, c in report.all_checks if where == "end"}
+
+
 def test_every_phase_ran_to_its_request_count(soak):
     cfg, report = soak
-    assert [(p.name, p.sent, p.skipped) for p in report.phases] == [
-        (p.name, p.requests, 0) for p in phase_plan(cfg)
+    assert [(p.name, p.sent) for p in report.phases] == [
+        (p.name, p.requests) for p in phase_plan(cfg)
     ]
 
 
-def test_every_request_answered_without_5xx_or_hang(soak):
+def test_every_request_got_the_answer_due(soak):
+    """Every request answered (a request without an answer within the
+    socket timeout ends as a "hang" failure), no 5xx, nothing invalid."""
     _, report = soak
     total = report.totals()
     assert sum(total.values()) == REQUESTS
-    assert total["5xx"] == 0
-    assert total["hang"] == 0
-    assert [p.unresolved for p in report.phases] == [0] * len(report.phases)
-    slowest = max(p.latency["max"] for p in report.phases)
-    assert slowest < HANG_BOUND
-
-
-def test_answers_are_the_expected_ones(soak):
-    _, report = soak
-    total = report.totals()
     failures = {k: total[k] for k in FAILURES if total[k]}
     details = [f for p in report.phases for f in p.failures]
     assert failures == {}, details
@@ -170,17 +154,28 @@ def test_the_mix_covered_every_kind(soak):
     for phase in report.phases:
         kinds.update(phase.kinds)
     assert set(kinds) == set(MIX)
-
-
-def test_bursts_queue_far_beyond_max_num_seqs(soak):
-    _, report = soak
     bursts = [p for p in report.phases if p.kind == "burst"]
-    assert len(bursts) == 2
-    for phase in bursts:
-        assert phase.threads == phase.sent == BURST
-        assert phase.peaks["waiting"] >= MAX_NUM_SEQS, phase.peaks
-    for phase in report.phases:
-        assert 1 <= phase.peaks["running"] <= MAX_NUM_SEQS, (phase.name, phase.peaks)
+    assert [(p.threads, p.sent) for p in bursts] == [(BURST, BURST)] * 2
+
+
+def test_held_requests_queue_beyond_max_num_seqs_and_use_kv(soak):
+    """Long requests held open at once: at most max_num_seqs run, the rest
+    wait, KV memory is in use while they run (both pools in pooled mode);
+    once they are closed, nothing is held."""
+    _, report = soak
+    held = report.held
+    assert 1 <= held["running"] <= MAX_NUM_SEQS, held
+    assert held["running"] + held["waiting"] == MAX_NUM_SEQS + HELD_EXTRA, held
+    if report.mode == "pooled":
+        # pooled mode admits every request max_num_seqs allows at 16 MiB
+        assert held["running"] == MAX_NUM_SEQS, held
+        assert held["token_used_bytes"] > 0 and held["state_used_bytes"] > 0
+    else:
+        # upstream's single pool publishes no per-pool gauges
+        assert "token_used_bytes" not in held
+        assert held["kv_cache_usage_perc"] > 0
+    end = _end(report)
+    assert end["idle KV = 0 after held"].ok, end["idle KV = 0 after held"].detail
 
 
 def test_health_after_every_phase(soak):
@@ -197,23 +192,13 @@ def test_health_after_every_phase(soak):
 
 def test_no_kv_block_held_when_idle(soak):
     _, report = soak
+    pools = {"token_used_bytes": 0.0, "state_used_bytes": 0.0}
+    idle = {"running": 0.0, "waiting": 0.0, "kv_cache_usage_perc": 0.0}
+    if report.mode == "pooled":
+        idle |= pools
     for phase in report.phases:
-        idle = phase.idle
-        assert idle.ok, (phase.name, idle.detail)
-        assert idle.values["running"] == idle.values["waiting"] == 0
-        assert idle.values["kv_cache_usage_perc"] == 0
-        if report.mode == "pooled":
-            assert idle.values["token_used_bytes"] == 0, phase.name
-            assert idle.values["state_used_bytes"] == 0, phase.name
-            # both pools were busy during the phase
-            assert phase.peaks["token_used_bytes"] > 0
-            assert phase.peaks["state_used_bytes"] > 0
-        else:
-            # upstream's single pool publishes no per-pool gauges
-            assert "token_used_bytes" not in idle.values
-            assert phase.peaks["kv_cache_usage_perc"] > 0
-    end = {c.name: c for where, c in report.all_checks if where == "end"}
-    assert end["idle KV = 0"].ok, end["idle KV = 0"].detail
+        assert phase.idle == idle, phase.name
+    assert _end(report)["idle KV = 0 at start"].ok
 
 
 def test_greedy_tokens_same_at_start_and_end(soak):
@@ -225,13 +210,13 @@ def test_greedy_tokens_same_at_start_and_end(soak):
 
 
 def _growth_mib(report) -> dict[str, float]:
-    growth = rss_growth_by_role(report, report.rss_middle_phase, "end")
+    growth = report.growth(report.rss_middle_phase, "end")
     return {role: value / 2**20 for role, value in growth.items()}
 
 
 def test_api_server_and_engine_core_rss_flat(soak):
     _, report = soak
-    roles = rss_by_role(report, "end")
+    roles = report.rss["end"]
     assert roles["api_server"] > 0 and roles["engine_core"] > 0 and roles["workers"] > 0
     growth = _growth_mib(report)
     assert growth["api_server"] < FLAT_PROCESS_MIB, growth
@@ -249,7 +234,7 @@ def test_pooled_worker_rss_grows_no_more_than_upstreams(soaks):
 
 def test_clean_shutdown_and_quiet_log(soak):
     _, report = soak
-    end = {c.name: c for where, c in report.all_checks if where == "end"}
+    end = _end(report)
     assert end["clean shutdown"].ok, end["clean shutdown"].detail
     assert end["no error in server log"].ok, end["no error in server log"].detail
     assert report.ok, [(w, c.name, c.detail) for w, c in report.all_checks if not c.ok]

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from vllm_hybrid.tools.server import serve
+from benchmarks.harness import serve
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

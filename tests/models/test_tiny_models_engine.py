@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-from engine_utils import ENGINE_DEFAULTS
+from engine_utils import ENGINE_DEFAULTS, scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def test_tiny_model_generates(kind, tiny_model_dir, in_process_engine):
         assert [len(t) for t in ids] == [12, 12]
         # greedy decoding is deterministic run to run
         assert ids == [list(o.outputs[0].token_ids) for o in again]
-        coordinator = llm.llm_engine.engine_core.engine_core.scheduler
+        coordinator = scheduler(llm)
         coordinator = coordinator.kv_cache_manager.coordinator
         # hybrid kinds run in pooled mode by default; the dense control never
         assert type(coordinator).__name__.startswith("Pooled") == (kind != "dense")

@@ -33,6 +33,7 @@ import pytest
 from engine_utils import (
     Greedy,
     bench_pooled,
+    engine_core,
     generate_greedy,
     near_tie_differences,
     record_preemptions,
@@ -133,7 +134,7 @@ def _run(model: str, mode: str) -> dict:
     kwargs = _kwargs(mode, True)
 
     def work(llm) -> dict:
-        core = llm.llm_engine.engine_core.engine_core
+        core = engine_core(llm)
         vocab = bench_pooled().llm_vocab(llm)
         prompts = bench_pooled().many_short_prompts(cfg, vocab)
         first, preemptions, mid_decode = _saturation(llm, cfg, prompts)

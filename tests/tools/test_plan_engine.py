@@ -9,7 +9,7 @@ engine holds after start-up.
 from __future__ import annotations
 
 import pytest
-from engine_utils import ENGINE_DEFAULTS, with_engine
+from engine_utils import ENGINE_DEFAULTS, engine_core, with_engine
 
 from vllm_hybrid.tools import plan as planmod
 
@@ -24,7 +24,7 @@ def _engine_figures(model: str, pooled: bool) -> dict:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     def figures(llm) -> dict:
-        core = llm.llm_engine.engine_core.engine_core
+        core = engine_core(llm)
         config = core.scheduler.kv_cache_manager.kv_cache_config
         cache = core.vllm_config.cache_config
         state = next(

@@ -1,10 +1,12 @@
 """The README demo: serve the tiny Qwen3.5-shaped hybrid and ask it once.
 
 Builds the tiny random-weight ``qwen3_5`` model (offline, seconds), serves it
-with ``vllm-hybrid serve --kv-cache-dtype turboquant_k8v4`` on loopback,
-sends one chat completion, prints the answer (random weights: expect word
-salad) and the engine's KV cache plan lines, then shuts the server down and
-reports what its exit code and log say about the shutdown.
+with ``vllm-hybrid serve --kv-cache-dtype turboquant_k8v4`` on loopback
+(through the benchmarks' server harness, as the tests do), sends one chat
+completion, prints the answer (random weights: expect word salad) and the
+engine's KV cache plan lines, then shuts the server down and reports what its
+exit code and log say about the shutdown. ``bash scripts/demo.sh`` sets up
+the environment and runs it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_hybrid.tools.server import serve, shutdown_report, stop
-from vllm_hybrid.tools.tiny_models import build_tiny_model
+# Run as a script: the repository root takes the folder's place on sys.path,
+# so the benchmarks' harness imports as ``benchmarks.harness``.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-DEFAULT_KV_BYTES = 48 * 2**20
+from benchmarks.harness import MIB, serve, shutdown_report, stop  # noqa: E402
+from vllm_hybrid.tools.tiny_models import build_tiny_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,19 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=".tiny-models/qwen3_5")
     # The project's headline command: packed TurboQuant KV on CPU_TURBOQUANT.
     parser.add_argument("--kv-cache-dtype", default="turboquant_k8v4")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_BYTES)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=48 * MIB)
     parser.add_argument("--prompt", default="Hello! What can a hybrid model do?")
     args = parser.parse_args(argv)
 
     model_dir = build_tiny_model(Path(args.model_dir), "qwen3_5")
     print(f"[demo] tiny qwen3_5 model at {model_dir}", flush=True)
     serve_args = [
-        "--max-model-len",
-        "4096",
-        "--kv-cache-memory-bytes",
-        str(args.kv_cache_memory_bytes),
-        "--kv-cache-dtype",
-        args.kv_cache_dtype,
+        "--max-model-len=4096",
+        f"--kv-cache-memory-bytes={args.kv_cache_memory_bytes}",
+        f"--kv-cache-dtype={args.kv_cache_dtype}",
     ]
     with serve(model_dir, serve_args) as server:
         print(f"[demo] server ready at {server.url} (log: {server.log_path})")

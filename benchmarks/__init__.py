@@ -1,0 +1,1 @@
+"""Benchmarks of vllm-hybrid against upstream vLLM (see README.md)."""
