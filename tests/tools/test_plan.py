@@ -309,7 +309,7 @@ def test_cuda_plan_uses_the_checkpoints_fp32_ssm_state(form, tmp_path):
     assert "Qwen3NextForCausalLM" not in MODELS_CONFIG_MAP
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "turboquant_k8v4"])
 @pytest.mark.parametrize("name", ["qwen3.6-35b-a3b-fp8", "qwen3-next-80b-a3b"])
 def test_both_columns_fit_their_budget(name, kv_cache_dtype):
     """Concurrency x bytes per request never exceeds the budget, in either

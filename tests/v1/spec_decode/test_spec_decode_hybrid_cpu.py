@@ -104,10 +104,33 @@ def test_tokens_equal_plain_decoding_up_to_near_ties(runs, method, mtp):
 
 
 def test_prefix_cache_hits_do_not_change_speculative_tokens(runs):
+    """n-gram drafts with prefix caching give the uncached run's tokens, and
+    the second (cache-hitting) pass gives the first pass's, up to near-ties
+    by the two-sided rule: a pass that resumes from cached states scores its
+    tokens in batches of another shape, which rounds bf16 differently (on an
+    AMX host one prompt's second pass differs at output 11). A difference
+    where either run was confident fails, with both runs' top-2 gaps."""
     cached = runs["ngram", "pc", "pooled", False]["passes"]
     uncached = runs["ngram", "no-pc", "pooled", False]["passes"]
-    assert cached[1]["tokens"] == cached[0]["tokens"]
-    assert cached[0]["tokens"] == uncached[0]["tokens"]
+    pairs = {
+        "cached vs uncached": (uncached[0], cached[0]),
+        "second vs first pass": (cached[0], cached[1]),
+    }
+    for name, (reference, other) in pairs.items():
+        found = near_tie_differences(
+            Greedy(reference["tokens"], reference["gaps"]),
+            other["tokens"],
+            other["gaps"],
+        )
+        assert found == [], (name, _gaps_at(found, other))
+
+
+def _gaps_at(found, other: dict) -> list[tuple[int, int, float | None, float | None]]:
+    """(prompt, position, reference gap, other run's gap) of each fault."""
+    return [
+        (i, at, gap, other["gaps"][i][at] if at < len(other["gaps"][i]) else None)
+        for i, at, gap in found
+    ]
 
 
 @pytest.mark.parametrize("method, mtp", METHODS)

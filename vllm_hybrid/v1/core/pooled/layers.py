@@ -22,6 +22,26 @@ from vllm.v1.kv_cache_interface import (
 
 from vllm_hybrid.v1.core.pooled.spec import VIEW_ALIGNMENT_BYTES, align_up
 
+#: Fewest bytes a page start is aligned to: Triton compiles pointer arguments
+#: for 16-byte divisibility (and vectorizes loads by it), ``.view(dtype)``
+#: needs the element size, and no KV or state dtype is wider than 16 B.
+MIN_PAGE_ALIGNMENT_BYTES = 16
+
+
+def page_alignment(page_bytes: int) -> int:
+    """The byte boundary a layer's page starts on in a pooled block.
+
+    Upstream's layouts put block ``b`` of a layer at ``base + b * page``, so
+    the kernels run there with pages aligned to the largest power of two
+    dividing the page size (TurboQuant k8v4 at 16 tokens x 2 heads: 12,416 B,
+    128-byte aligned), never better than the 256 B of an allocation.
+    Aligning every page the same way costs no byte per page: only the whole
+    block is rounded up to ``VIEW_ALIGNMENT_BYTES`` (once), where pool bases
+    and block strides need it.
+    """
+    natural = page_bytes & -page_bytes
+    return max(MIN_PAGE_ALIGNMENT_BYTES, min(VIEW_ALIGNMENT_BYTES, natural))
+
 
 @dataclass(frozen=True)
 class PoolLayers:
@@ -54,14 +74,20 @@ class PoolLayers:
             by_page.setdefault(self.layer_spec(name).page_size_bytes, []).append(name)
         runs, offset = [], 0
         for page, names in by_page.items():
-            run = LayerRun(tuple(names), page, align_up(page), offset)
+            alignment = page_alignment(page)
+            run = LayerRun(
+                tuple(names),
+                page,
+                align_up(page, alignment),
+                align_up(offset, alignment),
+            )
             runs.append(run)
-            offset += run.bytes
+            offset = run.offset + run.bytes
         return tuple(runs)
 
     @property
     def padding_bytes(self) -> int:
-        """Bytes per block that hold no page (alignment only)."""
+        """Bytes per block that hold no page (the block's alignment only)."""
         pages = sum(self.layer_spec(n).page_size_bytes for n in self.layer_names)
         return self.block_bytes - pages
 
@@ -82,8 +108,8 @@ class LayerRun:
 
     layer_names: tuple[str, ...]
     page_bytes: int
-    #: The page rounded up so that every layer's view starts on
-    #: ``VIEW_ALIGNMENT_BYTES`` (real models' pages are multiples of it).
+    #: The page rounded up to its :func:`page_alignment` (the page itself for
+    #: every real model: their pages are multiples of 16 B).
     layer_stride: int
     offset: int
 

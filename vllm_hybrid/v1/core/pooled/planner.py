@@ -30,7 +30,7 @@ from vllm_hybrid.v1.core.pooled.boundary import (
     max_token_blocks,
     plan_arena_layout,
 )
-from vllm_hybrid.v1.core.pooled.layers import PoolLayers, PoolSplit
+from vllm_hybrid.v1.core.pooled.layers import PoolLayers, PoolSplit, page_alignment
 from vllm_hybrid.v1.core.pooled.spec import (
     VIEW_ALIGNMENT_BYTES,
     KVPoolSpec,
@@ -189,15 +189,21 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
 
 
 def _check_alignment(tensors: list[KVCacheTensor]) -> None:
-    """Every pool base, layer stride and block stride is a multiple of
-    ``VIEW_ALIGNMENT_BYTES``, hence every page of every view starts on it."""
+    """Every pool base and block stride is a multiple of
+    ``VIEW_ALIGNMENT_BYTES``; every layer's pages start on their
+    :func:`page_alignment` (as in upstream's layouts)."""
     for tensor in tensors:
-        for name in ("offset", "layer_stride", "block_stride"):
+        page = page_alignment(tensor.layer_stride)
+        for name, alignment in (
+            ("offset", page),
+            ("layer_stride", page),
+            ("block_stride", VIEW_ALIGNMENT_BYTES),
+        ):
             value = getattr(tensor, name)
-            if value % VIEW_ALIGNMENT_BYTES:
+            if value % alignment:
                 raise AssertionError(
                     f"pooled KV tensor of {tensor.layers[0]}: {name} {value} B "
-                    f"is not a multiple of {VIEW_ALIGNMENT_BYTES} B"
+                    f"is not a multiple of {alignment} B"
                 )
 
 
