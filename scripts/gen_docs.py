@@ -10,6 +10,10 @@ fenced block right after it holds ``$ COMMAND`` and what the command prints::
     ...
     ```
 
+A marker ``<!-- generated markdown: COMMAND -->`` instead takes the lines up
+to the next blank line as the command's output as it is (a markdown table
+the command prints), without the ``$ COMMAND`` line or a fence.
+
 ``--write`` reruns every marked command and rewrites its block; ``--check``
 (the default) reports each block that differs from what its command prints
 now and exits 1 (``tests/test_docs_generated.py`` runs it). Only commands
@@ -38,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Files searched for markers when none are named.
 DEFAULT_FILES = ("README.md", "docs/*.md")
 
-MARKER = re.compile(r"^<!-- generated: (?P<command>.+?) -->$")
+MARKER = re.compile(r"^<!-- generated(?P<markdown> markdown)?: (?P<command>.+?) -->$")
 FENCE = re.compile(r"^(?P<fence>`{3,})[\w-]*$")
 #: Commands a marker may name: program and subcommand -> runner.
 PREFIX = ("vllm-hybrid", "plan")
@@ -56,9 +60,13 @@ class Block:
     """One generated block: its command and the lines it spans."""
 
     command: str
-    #: Index of the first line inside the fence, and of the closing fence.
+    #: Index of the first line inside the fence, and of the closing fence
+    #: (markdown blocks: of the first line after the marker and of the blank
+    #: line that ends them).
     start: int
     end: int
+    #: The command prints markdown, shown as it is.
+    markdown: bool = False
 
 
 def find_blocks(lines: Sequence[str], name: str = "<doc>") -> list[Block]:
@@ -67,6 +75,13 @@ def find_blocks(lines: Sequence[str], name: str = "<doc>") -> list[Block]:
     for i, line in enumerate(lines):
         match = MARKER.match(line.strip())
         if match is None:
+            continue
+        if match.group("markdown"):
+            end = next(
+                (j for j in range(i + 1, len(lines)) if not lines[j].strip()),
+                len(lines),
+            )
+            blocks.append(Block(match.group("command"), i + 1, end, markdown=True))
             continue
         fence = FENCE.match(lines[i + 1].strip()) if i + 1 < len(lines) else None
         if fence is None:
@@ -117,7 +132,8 @@ def regenerate(text: str, runner: Callable[[str], str] = run, name: str = "") ->
     """``text`` with every generated block replaced by its command's output."""
     lines = text.split("\n")
     for block in reversed(find_blocks(lines, name)):
-        body = f"{display(block.command)}\n{runner(block.command)}"
+        output = runner(block.command)
+        body = output if block.markdown else f"{display(block.command)}\n{output}"
         lines[block.start : block.end] = body.split("\n")
     return "\n".join(lines)
 

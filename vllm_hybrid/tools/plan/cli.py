@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vllm_hybrid.tools.plan.compute import build_plan
+from vllm_hybrid.tools.plan.pays import render_pays_table
 from vllm_hybrid.tools.plan.presets import describe_presets
 from vllm_hybrid.tools.plan.render import plot_concurrency, render_table
 from vllm_hybrid.tools.plan.request import (
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--list-presets",
         action="store_true",
         help="list the built-in presets and the checkpoint each stands for",
+    )
+    parser.add_argument(
+        "--where-it-pays",
+        action="store_true",
+        help="plan the published hybrids on 24-141 GiB GPUs, bf16 and "
+        "turboquant_k8v4 KV, and print one markdown row per case",
     )
     parser.add_argument(
         "--prompt-lens",
@@ -260,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.list_presets:
         print(describe_presets())
+        return 0
+    if args.where_it_pays:
+        with _quiet_vllm_logs():
+            print(render_pays_table())
         return 0
     try:
         request = request_from_args(args)
