@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import vllm
+from private_access import is_private, private_upstream_uses
 
 from vllm_hybrid import plugin
 from vllm_hybrid.patches.entry import PrivateAttribute, SubclassEntry
@@ -295,18 +296,50 @@ def test_private_attribute_check_fails_for_a_missing_one():
     assert not _has_private_attribute(gone)
 
 
-def test_private_upstream_reads_in_the_package_are_registered():
-    """Every ``x._name`` read on a name the registry lists is registered, and
-    every registered name is still read somewhere (no stale entries)."""
-    registered = {entry.name for entry in PRIVATE_ATTRIBUTES}
-    read = set()
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in registered:
-                read.add(node.attr)
-            elif isinstance(node, ast.ImportFrom):
-                read |= {a.name for a in node.names if a.name in registered}
-    assert read == registered
+def _registered_private_names() -> set[str]:
+    """Private upstream names the registry accounts for: listed private
+    attributes, and replaced, overridden, added or re-pointed attributes."""
+    names = {entry.name for entry in PRIVATE_ATTRIBUTES}
+    names |= {entry.name for entry in (*PATCHES, *CLI_PATCHES)}
+    names |= {name for entry in SUBCLASSES for name in entry.overrides}
+    names |= {entry.name for entry in ADDED_ATTRIBUTES}
+    names |= {name for entry in INSTANCE_REWRITES for name in entry.attributes}
+    return {name for name in names if is_private(name)}
+
+
+def _scanned_files(*extra: Path) -> list[Path]:
+    trees = (PACKAGE, PACKAGE.parent / "benchmarks")
+    return [path for tree in trees for path in tree.rglob("*.py")] + list(extra)
+
+
+def test_private_upstream_uses_are_registered():
+    """Every private upstream name that vllm_hybrid/ or benchmarks/ use (found
+    by AST, not from a list) is in the registry, and every listed private
+    attribute is still used somewhere (no stale entries)."""
+    used = private_upstream_uses(_scanned_files())
+    registered = _registered_private_names()
+    unregistered = {
+        name: sites for name, sites in used.items() if name not in registered
+    }
+    assert unregistered == {}
+    listed = {entry.name for entry in PRIVATE_ATTRIBUTES}
+    assert listed - set(used) == set()
+
+
+def test_a_planted_private_access_in_benchmarks_is_found(tmp_path):
+    planted = tmp_path / "benchmarks_probe.py"
+    planted.write_text(
+        "def peek(engine):\n"
+        "    return engine.scheduler._planted_upstream_private\n"
+        "\n"
+        "def poke(pool):\n"
+        "    return getattr(pool, '_another_planted_one')\n"
+    )
+    used = private_upstream_uses(_scanned_files(planted))
+    registered = _registered_private_names()
+    unregistered = {name for name in used if name not in registered}
+    assert unregistered == {"_planted_upstream_private", "_another_planted_one"}
+    assert used["_planted_upstream_private"] == [f"{planted}:2"]
 
 
 def _known_to_upstream(cls_path: str, name: str) -> bool:

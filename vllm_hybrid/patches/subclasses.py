@@ -116,19 +116,22 @@ SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
         base="vllm.v1.core.sched.scheduler:Scheduler",
         subclass="vllm_hybrid.v1.core.sched.scheduler:PooledScheduler",
-        overrides=("make_stats",),
+        overrides=("make_stats", "_mamba_block_aligned_split"),
         why=(
             "Align mode ends prefill chunks on cache_config.block_size edges, "
             "which upstream makes the state block; pooled mode keeps attention "
             "at its own block, so a longer --mamba-block-size lost every "
-            "checkpoint a chunk ran past."
+            "checkpoint a chunk ran past. Pooled mode also keeps a state every "
+            "prefill checkpoint interval, which needs a chunk to end there."
         ),
         how=(
             "Selected through scheduler_cls by the engine core's KV planning "
             "(get_kv_cache_configs) only when the state block is longer than "
             "the attention block; its constructor gives the scheduler a copy "
             "of the cache config whose block_size is the state block. A test "
-            "checks that upstream reads that field only in the Mamba split."
+            "checks that upstream reads that field only in the Mamba split. "
+            "The split override calls upstream's and ends the chunk earlier "
+            "at the next prefill checkpoint, if any."
         ),
         upstream_status="none",
         removal=(
@@ -139,7 +142,7 @@ SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
         base="vllm.v1.core.sched.async_scheduler:AsyncScheduler",
         subclass="vllm_hybrid.v1.core.sched.async_scheduler:PooledAsyncScheduler",
-        overrides=("make_stats",),
+        overrides=("make_stats", "_mamba_block_aligned_split"),
         why="As PooledScheduler, for engines with async scheduling.",
         how="The same mixin as PooledScheduler.",
         upstream_status="none",
@@ -278,5 +281,34 @@ PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
         "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention",
         "_unpacked_conv_weight",
         "model_executor.layers.mamba.ops.cpu.gdn_spec (conv weight)",
+    ),
+    PrivateAttribute(
+        "vllm.logger",
+        "_last_configured_logging_config",
+        "plugin (whether vLLM configured its log handlers yet)",
+    ),
+    PrivateAttribute(
+        "vllm.platforms.interface:Platform",
+        "_find_non_ssm_backends",
+        "platforms.hybrid_block_size (the attention backends a worker "
+        "aligns for); tools.plan.config (the planned device's backend)",
+    ),
+    # The planner (tools/plan) runs upstream's engine functions for a device
+    # it does not have: a platform class built for that device answers them
+    # for the duration of a call, and is never left in place.
+    PrivateAttribute(
+        "vllm.platforms",
+        "_current_platform",
+        "tools.plan.config (current_platform_as)",
+    ),
+    PrivateAttribute(
+        "vllm.platforms.cpu:CpuPlatform",
+        "_enum",
+        "tools.plan.config (the planned device's kind)",
+    ),
+    PrivateAttribute(
+        "vllm.config.vllm:VllmConfig",
+        "_set_cudagraph_sizes",
+        "tools.plan.cuda_defaults (capture sizes on the planned GPU)",
     ),
 ]
