@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 from collections.abc import Sequence
@@ -18,25 +17,12 @@ from .report import document, ratio_rows, ratio_table, results_table
 from .run import run_all
 
 
-def _names(allowed: Sequence[str]):
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        if not names or any(n not in allowed for n in names):
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}")
-        return names
-
-    return parse
-
-
-def _rates(text: str) -> tuple[float, ...]:
-    """``1,2,inf``: requests per second; ``inf`` sends all at once."""
-    try:
-        rates = tuple(float(r) for r in text.split(",") if r.strip())
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
-    if not rates or any(r <= 0 or math.isnan(r) for r in rates):
-        raise argparse.ArgumentTypeError(f"rates must be > 0 (got {text!r})")
-    return rates
+def _rate(text: str) -> float:
+    """Requests per second; ``inf`` sends all at once."""
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a rate must be > 0 (got {text!r})")
+    return rate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,10 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
         "prints its throughput and TTFT/TPOT percentiles with the servers' "
         "prefix-cache hit rates, preemptions, peak running requests and ratios.",
     )
-    p.add_argument("--models", type=_names(MODELS), default=d.models)
-    p.add_argument("--modes", type=_names(tuple(MODES)), default=d.modes)
-    p.add_argument("--dtypes", type=_names(KV_CACHE_DTYPES), default=d.dtypes)
-    p.add_argument("--rates", type=_rates, help="req/s, 'inf' = all at once")
+    p.add_argument("--models", nargs="+", choices=MODELS, default=d.models)
+    p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=d.modes)
+    p.add_argument("--dtypes", nargs="+", choices=KV_CACHE_DTYPES, default=d.dtypes)
+    p.add_argument("--rates", nargs="+", type=_rate, help="req/s; inf: all at once")
     p.add_argument("--requests", type=int, help="requests per rate (default 40)")
     p.add_argument(
         "--dataset-args",
@@ -78,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """Defaults, then ``--quick``, then any option given explicitly."""
     cfg = quick(BenchConfig()) if args.quick else BenchConfig()
     given = {
-        "rates": args.rates,
+        "rates": tuple(args.rates or ()) or None,
         "requests": args.requests,
         "dataset_args": tuple(args.dataset_args or ()) or None,
     }
@@ -87,9 +73,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise SystemExit("bench_serve: --requests must be >= 1")
     return replace(
         cfg,
-        models=args.models,
-        modes=args.modes,
-        dtypes=args.dtypes,
+        models=tuple(args.models),
+        modes=tuple(args.modes),
+        dtypes=tuple(args.dtypes),
         kv_cache_mib=args.kv_cache_mib,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

@@ -79,12 +79,12 @@ def test_quick_and_explicit_options_combine():
     cfg = cli.config_from_args(args)
     assert (cfg.requests, cfg.rates) == (7, (4.0, math.inf))
     assert cfg.dataset_args == config.QUICK_DATASET_ARGS
-    args = cli.build_parser().parse_args(
-        ["--rates", "1,inf", "--dataset-args", "--dataset-name=random x"]
-    )
-    cfg = cli.config_from_args(args)
-    assert cfg.rates == (1.0, math.inf)
+    argv = ["--rates", "1", "inf", "--models", "qwen3_next"]
+    argv += ["--dataset-args", "--dataset-name=random x"]
+    cfg = cli.config_from_args(cli.build_parser().parse_args(argv))
+    assert (cfg.rates, cfg.models) == ((1.0, math.inf), ("qwen3_next",))
     assert cfg.dataset_args == ("--dataset-name=random", "x")
+    assert cfg.modes == ("pooled", "upstream") and cfg.requests == 40
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["--rates", "0"])
     with pytest.raises(SystemExit):
