@@ -22,6 +22,7 @@ MAX_LINES = 500
 POOLED_LAYERS = (
     "spec",
     "layers",
+    "prefill_checkpoints",
     "usage",
     "links",
     "eviction",

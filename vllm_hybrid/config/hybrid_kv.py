@@ -19,10 +19,13 @@ from vllm_hybrid import envs
 ADDITIONAL_CONFIG_KEY = "hybrid_kv"
 MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
 MAX_PAGE_GROWTH = "max_page_growth"
+PREFILL_CHECKPOINT_INTERVAL = "prefill_checkpoint_interval"
 #: Boolean options (defaults: the fields of :class:`HybridKVOptions`).
 _FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends")
 #: Every option of the ``hybrid_kv`` object.
-KNOWN_OPTIONS = frozenset({*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH})
+KNOWN_OPTIONS = frozenset(
+    {*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH, PREFILL_CHECKPOINT_INTERVAL}
+)
 
 #: Default cap on the padding added to a state page, in percent of the page.
 #: Large enough for every plan vLLM 0.32's own hybrid alignment produces on
@@ -69,6 +72,11 @@ class HybridKVOptions:
     #: Such a checkpoint is the first cached block its pool evicts, so it
     #: never pushes another entry out (docs/pooled-mode.md#turn-end-checkpoints).
     retain_turn_ends: bool = True
+    #: Pooled mode, align mode: tokens between the states kept during a
+    #: prefill, so a shared prefix hits on its first reuse
+    #: (:mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`); None picks
+    #: the interval from the state page and the budget, 0 turns them off.
+    prefill_checkpoint_interval: int | None = None
     #: Limits of the single shared pool's page unification.
     page_limits: PageUnificationLimits = PageUnificationLimits()
 
@@ -112,7 +120,16 @@ class HybridKVOptions:
                 maximum=None,
             ),
         )
-        return cls(page_limits=limits, **flags)
+        interval = raw.get(PREFILL_CHECKPOINT_INTERVAL)
+        if interval is not None and (
+            isinstance(interval, bool) or not isinstance(interval, int) or interval < 0
+        ):
+            raise ValueError(
+                f"--additional-config {ADDITIONAL_CONFIG_KEY}."
+                f"{PREFILL_CHECKPOINT_INTERVAL} must be a whole number of tokens "
+                f"(0 turns prefill checkpoints off), got {interval!r}"
+            )
+        return cls(page_limits=limits, prefill_checkpoint_interval=interval, **flags)
 
 
 def options_error(additional_config: Any) -> str | None:

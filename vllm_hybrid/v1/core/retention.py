@@ -40,6 +40,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request
 
 from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
+from vllm_hybrid.v1.core.pooled.prefill_checkpoints import prefill_checkpoints
 
 
 @dataclass
@@ -86,16 +87,19 @@ class TurnEndRetentionMixin:
     retention_interval: int | None
     eagle_group_ids: Any
 
-    def _init_turn_ends(self, retain: bool) -> None:
+    def _init_turn_ends(self, retain: bool, prefill_interval: int = 0) -> None:
         #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
         self.retain_turn_ends = retain
+        #: Tokens between prefill checkpoints, 0 for none (pooled mode only:
+        #: see :mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`).
+        self.prefill_checkpoint_interval = prefill_interval
         self.turn_end_counts = TurnEndCounts()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Upstream's caching, with the decode position as one more
-        reachable boundary of align-mode state groups (upstream's method
-        itself when turn ends are not kept)."""
-        if not self.retain_turn_ends:
+        """Upstream's caching, with the decode position and the prefill
+        checkpoints as more reachable boundaries of align-mode state groups
+        (upstream's method itself when neither is kept)."""
+        if not self.retain_turn_ends and not self.prefill_checkpoint_interval:
             super().cache_blocks(request, num_computed_tokens)
             return
         boundaries = replay_boundaries(
@@ -107,12 +111,18 @@ class TurnEndRetentionMixin:
             if not manager.enable_caching:
                 continue
             num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
-            decoding = self._keeps_turn_end(manager, request, num_tokens)
+            decoding = self.retain_turn_ends and self._keeps_turn_end(
+                manager, request, num_tokens
+            )
             manager.cache_blocks(
                 request,
                 num_tokens,
                 retention_interval=self.retention_interval,
-                replay_boundaries=(*boundaries, num_tokens) if decoding else boundaries,
+                replay_boundaries=(
+                    *boundaries,
+                    *self._prefill_boundaries(manager, request),
+                    *((num_tokens,) if decoding else ()),
+                ),
             )
             if decoding:
                 self._supersede(
@@ -122,6 +132,18 @@ class TurnEndRetentionMixin:
                     num_tokens,
                     request.num_prompt_tokens,
                 )
+
+    def _prefill_boundaries(self, manager: Any, request: Request) -> range:
+        """Prefill checkpoints of an align-mode state group's request."""
+        if not (
+            isinstance(manager, MambaManager) and manager.mamba_cache_mode == "align"
+        ):
+            return range(0)
+        return prefill_checkpoints(
+            request.num_prompt_tokens,
+            self.prefill_checkpoint_interval,
+            manager.block_size,
+        )
 
     def _keeps_turn_end(self, manager: Any, request: Request, num_tokens: int) -> bool:
         return (

@@ -127,11 +127,17 @@ class Driver:
     """Upstream's ``KVCacheManager`` over a pooled plan, driven the way the
     scheduler drives it."""
 
-    def __init__(self, arena_blocks: int = 16, max_num_seqs: int = 1) -> None:
+    def __init__(
+        self, arena_blocks: int = 16, max_num_seqs: int = 1, prefill_interval: int = 0
+    ) -> None:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
+        plan = _plan(arena_blocks, max_num_seqs)
+        # the engine's defaults: states kept only where they can serve a hit
+        plan.prefix_cache_retention_interval = 0
+        plan.prefill_checkpoint_interval = prefill_interval
         self.manager = kv_cache_manager.KVCacheManager(
-            _plan(arena_blocks, max_num_seqs),
+            plan,
             max_model_len=MAX_LEN,
             scheduler_block_size=BLOCK,
             hash_block_size=BLOCK,
@@ -156,13 +162,15 @@ class Driver:
         request.num_computed_tokens = hit + chunk
         return hit
 
-    def step(self, request: Request) -> bool:
-        """Schedule the rest of the prompt; whether it was admitted."""
+    def step(self, request: Request, chunk: int | None = None) -> bool:
+        """Schedule ``chunk`` more tokens (the rest of the prompt by
+        default); whether it was admitted."""
         self.manager.new_step_starts()
         rest = request.num_tokens - request.num_computed_tokens
-        if self.manager.allocate_slots(request, rest) is None:
+        chunk = rest if chunk is None else chunk
+        if self.manager.allocate_slots(request, chunk) is None:
             return False
-        request.num_computed_tokens = request.num_tokens
+        request.num_computed_tokens += chunk
         return True
 
     def serve(self, request: Request) -> int:

@@ -230,7 +230,10 @@ class PooledHybridKVCacheCoordinator(
         kwargs["allow_partial_hash_hits"] = False
         super().__init__(*args, **kwargs)
         self._bind_arena()
-        self._init_turn_ends(self.kv_cache_config.retain_turn_ends)
+        self._init_turn_ends(
+            self.kv_cache_config.retain_turn_ends,
+            self.kv_cache_config.prefill_checkpoint_interval,
+        )
 
 
 class PooledNoPrefixCacheCoordinator(

@@ -31,6 +31,9 @@ from vllm_hybrid.v1.core.pooled.planner import (
     plan_pooled_kv_cache,
     pooled_capacity,
 )
+from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    prefill_checkpoint_interval,
+)
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
@@ -222,6 +225,10 @@ def plan_pooled_configs(
         )
         config.couple_prefix_caches = options.couple_prefix_caches
         config.retain_turn_ends = options.retain_turn_ends
+        # align mode (prefix caching on) only: the rule says 0 otherwise
+        config.prefill_checkpoint_interval = prefill_checkpoint_interval(
+            config, budget.max_model_len, options.prefill_checkpoint_interval
+        )
     logger.info(describe_plan(configs[0]))
     if pipeline:
         return configs
@@ -230,13 +237,13 @@ def plan_pooled_configs(
 
 def select_scheduler(vllm_config: Any, kv_cache_config: PooledKVCacheConfig) -> None:
     """Make the engine core build :class:`PooledScheduler` (or its async twin)
-    for a pooled plan: it publishes per-pool usage once per step and, when the
-    state block is longer than the attention block, ends prefill chunks on
-    state checkpoint edges.
+    for a pooled plan: it publishes per-pool usage once per step and ends
+    prefill chunks on state checkpoint edges (when the state block is longer
+    than the attention block) and at prefill checkpoints.
 
     Runs in the engine-core process after KV planning, before the scheduler
-    class is resolved. A scheduler class the user chose is kept; one warning
-    says what it misses when checkpoints need the aligned split.
+    class is resolved. A scheduler class the user chose is kept; a warning
+    says what it misses.
     """
     scheduler_config = vllm_config.scheduler_config
     if scheduler_config.scheduler_cls is None:
@@ -252,17 +259,25 @@ def select_scheduler(vllm_config: Any, kv_cache_config: PooledKVCacheConfig) -> 
     block = state_checkpoint_block(
         kv_cache_config, vllm_config.cache_config.mamba_cache_mode
     )
-    if block is None:
-        return
-    logger.warning(
-        "vllm-hybrid pooled KV mode: --scheduler-cls %s ends prefill chunks on "
-        "attention block edges, so state checkpoints every %d tokens "
-        "(--mamba-block-size) are written only where a chunk happens to end "
-        "and prefix hits are lost; leave --scheduler-cls unset, or set "
-        "--mamba-block-size to the attention block",
-        chosen,
-        block,
-    )
+    if block is not None:
+        logger.warning(
+            "vllm-hybrid pooled KV mode: --scheduler-cls %s ends prefill chunks "
+            "on attention block edges, so state checkpoints every %d tokens "
+            "(--mamba-block-size) are written only where a chunk happens to end "
+            "and prefix hits are lost; leave --scheduler-cls unset, or set "
+            "--mamba-block-size to the attention block",
+            chosen,
+            block,
+        )
+    interval = getattr(kv_cache_config, "prefill_checkpoint_interval", 0)
+    if interval:
+        logger.warning(
+            "vllm-hybrid pooled KV mode: --scheduler-cls %s does not end prefill "
+            "chunks at prefill checkpoints (every %d tokens), so a shared prefix "
+            "hits only from its second reuse on; leave --scheduler-cls unset",
+            chosen,
+            interval,
+        )
 
 
 def update_pooled_capacity(

@@ -273,6 +273,9 @@ class PooledKVCacheConfig(KVCacheConfig):
     couple_prefix_caches: bool = True
     #: Keep each request's last decode checkpoint (turn-end retention).
     retain_turn_ends: bool = True
+    #: Tokens between the states kept during a prefill (0: none); see
+    #: :mod:`.prefill_checkpoints`.
+    prefill_checkpoint_interval: int = 0
 
     @property
     def layout(self) -> ArenaLayout:

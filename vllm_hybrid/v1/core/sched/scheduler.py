@@ -15,7 +15,9 @@ checkpoint interval (``--mamba-block-size``) be a multiple of it. Then
 block edges, and every checkpoint a chunk runs past is never written: with
 an interval of 384 over 128-token attention blocks a 760-token prompt was
 cut at 640 and cached no state at 384. This scheduler gives the Mamba
-alignment the state group's block instead; everything else stays upstream's.
+alignment the state group's block instead, and also ends a chunk at each
+prefill checkpoint (:mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`);
+everything else stays upstream's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+from vllm_hybrid.v1.core.pooled.prefill_checkpoints import next_prefill_checkpoint
 from vllm_hybrid.v1.core.pooled.usage import PoolStatsPublisher
 
 logger = init_logger(__name__)
@@ -61,6 +64,8 @@ class PooledSchedulerMixin:
       installed vLLM), so the scheduler keeps its own copy of the cache config
       whose ``block_size`` is the state block; the workers' config, and with
       it the attention block, is untouched.
+    * A prefill chunk also ends at each prefill checkpoint, so the state
+      there is written and retention can keep it.
     * Per-pool usage is published once per step, after upstream's stats.
     """
 
@@ -70,6 +75,17 @@ class PooledSchedulerMixin:
         self._pool_stats = PoolStatsPublisher(
             int(getattr(parallel, "data_parallel_index", 0) or 0)
         )
+        #: tokens between prefill checkpoints (0: none)
+        self.prefill_checkpoint_interval = getattr(
+            self.kv_cache_config, "prefill_checkpoint_interval", 0
+        )
+        #: prefill chunks this scheduler cut short at a prefill checkpoint
+        self.prefill_checkpoint_cuts = 0
+        if self.prefill_checkpoint_interval:
+            logger.info(
+                "vllm-hybrid pooled KV mode: prefill checkpoints every %d tokens",
+                self.prefill_checkpoint_interval,
+            )
         block = state_checkpoint_block(
             self.kv_cache_config, self.cache_config.mamba_cache_mode
         )
@@ -85,6 +101,37 @@ class PooledSchedulerMixin:
             block,
             attention_block,
         )
+
+    def _mamba_block_aligned_split(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        """Upstream's split, ending the chunk at the next prefill checkpoint
+        when it would run past one."""
+        num_new_tokens = super()._mamba_block_aligned_split(
+            request,
+            num_new_tokens,
+            num_new_local_computed_tokens,
+            num_external_computed_tokens,
+        )
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
+        stop = next_prefill_checkpoint(
+            start,
+            request.num_prompt_tokens,
+            self.prefill_checkpoint_interval,
+            self.cache_config.block_size,
+        )
+        if stop is not None and stop < start + num_new_tokens:
+            self.prefill_checkpoint_cuts += 1
+            return stop - start
+        return num_new_tokens
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)

@@ -1,0 +1,182 @@
+"""Prefill checkpoints (``pooled/prefill_checkpoints.py``): where they lie,
+the interval rule, the scheduler's cut and what retention keeps.
+
+The fast tests use the qwen3_6 tiny model's per-layer shapes (2 KV heads x
+256 bf16; GDN state of 2,146,304 B, fp32 SSM) and upstream's
+``KVCacheManager``; the engine test runs that model's chat prefix.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_eviction import BLOCK, Driver
+from vllm.v1.core import kv_cache_manager
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm_hybrid.v1.core.pooled.layers import split_layers
+from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
+from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    next_prefill_checkpoint,
+    prefill_checkpoint_interval,
+    prefill_checkpoints,
+    state_page_tokens,
+)
+from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+
+MiB = 2**20
+
+
+def _qwen3_6_plan(block: int, mib: int, mode: str = "align"):
+    specs = {}
+    for i in range(8):
+        if i % 4 == 3:
+            specs[f"layers.{i}"] = FullAttentionSpec(
+                block_size=block, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
+            )
+        else:
+            specs[f"layers.{i}"] = MambaSpec(
+                block_size=block,
+                shapes=((3, 8192), (32, 128, 128)),
+                dtypes=(torch.bfloat16, torch.float32),
+                mamba_cache_mode=mode,
+            )
+    budget = PooledBudget(mib * MiB, 4096, 64, null_blocks_overlap=True)
+    return plan_pooled_kv_cache(split_layers(specs), budget)
+
+
+def test_the_interval_is_the_state_page_in_tokens_or_the_budget_term():
+    """One GDN layer's state weighs 2,146,304 / 2,048 = 1,048 tokens of one
+    attention layer's KV; rounded up to the state block. At 48 MiB one
+    4,096-token prompt's checkpoints every 1,048 tokens would hold more than
+    a quarter of the arena (4 x 4,096 x 12,877,824 B / 48 MiB = 4,193 tokens
+    apart, past max_model_len): none."""
+    plan = _qwen3_6_plan(32, 512)
+    assert state_page_tokens(plan) == 1048
+    assert prefill_checkpoint_interval(plan, 4096, None) == 1056
+    assert prefill_checkpoint_interval(_qwen3_6_plan(128, 512), 4096, None) == 1152
+    assert prefill_checkpoint_interval(_qwen3_6_plan(32, 48), 4096, None) == 0
+    assert prefill_checkpoint_interval(_qwen3_6_plan(32, 192), 4096, None) == 1056
+    # asked for: rounded up to the state block; 0 is off
+    assert prefill_checkpoint_interval(plan, 4096, 1000) == 1024
+    assert prefill_checkpoint_interval(plan, 4096, 0) == 0
+    # no checkpoints without align mode
+    assert prefill_checkpoint_interval(_qwen3_6_plan(32, 512, "none"), 4096, None) == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "parsed"), [(None, None), (0, 0), (2048, 2048), (-1, ""), (True, "")]
+)
+def test_the_option_is_a_whole_number_of_tokens(value, parsed):
+    options = {} if value is None else {"prefill_checkpoint_interval": value}
+    config = type("V", (), {"additional_config": {"hybrid_kv": options}})()
+    if parsed == "":
+        with pytest.raises(ValueError, match="prefill_checkpoint_interval must be"):
+            HybridKVOptions.from_vllm_config(config, {})
+        return
+    assert HybridKVOptions.from_vllm_config(config, {}).prefill_checkpoint_interval == (
+        parsed
+    )
+
+
+def test_positions_lie_below_the_prompts_own_checkpoint():
+    # a 1,300-token prompt keeps its own at 1,280; 2,112 would pass it
+    assert list(prefill_checkpoints(1300, 1056, 32)) == [1056]
+    assert list(prefill_checkpoints(2113, 1056, 32)) == [1056]
+    assert list(prefill_checkpoints(2114, 1056, 32)) == [1056]
+    assert list(prefill_checkpoints(2145, 1056, 32)) == [1056, 2112]
+    assert list(prefill_checkpoints(5000, 0, 32)) == []
+    assert next_prefill_checkpoint(0, 1300, 1056, 32) == 1056
+    assert next_prefill_checkpoint(1056, 1300, 1056, 32) is None
+    assert next_prefill_checkpoint(1056, 5000, 1056, 32) == 2112
+    assert next_prefill_checkpoint(0, 1300, 0, 32) is None
+
+
+class _Upstream:
+    """What the mixin's split calls through super(): upstream's result."""
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, *args) -> int:
+        return num_new_tokens
+
+
+class _Scheduler(PooledSchedulerMixin, _Upstream):
+    def __init__(self, interval: int) -> None:  # no engine behind it
+        self.prefill_checkpoint_interval = interval
+        self.prefill_checkpoint_cuts = 0
+        self.cache_config = type("C", (), {"block_size": 32})()
+
+
+def _request(computed: int, prompt: int):
+    return type("R", (), {"num_computed_tokens": computed, "num_prompt_tokens": prompt})
+
+
+def test_the_scheduler_ends_a_chunk_at_the_next_checkpoint():
+    sched = _Scheduler(1056)
+    assert sched._mamba_block_aligned_split(_request(0, 1300), 1300) == 1056
+    assert sched._mamba_block_aligned_split(_request(1056, 1300), 244) == 244
+    # a hit of 512 tokens: the chunk from there ends at 1,056
+    assert sched._mamba_block_aligned_split(_request(0, 1300), 1300, 512) == 544
+    # a chunk that ends before the checkpoint anyway is left alone
+    assert sched._mamba_block_aligned_split(_request(0, 5000), 512) == 512
+    assert sched._mamba_block_aligned_split(_request(2000, 5000), 3000) == 112
+    assert sched.prefill_checkpoint_cuts == 3
+    off = _Scheduler(0)
+    assert off._mamba_block_aligned_split(_request(0, 1300), 1300) == 1300
+    assert off.prefill_checkpoint_cuts == 0
+
+
+@pytest.mark.parametrize("interval", [2 * BLOCK, 0])
+def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval):
+    """A 100-token prompt in chunks ending at 32, 64 and 96 (16-token
+    blocks): with prefill checkpoints every 32 tokens the states at 32 and 64
+    stay cached next to the prompt's own at 96, and a request sharing its
+    first 70 tokens hits 64; without them it hits nothing."""
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    driver = Driver(arena_blocks=40, max_num_seqs=2, prefill_interval=interval)
+    rng = random.Random(3)
+    tokens = [rng.randrange(200, 900) for _ in range(100)]
+    first = driver.request("first", tokens)
+    for chunk in (32, 32, 32, 4):
+        assert driver.step(first, chunk)
+    driver.manager.free(first)
+    state = driver.arena.state_pool
+    assert len(state.cached_keys()) == (3 if interval else 1)
+    shared = driver.request("shared", tokens[:70] + [5, 6])
+    assert driver.admit(shared) == (64 if interval else 0)
+    driver.arena.check_invariants()
+
+
+@pytest.mark.slow
+def test_a_shared_prefix_hits_on_its_first_reuse(tiny_model_dir):
+    """qwen3_6 at 32-token blocks and 512 MiB: three prompts share a
+    1,200-token prefix. The first is cut at its prefill checkpoint (1,056),
+    the second hits there and caches the junction (1,184), the third hits
+    the junction. Without prefill checkpoints the second hits nothing."""
+    from engine_utils import generate_greedy, scheduler, with_engine
+
+    rng = random.Random(0)
+    system = [rng.randrange(10, 900) for _ in range(1200)]
+    prompts = [
+        {"prompt_token_ids": system + [rng.randrange(10, 900) for _ in range(100)]}
+        for _ in range(3)
+    ]
+
+    def run(llm):
+        hits = [generate_greedy(llm, [p], 4).cached[0] for p in prompts]
+        sched = scheduler(llm)
+        return hits, sched.prefill_checkpoint_interval, sched.prefill_checkpoint_cuts
+
+    kwargs = dict(
+        block_size=32,
+        kv_cache_memory_bytes=512 * MiB,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+    )
+    model = str(tiny_model_dir("qwen3_6"))
+    assert with_engine(model, True, kwargs, run) == ([0, 1056, 1184], 1056, 1)
