@@ -1,13 +1,13 @@
 """Counters of align-mode state checkpoints, read from a running engine.
 
-The benchmark wraps methods of the engine's own objects (in the worker
-process, where ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and,
-on CPU, vLLM's ``UniProcExecutor`` keeps the model runner). Every wrapper
-calls the original with the same arguments and returns its result unchanged,
-so the engine behaves exactly as without them. The same wrappers work on
-upstream's single pool (``MambaManager`` x state groups over one
-``BlockPool``) and on pooled mode's arena pools, because both run upstream's
-``MambaManager``; only the pool object behind ``manager.block_pool`` differs.
+The benchmark wraps public methods of the engine's own objects (in the worker
+process, where ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in
+it). Every wrapper calls the original with the same arguments and returns its
+result unchanged, so the engine behaves exactly as without them. The same
+wrappers work on upstream's single pool (``MambaManager`` x state groups over
+one ``BlockPool``) and on pooled mode's arena pools, because both run
+upstream's ``MambaManager``; only the pool object behind
+``manager.block_pool`` differs.
 
 What is counted (all in whole request states: a count summed over the state
 groups is divided by their number, since upstream splits one request's state
@@ -18,21 +18,18 @@ into several groups that always move together and pooled mode has one):
   (``ref_cnt == 1``). Pooled mode's "advance in place" when memory is short
   returns the block the request already owns (second reference); those are
   counted as ``state_in_place``, not as allocations.
-* **state copies**: what the worker does, not what the scheduler plans:
-  calls of ``vllm.v1.worker.mamba_utils.collect_mamba_copy_meta`` that copy
-  (source column differs from the destination column). ``preprocess_mamba``
-  makes one such call per request and step whose running state moves to a
-  new block column (a block edge was crossed, or a prefix hit's checkpoint is
-  taken over by a new request); one call copies every state layer of the
-  request. Calls whose source and destination columns name the same block
-  id (pooled mode's in-place crossing) are also counted as ``self_copies``.
-  The CPU model runner has no fused pre-copy path, so every copy goes
-  through this function; a run where it never ran reports ``None``.
-* **checkpoints cached**: prefix-cache keys inserted into a state group's
-  block (``BlockPool._insert_block_hash`` of the pool behind the state
-  managers, filtered by the key's group id; re-inserting a key a block
-  already has is not counted). ``cached_positions`` lists their token
-  positions.
+* **state copies**: read from each ``Scheduler.schedule()`` output. A new
+  (or resumed) request with a prefix hit copies the hit's checkpoint into its
+  own block. A running request's chunk ``[c, c + n)`` starts from the state in
+  block column ``(c - 1) // B`` and ends in column ``(c + n - 1) // B``; the
+  worker copies the state over when the two differ (a block edge was
+  crossed). One copy moves every state layer of the request. An in-place
+  crossing (``state_in_place``) is such a copy onto itself.
+* **checkpoints cached**: state blocks of a state group that
+  ``BlockPool.cache_full_blocks`` gave a prefix-cache key (it had none
+  before), and new keys ``BlockPool.cache_partial_block`` registered inside a
+  block (upstream with ``--prefix-match-unit``). ``cached_positions`` lists
+  their token positions.
 * **checkpoints hit**: prefix hits a state group takes
   (``add_local_computed_blocks`` with a non-null block): ``hit_events``
   counts them, ``checkpoints_hit`` the distinct keys that served at least
@@ -40,6 +37,9 @@ into several groups that always move together and pooled mode has one):
 * **tokens scheduled**: ``Scheduler.schedule()``'s
   ``total_num_scheduled_tokens``, summed (prefill plus decode, recomputation
   after preemption included).
+* **prefill checkpoint cuts**: prefill chunks pooled mode's scheduler ended
+  early at a prefill checkpoint (``PooledSchedulerMixin.prefill_checkpoint_cuts``;
+  None on other schedulers).
 """
 
 from __future__ import annotations
@@ -53,48 +53,6 @@ _WRAPPED = "_bench_checkpoint_probe"
 
 
 @dataclass
-class _CopyTally:
-    """Worker-side copies, for the whole process (one engine at a time)."""
-
-    installed: bool = False
-    copies: int = 0
-    self_copies: int = 0
-
-
-_TALLY = _CopyTally()
-
-
-def install_copy_probe() -> None:
-    """Wrap ``mamba_utils.collect_mamba_copy_meta`` once per process.
-
-    ``preprocess_mamba`` looks the function up as a module global at each
-    call, so replacing the module attribute reaches every model runner.
-    """
-    from vllm.v1.worker import mamba_utils
-
-    original = mamba_utils.collect_mamba_copy_meta
-    if getattr(original, _WRAPPED, False):
-        return
-
-    def counted(copy_bufs, kv_cache_config, funcs, group_ids, src, dst, bias, *rest):
-        if src != dst or bias != 0:
-            _TALLY.copies += 1
-            req_state = rest[0] if rest else None
-            ids = getattr(req_state, "block_ids", None)
-            if ids is not None and group_ids:
-                column = ids[group_ids[0]]
-                if max(src, dst) < len(column) and column[src] == column[dst]:
-                    _TALLY.self_copies += 1
-        return original(
-            copy_bufs, kv_cache_config, funcs, group_ids, src, dst, bias, *rest
-        )
-
-    setattr(counted, _WRAPPED, True)
-    mamba_utils.collect_mamba_copy_meta = counted
-    _TALLY.installed = True
-
-
-@dataclass
 class CheckpointCounters:
     """Live counters of one engine's state groups (see the module docstring).
 
@@ -103,46 +61,80 @@ class CheckpointCounters:
     """
 
     state_groups: int
+    #: Tokens per state block (the checkpoint interval of align mode).
+    state_block: int = 0
     allocated: int = 0
     in_place: int = 0
     cached: int = 0
+    copies: int = 0
     hit_events: int = 0
     tokens_scheduled: int = 0
     hit_keys: set[Any] = field(default_factory=set)
+    #: Keys of partial (inside-a-block) checkpoints counted so far.
+    partial_keys: set[Any] = field(default_factory=set)
     #: (request id, token position) of every state checkpoint cached / hit,
     #: first state group only (the others repeat it).
     cached_positions: list[tuple[str, int]] = field(default_factory=list)
     hit_positions: list[tuple[str, int]] = field(default_factory=list)
-    _copies_at_reset: int = 0
-    _self_copies_at_reset: int = 0
+    #: The scheduler whose prefill checkpoint cuts are read, and their count
+    #: at the last reset.
+    scheduler: Any = None
+    _cuts_at_reset: int = 0
 
     def reset(self) -> None:
         """Start a new measurement window (e.g. one workload)."""
-        self.allocated = self.in_place = self.cached = 0
+        self.allocated = self.in_place = self.cached = self.copies = 0
         self.hit_events = self.tokens_scheduled = 0
         self.hit_keys = set()
+        self.partial_keys = set()
         self.cached_positions = []
         self.hit_positions = []
-        self._copies_at_reset = _TALLY.copies
-        self._self_copies_at_reset = _TALLY.self_copies
+        self._cuts_at_reset = self._cuts() or 0
+
+    def _cuts(self) -> int | None:
+        return getattr(self.scheduler, "prefill_checkpoint_cuts", None)
+
+    def count_copies(self, output: Any) -> None:
+        """State copies of one ``SchedulerOutput`` (see the module docstring)."""
+        block = self.state_block
+        if block <= 0:
+            return
+        scheduled = output.num_scheduled_tokens
+        cached = output.scheduled_cached_reqs
+        # new and resumed requests start from a hit's checkpoint, if any
+        starts = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs}
+        starts |= {
+            r: c
+            for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+            if r in cached.resumed_req_ids
+        }
+        running = {
+            r: c
+            for r, c in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+            if r not in starts
+        }
+        self.copies += sum(1 for c in starts.values() if c > 0)
+        for req_id, start in running.items():
+            end = start + scheduled.get(req_id, 0)
+            if start > 0 and end > start and (start - 1) // block != (end - 1) // block:
+                self.copies += 1
 
     def snapshot(self) -> dict[str, Any]:
         """Counts since the last reset, in whole request states."""
         n = max(1, self.state_groups)
-        copies = self_copies = None
-        if _TALLY.installed:
-            copies = _TALLY.copies - self._copies_at_reset
-            self_copies = _TALLY.self_copies - self._self_copies_at_reset
+        cuts = self._cuts()
         return {
             "state_groups": self.state_groups,
             "state_blocks_allocated": self.allocated / n,
             "state_in_place": self.in_place / n,
-            "state_copies": copies,
-            "state_self_copies": self_copies,
+            "state_copies": self.copies,
             "checkpoints_cached": self.cached / n,
             "checkpoints_hit": len(self.hit_keys) / n,
             "state_hit_events": self.hit_events / n,
             "tokens_scheduled": self.tokens_scheduled,
+            "prefill_checkpoint_cuts": (
+                None if cuts is None else cuts - self._cuts_at_reset
+            ),
         }
 
 
@@ -171,16 +163,17 @@ def _wrap(obj: Any, name: str, make: Any) -> None:
 
 def attach(scheduler: Any) -> CheckpointCounters:
     """Install the counting wrappers on a scheduler's state managers, their
-    block pool(s) and ``schedule``; the worker-side copy probe too. A second
-    call returns the counters the first one attached."""
-    from vllm.v1.core.kv_cache_utils import get_group_id
-
-    attached = getattr(getattr(scheduler, "schedule", None), "_bench_counters", None)
+    block pool(s) and ``schedule``. A second call returns the counters the
+    first one attached."""
+    attached = getattr(getattr(scheduler, "schedule", None), "bench_counters", None)
     if attached is not None:
         return attached
-    install_copy_probe()
     managers = _state_managers(scheduler)
-    counters = CheckpointCounters(state_groups=len(managers))
+    counters = CheckpointCounters(
+        state_groups=len(managers),
+        state_block=int(managers[0][1].block_size) if managers else 0,
+        scheduler=scheduler,
+    )
     state_gids = {gid for gid, _ in managers}
     first_gid = min(state_gids, default=-1)
 
@@ -214,46 +207,65 @@ def attach(scheduler: Any) -> CheckpointCounters:
 
         return make
 
-    def insert(pool):
-        def make(original):
-            def counted(key, block, num_tokens, *args, **kwargs):
-                gid = get_group_id(key)
-                new = gid in state_gids and not (
-                    block.block_hash == key
-                    or pool.cached_block_hash_to_block.contain(key, block.block_id)
-                )
-                result = original(key, block, num_tokens, *args, **kwargs)
-                if new:
-                    counters.cached += 1
-                    if gid == first_gid:
-                        request = getattr(pool, "_bench_caching", None)
-                        counters.cached_positions.append(
-                            (getattr(request, "request_id", ""), int(num_tokens or 0))
-                        )
-                return result
+    def cache_full(original):
+        def counted(
+            request,
+            blocks,
+            num_cached_blocks,
+            num_full_blocks,
+            block_size,
+            kv_cache_group_id,
+            **kwargs,
+        ):
+            new = range(num_cached_blocks, num_full_blocks)
+            fresh = [
+                (i, blocks[i])
+                for i in new
+                if kv_cache_group_id in state_gids
+                and not blocks[i].is_null
+                and blocks[i].block_hash is None
+            ]
+            result = original(
+                request,
+                blocks,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+                **kwargs,
+            )
+            for i, block in fresh:
+                if block.block_hash is None:
+                    continue
+                counters.cached += 1
+                if kv_cache_group_id == first_gid:
+                    position = (i + 1) * block_size
+                    counters.cached_positions.append((request.request_id, position))
+            return result
 
-            return counted
+        return counted
 
-        return make
+    def cache_partial(original):
+        def counted(request, block, num_tokens, kv_cache_group_id, *args, **kwargs):
+            key = original(
+                request, block, num_tokens, kv_cache_group_id, *args, **kwargs
+            )
+            new = key is not None and key not in counters.partial_keys
+            if kv_cache_group_id in state_gids and new:
+                counters.partial_keys.add(key)
+                counters.cached += 1
+                if kv_cache_group_id == first_gid:
+                    counters.cached_positions.append(
+                        (request.request_id, int(num_tokens))
+                    )
+            return key
 
-    def remember_request(pool, name):
-        def make(original):
-            def counted(request, *args, **kwargs):
-                pool._bench_caching = request
-                try:
-                    return original(request, *args, **kwargs)
-                finally:
-                    pool._bench_caching = None
-
-            return counted
-
-        return make
+        return counted
 
     pools = {id(m.block_pool): m.block_pool for _, m in managers}
     for pool in pools.values():
-        _wrap(pool, "_insert_block_hash", insert(pool))
-        for name in ("cache_full_blocks", "cache_partial_block"):
-            _wrap(pool, name, remember_request(pool, name))
+        _wrap(pool, "cache_full_blocks", cache_full)
+        _wrap(pool, "cache_partial_block", cache_partial)
     for gid, manager in managers:
         _wrap(manager, "allocate_new_blocks", allocate)
         _wrap(manager, "add_local_computed_blocks", add_hits(gid))
@@ -262,9 +274,10 @@ def attach(scheduler: Any) -> CheckpointCounters:
         def counted(*args, **kwargs):
             output = original(*args, **kwargs)
             counters.tokens_scheduled += int(output.total_num_scheduled_tokens)
+            counters.count_copies(output)
             return output
 
-        counted._bench_counters = counters
+        counted.bench_counters = counters
         return counted
 
     _wrap(scheduler, "schedule", schedule)

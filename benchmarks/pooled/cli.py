@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .config import (
+    ALL_MODES,
     DEFAULT_MODELS,
     DEFAULT_WORKLOADS,
     MIB,
+    MODES,
     REPO_ROOT,
     WORKLOADS,
     BenchConfig,
@@ -187,7 +189,37 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="shrunken workloads to check the harness (numbers not comparable)",
     )
+    parser.add_argument(
+        "--modes",
+        type=_csv(ALL_MODES),
+        default=list(MODES),
+        help="engines to compare, the first one the reference of every ratio: "
+        + ",".join(ALL_MODES)
+        + " (default: "
+        + ",".join(MODES)
+        + "; upstream_best is upstream with --prefix-match-unit and "
+        "--prefix-cache-retention-interval, single the overlay's single pool)",
+    )
+    parser.add_argument(
+        "--prefix-match-unit",
+        type=int,
+        help="upstream_best: vLLM's --prefix-match-unit (e.g. the attention block)",
+    )
+    parser.add_argument(
+        "--prefix-cache-retention-interval",
+        type=lambda text: None if text == "none" else int(text),
+        default=BenchConfig.prefix_cache_retention_interval,
+        help="upstream_best: vLLM's --prefix-cache-retention-interval ('none': "
+        "dense retention; default 0)",
+    )
+    parser.add_argument(
+        "--prefill-checkpoint-interval",
+        type=int,
+        help="pooled mode's hybrid_kv.prefill_checkpoint_interval (0: off; "
+        "default: its rule)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="overlay", help=argparse.SUPPRESS)
     parser.add_argument("--config-json", help=argparse.SUPPRESS)
     return parser
 
@@ -239,6 +271,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         chat_server_conversations=args.chat_server_conversations,
         chat_server_turns=args.chat_server_turns,
         chat_server_concurrency=args.chat_server_concurrency,
+        modes=tuple(args.modes),
+        prefix_match_unit=args.prefix_match_unit,
+        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
+        prefill_checkpoint_interval=args.prefill_checkpoint_interval,
     )
     return quick_config(cfg) if args.quick else cfg
 
@@ -249,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         if len(args.models) != 1:
             raise SystemExit("--worker runs exactly one model")
-        report = run_worker(args.models[0], args.model_dir, args.workloads, cfg)
+        report = run_worker(
+            args.models[0], args.model_dir, args.workloads, cfg, args.mode
+        )
         return 1 if report.errors else 0
     return run_driver(args, cfg)

@@ -7,9 +7,19 @@ from pathlib import Path
 
 MIB = 2**20
 RESULT_PREFIX = "BENCH_RESULT "
+#: Modes a run compares when ``--modes`` is not given.
 MODES: tuple[str, ...] = ("upstream", "overlay")
+#: Every mode ``--modes`` accepts: upstream with the flags a user tunes
+#: (``--prefix-match-unit``, ``--prefix-cache-retention-interval``) and the
+#: overlay's single shared pool next to its pooled mode ("overlay").
+ALL_MODES: tuple[str, ...] = ("upstream", "upstream_best", "single", "overlay")
 #: Value of ``VLLM_HYBRID_KV`` that selects each mode.
-MODE_SWITCH: dict[str, str] = {"upstream": "0", "overlay": "1"}
+MODE_SWITCH: dict[str, str] = {
+    "upstream": "0",
+    "upstream_best": "0",
+    "single": "1",
+    "overlay": "1",
+}
 #: Workloads a run does when ``--workloads`` is not given (the acceptance run).
 DEFAULT_WORKLOADS: tuple[str, ...] = (
     "many_short",
@@ -120,6 +130,15 @@ class BenchConfig:
     #: Pooled and single-pool mode keep turn-end checkpoints
     #: (``hybrid_kv.retain_turn_ends``); upstream ignores the option.
     retain_turn_ends: bool = True
+    #: Pooled mode's ``hybrid_kv.prefill_checkpoint_interval``; None keeps
+    #: its rule.
+    prefill_checkpoint_interval: int | None = None
+    #: Modes to run; the first is the reference of every ratio.
+    modes: tuple[str, ...] = MODES
+    #: ``--prefix-match-unit`` and ``--prefix-cache-retention-interval`` of
+    #: the upstream_best engines (None: dense retention).
+    prefix_match_unit: int | None = None
+    prefix_cache_retention_interval: int | None = 0
 
 
 def quick_config(cfg: BenchConfig) -> BenchConfig:

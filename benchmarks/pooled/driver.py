@@ -96,7 +96,7 @@ def worker_jobs(
     rest = tuple(w for w in workloads if not (separate and w == "same_tokens"))
     jobs = []
     for model in models:
-        for mode in MODES:
+        for mode in cfg.modes:
             if rest:
                 jobs.append(WorkerJob(model, mode, rest))
             if separate:
@@ -190,6 +190,8 @@ def spawn_worker(
         str(args.model_dir),
         "--config-json",
         json.dumps(asdict(cfg)),
+        "--mode",
+        mode,
     ]
     _say(f"{job.name}: worker started, log {log_path}")
     start = time.perf_counter()
@@ -229,19 +231,15 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
     total = time.perf_counter() - start
     by_key = merge_runs(runs)
     rows: list[Row] = []
+    reference, *others = cfg.modes
     for model in args.models:
-        up = by_key[(model, "upstream")].report
-        ov = by_key[(model, "overlay")].report
-        rows += comparison_rows(model, up, ov)
-        rows.append(
-            Row(
-                model,
-                "worker",
-                "process wall s",
-                by_key[(model, "upstream")].wall_s,
-                by_key[(model, "overlay")].wall_s,
-            )
-        )
+        ref = by_key[(model, reference)]
+        for mode in others:
+            run = by_key[(model, mode)]
+            # the default pair keeps the model's name; others name theirs
+            label = model if cfg.modes == MODES else f"{model} {mode}/{reference}"
+            rows += comparison_rows(label, ref.report, run.report)
+            rows.append(Row(label, "worker", "process wall s", ref.wall_s, run.wall_s))
     print()
     print(format_table(rows))
     notes = start_error_notes(runs)

@@ -40,13 +40,27 @@ class EngineSpec:
     kv_cache_dtype: str = BenchConfig.kv_cache_dtype
     retain_turn_ends: bool = True
     kv_cache_dtype_skip_layers: tuple[str, ...] = ()
+    pooled: bool = True
+    prefill_checkpoint_interval: int | None = None
+    prefix_match_unit: int | None = None
+    prefix_cache_retention_interval: int | None = 0
 
     def llm_kwargs(self) -> dict[str, Any]:
         extra = {} if self.block_size is None else {"block_size": self.block_size}
         # turn-end retention explicitly, whatever the overlay's default
-        hybrid_kv: dict[str, bool] = {"retain_turn_ends": self.retain_turn_ends}
+        hybrid_kv: dict[str, Any] = {"retain_turn_ends": self.retain_turn_ends}
         if not self.couple_prefix_caches:
             hybrid_kv["couple_prefix_caches"] = False
+        if not self.pooled:
+            hybrid_kv["pooled"] = False
+        if self.prefill_checkpoint_interval is not None:
+            hybrid_kv["prefill_checkpoint_interval"] = self.prefill_checkpoint_interval
+        if self.prefix_match_unit is not None:
+            extra["prefix_match_unit"] = self.prefix_match_unit
+        if self.prefix_cache_retention_interval != 0:
+            extra["prefix_cache_retention_interval"] = (
+                self.prefix_cache_retention_interval
+            )
         extra["additional_config"] = {"hybrid_kv": hybrid_kv}
         if self.mamba_block_size is not None and self.prefix_caching:
             extra["mamba_block_size"] = self.mamba_block_size

@@ -114,11 +114,14 @@ MANY_SHORT_ROWS: tuple[tuple[str, str], ...] = (
 )
 MULTI_TURN_ROWS: tuple[tuple[str, str], ...] = (
     ("hit_rate", "prefix hit rate (tokens)"),
+    ("hit_rate_first_turn", "hit rate, first turn"),
+    ("cached_tokens_first_turn", "cached tokens, first turn"),
     ("hit_rate_last_turn", "hit rate, last turn"),
     ("coupled_evictions", "coupled evictions"),
     ("cached_tokens", "cached tokens"),
     ("prompt_tokens", "prompt tokens"),
     ("preemptions", "preemptions"),
+    ("steps", "engine steps"),
     ("output_tok_per_s", "output tokens/s"),
     ("output_tok_per_cpu_s", "output tokens/CPU s"),
     ("wall_s", "wall s"),
@@ -131,7 +134,7 @@ CHECKPOINT_ROWS: tuple[tuple[str, str], ...] = (
     ("state_blocks_allocated_per_request", "state blocks / request"),
     ("state_blocks_allocated_per_1k_decoded", "state blocks / 1k decoded"),
     ("state_in_place", "state edges crossed in place"),
-    ("state_copies", "state copies (worker)"),
+    ("state_copies", "state copies"),
     ("state_copies_per_request", "state copies / request"),
     ("state_copies_per_1k_decoded", "state copies / 1k decoded"),
     ("checkpoints_cached", "checkpoints cached"),
@@ -140,6 +143,7 @@ CHECKPOINT_ROWS: tuple[tuple[str, str], ...] = (
     ("checkpoints_hit", "checkpoints ever hit"),
     ("checkpoints_hit_per_request", "checkpoints ever hit / request"),
     ("state_hit_events", "state prefix hits"),
+    ("prefill_checkpoint_cuts", "prefill chunks cut at a checkpoint"),
 )
 MULTI_TURN_ROWS = MULTI_TURN_ROWS + CHECKPOINT_ROWS
 CHAT_SERVER_ROWS: tuple[tuple[str, str], ...] = (

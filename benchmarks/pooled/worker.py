@@ -4,7 +4,6 @@ once per process), its engines and workloads, one ``BENCH_RESULT`` line."""
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
 from collections.abc import Callable
@@ -80,9 +79,12 @@ def _overlay_state() -> tuple[bool | None, str]:
     return state.active, state.reason
 
 
-def engine_specs(model_path: str, kind: str, cfg: BenchConfig) -> dict[str, EngineSpec]:
-    """The engines a worker may need, by purpose."""
+def engine_specs(
+    model_path: str, kind: str, cfg: BenchConfig, mode: str = "overlay"
+) -> dict[str, EngineSpec]:
+    """The engines a worker in ``mode`` may need, by purpose."""
     pc = kind not in NO_PREFIX_CACHING_KINDS
+    best = mode == "upstream_best"
 
     def spec(
         budget: int, prefix: bool, seqs: int, max_len: int, block: int | None = None
@@ -102,6 +104,12 @@ def engine_specs(model_path: str, kind: str, cfg: BenchConfig) -> dict[str, Engi
             cfg.kv_cache_dtype,
             cfg.retain_turn_ends,
             cfg.kv_cache_dtype_skip_layers,
+            pooled=mode != "single",
+            prefill_checkpoint_interval=cfg.prefill_checkpoint_interval,
+            prefix_match_unit=cfg.prefix_match_unit if best else None,
+            prefix_cache_retention_interval=(
+                cfg.prefix_cache_retention_interval if best else 0
+            ),
         )
 
     specs = {
@@ -299,9 +307,11 @@ def _run_one_long(
         }
 
 
-def run_worker(model: str, model_dir: Path, workloads: list[str], cfg: BenchConfig):
-    """Run the selected workloads for one model in this process's mode."""
-    mode = "overlay" if os.environ.get("VLLM_HYBRID_KV", "1") != "0" else "upstream"
+def run_worker(
+    model: str, model_dir: Path, workloads: list[str], cfg: BenchConfig, mode: str
+):
+    """Run the selected workloads for one model in ``mode`` (the overlay
+    switch of this process matches it)."""
     report = WorkerReport(model=model, mode=mode)
     try:
         import vllm
@@ -310,7 +320,7 @@ def run_worker(model: str, model_dir: Path, workloads: list[str], cfg: BenchConf
         from vllm_hybrid.tools.tiny_models import build_tiny_model
 
         path = str(build_tiny_model(model_dir / model, model))
-        specs = engine_specs(path, model, cfg)
+        specs = engine_specs(path, model, cfg, mode)
         selected = set(workloads)
         main_engine = {name for name, _ in MAIN_ENGINE_WORKLOADS} | {"same_tokens"}
         if selected & main_engine:

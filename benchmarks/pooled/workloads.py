@@ -102,7 +102,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     system = multi_turn_system(cfg, vocab)
     histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
     per_turn: list[dict[str, Any]] = []
-    cached = prompt_tokens = out_tokens = preemptions = 0
+    cached = prompt_tokens = out_tokens = preemptions = steps = 0
     wall = cpu = 0.0
     for turn in range(cfg.multi_turn_turns):
         subs = [
@@ -132,10 +132,13 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         prompt_tokens += turn_prompt
         out_tokens += result.output_tokens()
         preemptions += result.preemptions
+        steps += result.steps
         wall += result.wall_s
         cpu += result.cpu_s
     metrics = {
         "hit_rate": cached / prompt_tokens if prompt_tokens else None,
+        "hit_rate_first_turn": per_turn[0]["hit_rate"] if per_turn else None,
+        "cached_tokens_first_turn": per_turn[0]["cached_tokens"] if per_turn else None,
         "hit_rate_last_turn": per_turn[-1]["hit_rate"] if per_turn else None,
         "coupled_evictions": _delta(
             coupled_evictions(engine.scheduler), evicted_before
@@ -143,6 +146,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         "cached_tokens": cached,
         "prompt_tokens": prompt_tokens,
         "preemptions": preemptions,
+        "steps": steps,
         "output_tok_per_s": _per(out_tokens, wall),
         "cpu_s": cpu,
         "output_tok_per_cpu_s": _per(out_tokens, cpu),

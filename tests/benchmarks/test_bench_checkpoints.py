@@ -2,8 +2,8 @@
 pooled benchmark.
 
 The fast tests check the counting wrappers on real upstream objects (a
-``KVCacheManager`` with align-mode GDN groups over one ``BlockPool``, and the
-worker's ``collect_mamba_copy_meta``) and the chat_server arrival order. The
+``KVCacheManager`` with align-mode GDN groups over one ``BlockPool``), the
+state copies read from scheduler outputs, and the chat_server arrival order. The
 slow test runs the benchmark's two_turn and a small chat_server, upstream and
 pooled mode, at 32-token blocks and checks the counts a trace predicts.
 """
@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from benchmarks.pooled import checkpoints, cli, config, prompts
@@ -39,11 +38,27 @@ def _align_manager():
     )
 
 
+def _output(total: int, new=(), cached=(), scheduled=None):
+    """A ``SchedulerOutput`` with what the counters read."""
+    return SimpleNamespace(
+        total_num_scheduled_tokens=total,
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            num_computed_tokens=[c for _, c in cached],
+            resumed_req_ids=set(),
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
 def test_counters_count_state_groups_only_in_whole_request_states():
-    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+    from vllm.v1.core.kv_cache_utils import BlockHash
 
     manager = _align_manager()
-    output = SimpleNamespace(total_num_scheduled_tokens=300)
+    output = _output(300)
     scheduler = SimpleNamespace(kv_cache_manager=manager, schedule=lambda: output)
     counters = checkpoints.attach(scheduler)
     assert counters.state_groups == 3
@@ -57,18 +72,18 @@ def test_counters_count_state_groups_only_in_whole_request_states():
     managers[3].allocate_new_blocks("r", 256, 256)  # attention: not counted
     pool = manager.block_pool
     first = managers[0].req_to_blocks["r"][0]
+    request = SimpleNamespace(request_id="r", block_hashes=[BlockHash(b"h1")])
     for gid in (0, 1, 2, 3):
-        key = make_block_hash_with_group_id(BlockHash(b"h1"), gid)
-        block = managers[gid].req_to_blocks["r"][0]
-        pool._insert_block_hash(key, block, num_tokens=256)
-        pool._insert_block_hash(key, block, num_tokens=256)  # already there
+        blocks = managers[gid].req_to_blocks["r"]
+        pool.cache_full_blocks(request, blocks, 0, 1, 256, gid)
+        pool.cache_full_blocks(request, blocks, 1, 1, 256, gid)  # nothing new
     scheduler.schedule()
     snap = counters.snapshot()
     assert snap["state_blocks_allocated"] == 1.0
     assert snap["checkpoints_cached"] == 1.0
     assert snap["checkpoints_hit"] == 0.0
     assert snap["tokens_scheduled"] == 300
-    assert counters.cached_positions == [("", 256)]
+    assert counters.cached_positions == [("r", 256)]
     assert first.block_hash is not None
     counters.reset()
     assert counters.snapshot()["state_blocks_allocated"] == 0.0
@@ -78,16 +93,16 @@ def test_counters_record_state_hits_by_distinct_checkpoint():
     manager = _align_manager()
     scheduler = SimpleNamespace(
         kv_cache_manager=manager,
-        schedule=lambda: SimpleNamespace(total_num_scheduled_tokens=0),
+        schedule=lambda: _output(0),
     )
     counters = checkpoints.attach(scheduler)
     managers = manager.coordinator.single_type_managers
-    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+    from vllm.v1.core.kv_cache_utils import BlockHash
 
+    request = SimpleNamespace(request_id="a", block_hashes=[BlockHash(b"p")])
     for gid in (0, 1, 2):
-        (block,) = managers[gid].allocate_new_blocks("a", 256, 256)
-        key = make_block_hash_with_group_id(BlockHash(b"p"), gid)
-        manager.block_pool._insert_block_hash(key, block, num_tokens=256)
+        blocks = managers[gid].allocate_new_blocks("a", 256, 256)
+        manager.block_pool.cache_full_blocks(request, blocks, 0, 1, 256, gid)
     for req in ("b", "c"):
         for gid in (0, 1, 2):
             hit = managers[gid].req_to_blocks["a"][0]
@@ -108,29 +123,24 @@ def test_counters_record_state_hits_by_distinct_checkpoint():
     }
 
 
-def test_copy_probe_counts_worker_copies_and_self_copies():
-    from vllm.v1.worker import mamba_utils
+def test_state_copies_are_read_from_scheduler_outputs():
+    """Block 256: a new request copies its hit's checkpoint; a running one
+    copies its state when its chunk ends in another block column."""
+    counters = checkpoints.CheckpointCounters(state_groups=3, state_block=256)
 
-    checkpoints.install_copy_probe()
-    checkpoints.install_copy_probe()  # idempotent
-    probe = mamba_utils.collect_mamba_copy_meta
-    assert getattr(probe, checkpoints._WRAPPED)
-    before = (checkpoints._TALLY.copies, checkpoints._TALLY.self_copies)
-    bufs = SimpleNamespace(
-        src_ptrs=SimpleNamespace(np=np.zeros(4)),
-        dst_ptrs=SimpleNamespace(np=np.zeros(4)),
-        sizes=SimpleNamespace(np=np.zeros(4)),
-        offset=0,
+    # a: fresh prefill (no state yet); b: a prefix hit at 256 taken over;
+    # c: a decode step inside its block; d: a decode step crossing the edge at
+    # 512
+    counters.count_copies(
+        _output(
+            302,
+            [("a", 0), ("b", 256)],
+            [("c", 300), ("d", 512)],
+            {"a": 256, "b": 44, "c": 1, "d": 1},
+        )
     )
-    # One state group without layers: upstream's function only does its
-    # bookkeeping. Columns 0 and 1 name block 7 (an in-place crossing).
-    plan = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[])])
-    state = SimpleNamespace(block_ids=[[7, 7, 9]])
-    probe(bufs, plan, {}, [0], 1, 1, 0, state, {})  # same column: no copy
-    probe(bufs, plan, {}, [0], 0, 2, 0, state, {})  # a copy
-    probe(bufs, plan, {}, [0], 0, 1, 0, state, {})  # a copy onto itself
-    after = (checkpoints._TALLY.copies, checkpoints._TALLY.self_copies)
-    assert (after[0] - before[0], after[1] - before[1]) == (2, 1)
+    assert counters.copies == 2
+    assert counters.snapshot()["state_copies"] == 2
 
 
 def test_chat_server_order_interleaves_every_turn_once_in_order():

@@ -461,3 +461,40 @@ def test_same_tokens_threads_option_is_checked():
         cli.config_from_args(parse(["--same-tokens-threads", "-1"]))
     with pytest.raises(SystemExit, match="--same-tokens-threads"):
         cli.config_from_args(parse(["--same-tokens-threads", "4096"]))
+
+
+def test_four_modes_compare_upstream_best_and_the_single_pool():
+    """``--modes``: upstream with the flags a user tunes, the overlay's single
+    pool and pooled mode, one worker each, every engine with its own flags."""
+    args = cli.build_parser().parse_args(
+        [
+            "--modes",
+            "upstream,upstream_best,single,overlay",
+            "--prefix-match-unit",
+            "32",
+            "--prefix-cache-retention-interval",
+            "none",
+            "--prefill-checkpoint-interval",
+            "0",
+        ]
+    )
+    cfg = cli.config_from_args(args)
+    jobs = driver.worker_jobs(["m"], ["multi_turn"], cfg)
+    assert [j.mode for j in jobs] == ["upstream", "upstream_best", "single", "overlay"]
+    assert [driver.worker_env(j.mode)["VLLM_HYBRID_KV"] for j in jobs] == list("0011")
+    kwargs = {
+        mode: worker.engine_specs("m", "qwen3_5", cfg, mode)["main"].llm_kwargs()
+        for mode in cfg.modes
+    }
+    best = kwargs["upstream_best"]
+    assert (best["prefix_match_unit"], best["prefix_cache_retention_interval"]) == (
+        32,
+        None,
+    )
+    assert "prefix_match_unit" not in kwargs["upstream"]
+    assert "prefix_cache_retention_interval" not in kwargs["upstream"]
+    assert kwargs["single"]["additional_config"]["hybrid_kv"]["pooled"] is False
+    pooled = kwargs["overlay"]["additional_config"]["hybrid_kv"]
+    assert "pooled" not in pooled and pooled["prefill_checkpoint_interval"] == 0
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--modes", "upstream,nope"])
