@@ -53,17 +53,20 @@ def connect(url: str, timeout: float) -> Iterator[http.client.HTTPConnection]:
         conn.close()
 
 
-def send(conn: http.client.HTTPConnection, path: str, body: dict | None = None) -> None:
-    """GET ``path``, or POST ``body`` as JSON; the answer is left unread."""
+def send(
+    conn: http.client.HTTPConnection, path: str, body: dict | bytes | None = None
+) -> None:
+    """GET ``path``, or POST ``body`` as JSON (bytes as they are: a test's
+    malformed JSON); the answer is left unread."""
     if body is None:
         conn.request("GET", path)
     else:
-        headers = {"Content-Type": "application/json"}
-        conn.request("POST", path, json.dumps(body).encode(), headers)
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", path, data, {"Content-Type": "application/json"})
 
 
 def request(
-    url: str, body: dict | None = None, timeout: float = 120.0
+    url: str, body: dict | bytes | None = None, timeout: float = 120.0
 ) -> tuple[int, bytes]:
     """``(status, body)`` of a GET (or a JSON POST) of the full ``url``, for
     2xx and HTTP errors alike (connection errors raise)."""
@@ -174,10 +177,10 @@ def held_requests(
     url: str, model: str, count: int, max_tokens: int = 256
 ) -> Iterator[Metrics]:
     """Open ``count`` streaming completions of ``max_tokens`` tokens at once
-    and yield ``/metrics`` as soon as every one of them reached the scheduler
-    and the first one streamed two tokens; closing the streams on exit
-    aborts them. The load is held, not sampled: the read sees the scheduler
-    with all ``count`` requests, which run for many more steps."""
+    and yield ``/metrics`` once every one of them reached the scheduler;
+    closing the streams on exit aborts them. The load is held, not sampled:
+    the gauges come from a step that scheduled all ``count`` requests (and
+    admitted what fits), and the requests run for many more steps."""
     body = {
         "model": model,
         "prompt": [11 + i for i in range(16)],
@@ -187,11 +190,8 @@ def held_requests(
         "stream": True,
     }
     with ExitStack() as stack:
-        conns = [stack.enter_context(connect(url, 120.0)) for _ in range(count)]
-        for conn in conns:
-            send(conn, COMPLETIONS, body)
-        events = sse_events(conns[0].getresponse())
-        next(events), next(events)
+        for _ in range(count):
+            send(stack.enter_context(connect(url, 120.0)), COMPLETIONS, body)
         for _ in range(600):
             metrics = scrape(url)
             if metrics.total(RUNNING) + metrics.total(WAITING) >= count:
@@ -236,7 +236,7 @@ class ServerHandle:
         ]
 
     def request(
-        self, path: str, body: dict | None = None, timeout: float = 120.0
+        self, path: str, body: dict | bytes | None = None, timeout: float = 120.0
     ) -> tuple[int, bytes]:
         """One HTTP request; returns ``(status, body)`` even for 4xx/5xx."""
         return request(self.url + path, body, timeout)
@@ -320,6 +320,30 @@ def serve(
         yield handle
     finally:
         stop(handle)
+
+
+def server_args(
+    kv_cache_mib: float,
+    max_model_len: int,
+    max_num_seqs: int,
+    dtype: str = "auto",
+    seed: int = 0,
+    compile: bool = False,
+) -> list[str]:
+    """``vllm serve`` options of the benchmarks' servers. float32 SSM state:
+    vLLM forces it on AVX512-BF16 hosts and keeps bf16 elsewhere; fixed, a
+    budget splits the same on every machine. Eager unless ``compile``:
+    torch.compile costs ~35 s per server start on CPU."""
+    args = [
+        f"--kv-cache-memory-bytes={int(kv_cache_mib * MIB)}",
+        f"--kv-cache-dtype={dtype}",
+        f"--max-model-len={max_model_len}",
+        f"--max-num-seqs={max_num_seqs}",
+        "--mamba-ssm-cache-dtype=float32",
+        f"--seed={seed}",
+        "--disable-uvicorn-access-log",
+    ]
+    return args if compile else [*args, "--enforce-eager"]
 
 
 def mode_env(mode: str) -> dict[str, str]:

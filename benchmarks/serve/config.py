@@ -9,7 +9,7 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.harness import KV_CACHE_DTYPES, MIB, MODELS, MODES, TINY_MODELS
+from benchmarks.harness import KV_CACHE_DTYPES, MODELS, MODES, TINY_MODELS, server_args
 
 #: The load of one rate, in ``vllm bench serve`` options: every prompt starts
 #: with the same 576 random tokens (a chat service's system prompt: 4.5 blocks
@@ -68,20 +68,15 @@ class BenchConfig:
     log_dir: Path | None = None
 
     def server_args(self, dtype: str) -> list[str]:
-        """``vllm serve`` options; only the dtype differs between servers.
-        float32 SSM state: vLLM forces it on AVX512-BF16 hosts and keeps
-        bf16 elsewhere; fixed, the budget splits the same on every machine.
-        Eager: torch.compile costs ~35 s per server start on CPU."""
-        args = [
-            f"--kv-cache-memory-bytes={int(self.kv_cache_mib * MIB)}",
-            f"--kv-cache-dtype={dtype}",
-            f"--max-model-len={self.max_model_len}",
-            f"--max-num-seqs={self.max_num_seqs}",
-            "--mamba-ssm-cache-dtype=float32",
-            f"--seed={self.seed}",
-            "--disable-uvicorn-access-log",
-        ]
-        return args if self.compile else [*args, "--enforce-eager"]
+        """``vllm serve`` options; only the dtype differs between servers."""
+        return server_args(
+            self.kv_cache_mib,
+            self.max_model_len,
+            self.max_num_seqs,
+            dtype,
+            self.seed,
+            self.compile,
+        )
 
     def bench_args(self, url: str, model: str, rate: float) -> list[str]:
         """``vllm bench serve`` options of one rate on one server: streaming

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import MIB, MODES, TINY_MODELS
+from benchmarks.harness import MODES, TINY_MODELS, server_args
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,14 @@ class SoakConfig:
     ready_timeout: float = 300.0
 
     def server_args(self) -> list[str]:
-        args = [
-            f"--max-model-len={self.max_model_len}",
-            f"--kv-cache-memory-bytes={int(self.kv_cache_mib * MIB)}",
-            f"--max-num-seqs={self.max_num_seqs}",
-            f"--kv-cache-dtype={self.kv_cache_dtype}",
-            f"--seed={self.seed}",
-            "--disable-uvicorn-access-log",
-        ]
-        return args if self.compile else [*args, "--enforce-eager"]
+        return server_args(
+            self.kv_cache_mib,
+            self.max_model_len,
+            self.max_num_seqs,
+            self.kv_cache_dtype,
+            self.seed,
+            self.compile,
+        )
 
 
 @dataclass(frozen=True)

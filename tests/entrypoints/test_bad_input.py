@@ -119,23 +119,6 @@ def server(tiny_model_dir, tmp_path_factory):
         yield handle
 
 
-def _post_raw(server, path: str, data: bytes) -> tuple[int, bytes]:
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(
-        server.url + path,
-        data=data,
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -308,7 +291,7 @@ def test_bad_request_gets_4xx_naming_the_field(server, endpoint, body, status, n
         data = body.replace(b'"model": "m"', f'"model": "{server.model}"'.encode())
     else:
         data = json.dumps({"model": server.model, **body}).encode()
-    got, raw = _post_raw(server, endpoint, data)
+    got, raw = server.request(endpoint, data)
     assert got == status, raw[:300]
     text = json.dumps(json.loads(raw))
     for name in names:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.error
-import urllib.request
 
 import pytest
 
-from benchmarks.harness import Metrics, scrape, serve, shutdown_report, stop
+from benchmarks.harness import (
+    Metrics,
+    connect,
+    scrape,
+    send,
+    serve,
+    shutdown_report,
+    sse_events,
+    stop,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -48,21 +55,13 @@ def test_chat_completion_streaming(server):
         "stream": True,
         "ignore_eos": True,
     }
-    req = urllib.request.Request(
-        server.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    events = []
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with connect(server.url, 120.0) as conn:
+        send(conn, "/v1/chat/completions", body)
+        resp = conn.getresponse()
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/event-stream")
-        for raw_line in resp:
-            line = raw_line.decode().strip()
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+        # every event up to [DONE] (a stream that ends without it raises)
+        chunks = list(sse_events(resp))
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     text = "".join(
         c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
@@ -136,16 +135,7 @@ def test_malformed_request_gets_4xx_and_server_keeps_serving(server, body):
 
 
 def test_invalid_json_gets_400(server):
-    req = urllib.request.Request(
-        server.url + "/v1/chat/completions",
-        data=b"{not json",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        urllib.request.urlopen(req, timeout=60)
-        status = 200
-    except urllib.error.HTTPError as err:
-        status = err.code
+    status, _ = server.request("/v1/chat/completions", b"{not json", timeout=60)
     assert 400 <= status < 500
 
 
