@@ -1,0 +1,136 @@
+"""The comparison as a table (ratios to upstream-best), JSON and a plot.
+
+Counted figures are what the engines did; modeled ones come from the cost
+model of :mod:`.clock` and are labelled "modeled" wherever they appear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: The reference every ratio is taken to (falls back to upstream).
+REFERENCE = ("upstream-best", "upstream")
+
+#: (label, section, key, format, ratio?) of every table row.
+ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
+    ("peak running (counted)", "counted", "peak_running", "{:,}", True),
+    ("mean running per step (counted)", "counted", "mean_running", "{:,.1f}", True),
+    ("preemptions (counted)", "counted", "preemptions", "{:,}", False),
+    ("prefix hit rate, tokens (counted)", "counted", "hit_rate", "{:.3f}", True),
+    ("prefill tokens computed (counted)", "counted", "prefill_tokens", "{:,}", True),
+    ("state copies (counted)", "counted", "state_copies", "{:,}", True),
+    ("copy-on-write block copies (counted)", "counted", "cow_copies", "{:,}", False),
+    ("bytes copied, GB (counted)", "counted", "copy_gb", "{:,.1f}", True),
+    ("checkpoints cached (counted)", "counted", "checkpoints_cached", "{:,.0f}", True),
+    ("TTFT p50, s (modeled)", "modeled", "ttft_p50", "{:.2f}", True),
+    ("TTFT p99, s (modeled)", "modeled", "ttft_p99", "{:.2f}", True),
+    ("TPOT p50, ms (modeled)", "modeled", "tpot_p50_ms", "{:.1f}", True),
+    ("TPOT p99, ms (modeled)", "modeled", "tpot_p99_ms", "{:.1f}", True),
+    ("output tokens/s (modeled)", "modeled", "output_tok_per_s", "{:,.0f}", True),
+)
+
+
+def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The table's figures of one run, derived units included."""
+    counted = dict(summary.get("counted") or {})
+    modeled = dict(summary.get("modeled") or {})
+    counted["copy_gb"] = (counted.get("copy_bytes") or 0) / 1e9
+    ttft, tpot = modeled.get("ttft_s") or {}, modeled.get("tpot_s") or {}
+    modeled["ttft_p50"], modeled["ttft_p99"] = ttft.get("p50"), ttft.get("p99")
+    modeled["tpot_p50_ms"] = tpot["p50"] * 1e3 if "p50" in tpot else None
+    modeled["tpot_p99_ms"] = tpot["p99"] * 1e3 if "p99" in tpot else None
+    return {"counted": counted, "modeled": modeled}
+
+
+def best_runs(engines: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Engine name -> the summary of its best run."""
+    return {name: e["runs"][e["best"]] for name, e in engines.items()}
+
+
+def _cell(value: Any, fmt: str, reference: Any, ratio: bool) -> str:
+    if value is None:
+        return "-"
+    text = fmt.format(value)
+    if ratio and reference and engine_ratio_defined(reference):
+        text += f" ({value / reference:.2f}x)"
+    return text
+
+
+def engine_ratio_defined(reference: Any) -> bool:
+    return isinstance(reference, (int, float)) and reference != 0
+
+
+def render_table(engines: Mapping[str, Any]) -> str:
+    """A Markdown table: one column per engine (its best run), ratios to
+    the reference engine in parentheses."""
+    runs = best_runs(engines)
+    names = list(runs)
+    figures = {n: flat_figures(runs[n]) for n in names}
+    reference = next((r for r in REFERENCE if r in runs), None)
+    header = [
+        "",
+        *(f"{n} ({engines[n]['best']})" if n.endswith("best") else n for n in names),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label, section, key, fmt, ratio in ROWS:
+        ref = figures[reference][section].get(key) if reference else None
+        cells = []
+        for n in names:
+            if "error" in runs[n]:
+                cells.append("failed")
+                continue
+            value = figures[n][section].get(key)
+            cells.append(_cell(value, fmt, ref, ratio and n != reference))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    errors = [f"{n}: {runs[n]['error']}" for n in names if "error" in runs[n]]
+    if reference:
+        lines.append("")
+        lines.append(f"Ratios to {reference}.")
+    return "\n".join(lines + [f"error: {e}" for e in errors])
+
+
+def render_sweeps(engines: Mapping[str, Any]) -> str:
+    """One line per run of every swept engine: prefill tokens, hit rate."""
+    lines = []
+    for engine in engines.values():
+        if len(engine["runs"]) < 2:
+            continue
+        for run_name, summary in engine["runs"].items():
+            counted = summary.get("counted")
+            mark = " (best)" if run_name == engine["best"] else ""
+            if counted is None:
+                lines.append(f"{run_name}: failed: {summary.get('error')}")
+                continue
+            lines.append(
+                f"{run_name}{mark}: prefill tokens {counted['prefill_tokens']:,}, "
+                f"hit rate {counted['hit_rate'] or 0:.3f}, "
+                f"preemptions {counted['preemptions']:,}"
+            )
+    return "\n".join(lines)
+
+
+def plot_timeline(engines: Mapping[str, Any], path: Path) -> None:
+    """Running requests (counted) and prefix hit rate so far (counted) over
+    modeled time, one line per engine's best run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, summary in best_runs(engines).items():
+        points = summary.get("timeline") or []
+        if not points:
+            continue
+        times = [p[0] for p in points]
+        top.plot(times, [p[1] for p in points], label=name, linewidth=0.8)
+        bottom.plot(times, [p[3] for p in points], label=name, linewidth=0.8)
+    top.set_ylabel("running requests (counted)")
+    bottom.set_ylabel("prefix hit rate so far (counted)")
+    bottom.set_xlabel("time, s (modeled)")
+    top.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,178 @@
+"""The engines compared, each in its own process, and the sweeps' winners.
+
+Engines (item by item what a user of each would set):
+
+* ``upstream``: vLLM 0.32 as installed, overlay off, defaults;
+* ``upstream-best``: overlay off, ``--prefix-match-unit`` at the attention
+  kernel's block (hits inside upstream's large hybrid block), and the best
+  ``--prefix-cache-retention-interval`` of a sweep;
+* ``single-pool``: the overlay with pooled mode off (``hybrid_kv.pooled:
+  false``): upstream's single shared pool with the overlay's fixes;
+* ``pooled``: the overlay's default;
+* ``pooled-best``: pooled mode with the best ``--mamba-block-size`` (state
+  checkpoint interval) of a sweep.
+
+"Best" is the fewest prefill tokens computed (every prompt token not served
+from the cache, and every token recomputed after a preemption), then the
+most tokens hit. Symbolic values are resolved in the engine's process from
+its own geometry (:func:`.engine.resolve_options`): ``kernel`` (the
+attention kernel's block), ``dense`` (every checkpoint kept), ``Nx`` (N
+scheduler blocks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from vllm_hybrid.tools.simulate.session import SimulationSpec, Variant
+
+ENGINES: tuple[str, ...] = (
+    "upstream",
+    "upstream-best",
+    "single-pool",
+    "pooled",
+    "pooled-best",
+)
+#: ``--prefix-cache-retention-interval`` values upstream-best tries.
+DEFAULT_RETENTION_SWEEP: tuple[str, ...] = ("0", "dense", "4x")
+#: ``--mamba-block-size`` values pooled-best tries (multiples of the
+#: attention block on CUDA, 16 tokens).
+DEFAULT_BLOCK_SWEEP: tuple[str, ...] = ("256", "512", "1024", "2048")
+
+
+def _value(text: str) -> int | str | None:
+    if text == "dense":
+        return None
+    return int(text) if text.isdigit() else text
+
+
+def engine_variants(
+    engines: Sequence[str],
+    retention_sweep: Sequence[str] = DEFAULT_RETENTION_SWEEP,
+    block_sweep: Sequence[str] = DEFAULT_BLOCK_SWEEP,
+    hybrid_kv: Mapping[str, Any] | None = None,
+) -> dict[str, list[Variant]]:
+    """Engine name -> the variants run for it (one, or a sweep)."""
+    overlay_kv = dict(hybrid_kv or {})
+    out: dict[str, list[Variant]] = {}
+    for engine in engines:
+        if engine == "upstream":
+            out[engine] = [Variant("upstream", False)]
+        elif engine == "upstream-best":
+            out[engine] = [
+                Variant(
+                    f"upstream-best[retention={r}]",
+                    False,
+                    cache={
+                        "prefix_match_unit": "kernel",
+                        "prefix_cache_retention_interval": _value(r),
+                    },
+                )
+                for r in retention_sweep
+            ]
+        elif engine == "single-pool":
+            out[engine] = [
+                Variant("single-pool", True, hybrid_kv={**overlay_kv, "pooled": False})
+            ]
+        elif engine == "pooled":
+            out[engine] = [Variant("pooled", True, hybrid_kv=overlay_kv)]
+        elif engine == "pooled-best":
+            out[engine] = [
+                Variant(
+                    f"pooled-best[mamba_block_size={b}]",
+                    True,
+                    cache={"mamba_block_size": _value(b)},
+                    hybrid_kv=overlay_kv,
+                )
+                for b in block_sweep
+            ]
+        else:
+            raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    return out
+
+
+def best_key(summary: Mapping[str, Any]) -> tuple:
+    """Sort key of a sweep's runs: fewest prefill tokens, then most hits;
+    failed runs last."""
+    counted = summary.get("counted")
+    if not counted or counted.get("outcome") != "finished":
+        return (1, 0, 0)
+    return (0, counted["prefill_tokens"], -counted["hit_tokens"])
+
+
+def worker_env(variant: Variant) -> dict[str, str]:
+    """A worker's environment: the overlay's switch for this variant,
+    in-process engines, vLLM's log lines kept to errors unless asked."""
+    env = dict(os.environ)
+    env["VLLM_HYBRID_KV"] = "1" if variant.overlay else "0"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return env
+
+
+def run_in_process(
+    spec: SimulationSpec, variant: Variant, workdir: Path
+) -> dict[str, Any]:
+    """Run one variant in a fresh worker process; its summary, or an
+    ``error`` entry with the worker's traceback."""
+    name = "".join(c if c.isalnum() else "_" for c in variant.name)
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
+    spec_path.write_text(
+        json.dumps({"spec": spec.to_json(), "variant": asdict(variant)})
+    )
+    log = workdir / f"{name}.log"
+    with log.open("w") as stdout:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "vllm_hybrid.tools.simulate.worker",
+                str(spec_path),
+                str(out_path),
+            ],
+            env=worker_env(variant),
+            stdout=stdout,
+            stderr=None if spec.progress else subprocess.STDOUT,
+            check=False,
+        )
+    if out_path.is_file():
+        return json.loads(out_path.read_text())
+    return {
+        "variant": asdict(variant),
+        "error": f"worker exited with {proc.returncode}",
+        "traceback": log.read_text()[-4000:],
+    }
+
+
+def run_engines(
+    spec: SimulationSpec,
+    variants: Mapping[str, Sequence[Variant]],
+    jobs: int = 2,
+    workdir: Path | None = None,
+) -> dict[str, Any]:
+    """Every variant, ``jobs`` processes at a time; per engine the runs and
+    the name of the best."""
+    flat = [v for runs in variants.values() for v in runs]
+    with tempfile.TemporaryDirectory(prefix="vllm-hybrid-simulate-") as tmp:
+        where = workdir or Path(tmp)
+        where.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            results = list(pool.map(lambda v: run_in_process(spec, v, where), flat))
+    by_name = {v.name: r for v, r in zip(flat, results, strict=True)}
+    engines: dict[str, Any] = {}
+    for engine, runs in variants.items():
+        summaries = {v.name: by_name[v.name] for v in runs}
+        best = min(summaries, key=lambda n: best_key(summaries[n]))
+        engines[engine] = {"best": best, "runs": summaries}
+    return engines

@@ -1,0 +1,331 @@
+"""One engine variant on one workload, in this process: the figures.
+
+:class:`SimulationSpec` is everything the variants of one comparison share
+(model, device, budget, workload, clock); :class:`Variant` is what one
+engine sets on top (the overlay on or off, cache options, ``hybrid_kv``
+options). :func:`run_variant` opens the engine, drives the workload and
+returns a JSON-ready summary: counted figures, modeled times, the engine's
+geometry and a timeline. Which mode runs is this process's choice
+(``VLLM_HYBRID_KV``); :mod:`.runner` starts one process per variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_hybrid.tools.plan.geometry import EngineOptions
+from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
+from vllm_hybrid.tools.simulate.clock import (
+    GPU_PROFILES,
+    CostModel,
+    ModelCosts,
+    profile_for_memory,
+)
+from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
+from vllm_hybrid.tools.simulate.engine import SimEngine, open_engine
+from vllm_hybrid.tools.simulate.probes import count_state_checkpoints
+from vllm_hybrid.tools.simulate.sources import (
+    ChatServerShape,
+    ChatServerWorkload,
+    ManyShortShape,
+    ManyShortWorkload,
+    MultiTurnShape,
+    MultiTurnWorkload,
+    TraceWorkload,
+    Workload,
+)
+from vllm_hybrid.tools.simulate.steps import StepRecord, state_bytes_per_request
+from vllm_hybrid.tools.simulate.trace import MOONCAKE_TRACE, read_trace
+from vllm_hybrid.tools.workloads import allowed_token_ids
+
+#: Ids below this are special tokens in the vocabularies simulated (the
+#: project's workloads draw prompt ids from the rest).
+SPECIAL_IDS = range(3)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Which workload, with its sizes (the shape of the chosen kind)."""
+
+    kind: str = "mooncake"
+    #: mooncake: window start and end (seconds), request cap, trace file
+    start_s: float = 0.0
+    end_s: float | None = None
+    requests: int | None = None
+    trace: str = str(MOONCAKE_TRACE)
+    #: the project's workloads: field values of their shape dataclass
+    shape: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SimulationSpec:
+    """What every variant of one comparison shares."""
+
+    request: PlanRequest
+    workload: WorkloadSpec
+    gpu_profile: str | None = None
+    weights_bytes: int | None = None
+    async_scheduling: bool = False
+    #: timeline resolution in modeled seconds (0: every step)
+    sample_every_s: float = 0.0
+    progress: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SimulationSpec:
+        request = dict(data["request"])
+        request["prompt_lens"] = tuple(request.get("prompt_lens", ()))
+        return cls(
+            **{
+                **data,
+                "request": PlanRequest(**request),
+                "workload": WorkloadSpec(**data["workload"]),
+            }
+        )
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One engine: overlay on or off and the options it sets."""
+
+    name: str
+    overlay: bool
+    cache: dict[str, Any] = field(default_factory=dict)
+    hybrid_kv: dict[str, Any] = field(default_factory=dict)
+
+    def options(self) -> EngineOptions:
+        return EngineOptions(cache=self.cache, hybrid_kv=self.hybrid_kv)
+
+
+def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
+    """The workload of ``spec`` over a vocabulary of ``vocab_size``."""
+    if spec.kind == "mooncake":
+        records = read_trace(Path(spec.trace), spec.start_s, spec.end_s, spec.requests)
+        return TraceWorkload(records, vocab_size)
+    vocab = allowed_token_ids(vocab_size, SPECIAL_IDS)
+    kinds = {
+        "chat_server": (ChatServerShape, ChatServerWorkload),
+        "multi_turn": (MultiTurnShape, MultiTurnWorkload),
+        "many_short": (ManyShortShape, ManyShortWorkload),
+    }
+    if spec.kind not in kinds:
+        raise ValueError(f"unknown workload {spec.kind!r}")
+    shape_class, workload_class = kinds[spec.kind]
+    return workload_class(shape_class(**spec.shape), vocab)
+
+
+def percentiles(values: Sequence[float], points=(50, 90, 99)) -> dict[str, float]:
+    """Nearest-rank percentiles and the mean (empty: no keys)."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    out = {"mean": sum(ordered) / len(ordered)}
+    for p in points:
+        rank = max(1, math.ceil(p / 100 * len(ordered)))
+        out[f"p{p}"] = ordered[rank - 1]
+    return out
+
+
+def cost_model(engine: SimEngine, spec: SimulationSpec) -> CostModel:
+    """The modeled clock of this engine (its KV geometry, the spec's GPU)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_hybrid.tools.plan.config import layer_kinds
+
+    kv_config = engine.scheduler.kv_cache_config
+    kv_per_token = 0
+    for group in kv_config.kv_cache_groups:
+        spec_ = group.kv_cache_spec
+        if not isinstance(spec_, MambaSpec):
+            per = spec_.page_size_bytes // spec_.block_size
+            kv_per_token += per * len(group.layer_names)
+    kinds = layer_kinds(engine.vllm_config)
+    costs = ModelCosts.from_config(
+        engine.vllm_config,
+        kv_bytes_per_token=kv_per_token,
+        state_bytes=state_bytes_per_request(kv_config),
+        weights_bytes=spec.weights_bytes,
+        attention_layers=kinds.attention,
+        state_layers=kinds.state,
+    )
+    gpu = (
+        GPU_PROFILES[spec.gpu_profile]
+        if spec.gpu_profile
+        else profile_for_memory(spec.request.gpu_memory_gib)
+    )
+    return CostModel(costs, gpu)
+
+
+def geometry_summary(engine: SimEngine) -> dict[str, Any]:
+    """The engine's KV cache as it started: groups, pools, capacity."""
+    from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+
+    config = engine.scheduler.kv_cache_config
+    cache = engine.vllm_config.cache_config
+    groups = [
+        {
+            "kind": type(g.kv_cache_spec).__name__,
+            "layers": len(g.layer_names),
+            "block_size": g.kv_cache_spec.block_size,
+            "page_bytes": g.kv_cache_spec.page_size_bytes,
+        }
+        for g in config.kv_cache_groups
+    ]
+    if isinstance(config, PooledKVCacheConfig):
+        pools = [
+            {"kind": p.kind.value, "blocks": p.num_blocks, "block_bytes": p.block_bytes}
+            for p in config.pools
+        ]
+    else:
+        total = sum(t.size for t in config.kv_cache_tensors)
+        pools = [
+            {
+                "kind": "shared",
+                "blocks": config.num_blocks,
+                "block_bytes": total // max(1, config.num_blocks),
+            }
+        ]
+    scheduler = engine.vllm_config.scheduler_config
+    return {
+        "groups": groups,
+        "pools": pools,
+        "token_capacity": getattr(cache, "kv_cache_size_tokens", None),
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "max_model_len": engine.vllm_config.model_config.max_model_len,
+        "prefix_match_unit": cache.prefix_match_unit,
+        "prefix_cache_retention_interval": cache.prefix_cache_retention_interval,
+        "mamba_block_size": cache.mamba_block_size,
+        "async_scheduling": scheduler.async_scheduling,
+    }
+
+
+def summarize(
+    result: DriveResult, copy_bytes: float, checkpoints: float
+) -> dict[str, Any]:
+    """Counted and modeled figures of one run."""
+    steps: StepRecord = result.steps
+    timings = result.timings.values()
+    done = [t for t in timings if t.finished is not None]
+    prompt = sum(t.prompt_tokens for t in timings if t.first_token is not None)
+    hit = sum(t.cached_tokens for t in timings if t.first_token is not None)
+    output = sum(t.output_tokens for t in timings)
+    counted = {
+        "requests": len(result.timings),
+        "finished": len(done),
+        "rejected": len(result.rejected),
+        "outcome": result.outcome,
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_rate": hit / prompt if prompt else None,
+        "prefill_tokens": steps.prefill_tokens,
+        "decode_tokens": steps.decode_tokens,
+        "output_tokens": output,
+        "preemptions": steps.preemptions,
+        "state_copies": steps.state_copies,
+        "state_self_copies": steps.state_self_copies,
+        "cow_copies": steps.cow_copies,
+        "copy_bytes": copy_bytes,
+        "checkpoints_cached": checkpoints,
+        "peak_running": result.running_peak,
+        "mean_running": result.running_sum / max(1, result.engine_steps),
+        "engine_steps": result.engine_steps,
+    }
+    makespan = result.makespan_s
+    ttft = [t.first_token - t.arrival for t in done if t.first_token is not None]
+    tpot = [
+        (t.finished - t.first_token) / (t.output_tokens - 1)
+        for t in done
+        if t.first_token is not None and t.output_tokens > 1
+    ]
+    e2e = [t.finished - t.arrival for t in done]
+    modeled = {
+        "makespan_s": makespan,
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+        "e2e_s": percentiles(e2e),
+        "output_tok_per_s": output / makespan if makespan else None,
+        "prefill_tok_per_s": steps.prefill_tokens / makespan if makespan else None,
+        "mean_running": result.running_time / makespan if makespan else None,
+    }
+    return {"counted": counted, "modeled": modeled}
+
+
+def run_variant(spec: SimulationSpec, variant: Variant) -> dict[str, Any]:
+    """Run ``variant`` on ``spec``'s workload in this process."""
+    from vllm_hybrid.tools.simulate.engine import overlay_active
+
+    if overlay_active() != variant.overlay:
+        raise RuntimeError(
+            f"variant {variant.name} needs the overlay "
+            f"{'on' if variant.overlay else 'off'} (VLLM_HYBRID_KV)"
+        )
+    started = time.perf_counter()
+    with (
+        model_dir(spec.request.model) as (directory, _),
+        open_engine(
+            spec.request,
+            directory,
+            variant.options(),
+            async_scheduling=spec.async_scheduling,
+        ) as engine,
+    ):
+        checkpoints = count_state_checkpoints(engine.scheduler)
+        clock = cost_model(engine, spec)
+        cow_bytes = _cow_block_bytes(engine)
+        workload = make_workload(spec.workload, engine.vocab_size())
+
+        def seconds(record: StepRecord) -> float:
+            return clock.step_seconds(record, _copy_bytes(record, clock, cow_bytes))
+
+        progress = _progress_bar(spec, variant, workload)
+        driver = Driver(
+            engine.core,
+            workload,
+            engine.executor.take_records,
+            seconds,
+            sample_every_s=spec.sample_every_s,
+            progress=progress,
+        )
+        try:
+            result = driver.run()
+        finally:
+            if progress is not None:
+                progress.close()
+        summary = summarize(
+            result, _copy_bytes(result.steps, clock, cow_bytes), checkpoints.checkpoints
+        )
+        summary["geometry"] = geometry_summary(engine)
+    summary["variant"] = dataclasses.asdict(variant)
+    summary["gpu"] = clock.gpu.name
+    summary["timeline"] = [dataclasses.astuple(p) for p in result.timeline]
+    summary["wall_s"] = time.perf_counter() - started
+    return summary
+
+
+def _copy_bytes(record: StepRecord, clock: CostModel, cow_bytes: int) -> float:
+    return record.state_copies * clock.model.state_bytes + record.cow_copies * cow_bytes
+
+
+def _cow_block_bytes(engine: SimEngine) -> int:
+    """Bytes one copy-on-write block copy moves: the block of the pool the
+    state groups use (every layer's page of one block id)."""
+    pools = geometry_summary(engine)["pools"]
+    state = [p for p in pools if p["kind"] in ("state", "shared")]
+    return state[0]["block_bytes"] if state else 0
+
+
+def _progress_bar(spec: SimulationSpec, variant: Variant, workload: Workload) -> Any:
+    if not spec.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=workload.total, desc=variant.name, unit="req", mininterval=2.0)
