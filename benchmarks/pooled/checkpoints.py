@@ -27,8 +27,8 @@ into several groups that always move together and pooled mode has one):
   crossing (``state_in_place``) is such a copy onto itself.
 * **checkpoints cached**: state blocks of a state group that
   ``BlockPool.cache_full_blocks`` gave a prefix-cache key (it had none
-  before), and new keys ``BlockPool.cache_partial_block`` registered inside a
-  block (upstream with ``--prefix-match-unit``). ``cached_positions`` lists
+  before), and keys ``BlockPool.cache_partial_block`` added to a block that
+  did not hold them (upstream with ``--prefix-match-unit``). ``cached_positions`` lists
   their token positions.
 * **checkpoints hit**: prefix hits a state group takes
   (``add_local_computed_blocks`` with a non-null block): ``hit_events``
@@ -70,8 +70,6 @@ class CheckpointCounters:
     hit_events: int = 0
     tokens_scheduled: int = 0
     hit_keys: set[Any] = field(default_factory=set)
-    #: Keys of partial (inside-a-block) checkpoints counted so far.
-    partial_keys: set[Any] = field(default_factory=set)
     #: (request id, token position) of every state checkpoint cached / hit,
     #: first state group only (the others repeat it).
     cached_positions: list[tuple[str, int]] = field(default_factory=list)
@@ -86,7 +84,6 @@ class CheckpointCounters:
         self.allocated = self.in_place = self.cached = self.copies = 0
         self.hit_events = self.tokens_scheduled = 0
         self.hit_keys = set()
-        self.partial_keys = set()
         self.cached_positions = []
         self.hit_positions = []
         self._cuts_at_reset = self._cuts() or 0
@@ -245,27 +242,28 @@ def attach(scheduler: Any) -> CheckpointCounters:
 
         return counted
 
-    def cache_partial(original):
-        def counted(request, block, num_tokens, kv_cache_group_id, *args, **kwargs):
-            key = original(
-                request, block, num_tokens, kv_cache_group_id, *args, **kwargs
-            )
-            new = key is not None and key not in counters.partial_keys
-            if kv_cache_group_id in state_gids and new:
-                counters.partial_keys.add(key)
-                counters.cached += 1
-                if kv_cache_group_id == first_gid:
-                    counters.cached_positions.append(
-                        (request.request_id, int(num_tokens))
-                    )
-            return key
+    def cache_partial(pool):
+        def make(original):
+            def counted(request, block, num_tokens, kv_cache_group_id, **kwargs):
+                gid = kv_cache_group_id
+                held = {block.block_hash}
+                held.update(pool.cached_block_hashes_by_block.get(block.block_id, ()))
+                key = original(request, block, num_tokens, gid, **kwargs)
+                if gid in state_gids and key is not None and key not in held:
+                    counters.cached += 1
+                    if gid == first_gid:
+                        position = (request.request_id, int(num_tokens))
+                        counters.cached_positions.append(position)
+                return key
 
-        return counted
+            return counted
+
+        return make
 
     pools = {id(m.block_pool): m.block_pool for _, m in managers}
     for pool in pools.values():
         _wrap(pool, "cache_full_blocks", cache_full)
-        _wrap(pool, "cache_partial_block", cache_partial)
+        _wrap(pool, "cache_partial_block", cache_partial(pool))
     for gid, manager in managers:
         _wrap(manager, "allocate_new_blocks", allocate)
         _wrap(manager, "add_local_computed_blocks", add_hits(gid))

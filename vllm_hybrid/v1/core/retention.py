@@ -45,7 +45,7 @@ from vllm_hybrid.v1.core.pooled.prefill_checkpoints import prefill_checkpoints
 
 @dataclass
 class DecodeCheckpoint:
-    """The latest decode checkpoint a request cached in one state group."""
+    """A decode (or prefill) checkpoint a request cached in one state group."""
 
     block: KVCacheBlock
     #: The block's cache key when it was cached; the block may have been
@@ -73,6 +73,12 @@ class TurnEndCounts:
     #: once freed.
     ranked_first: int = 0
     by_request: dict[str, dict[int, DecodeCheckpoint]] = field(default_factory=dict)
+    #: Prefill checkpoints cached (per state group).
+    prefill_cached: int = 0
+    #: Prefill checkpoints of running requests not ranked yet, by group.
+    prefill_by_request: dict[str, list[tuple[int, DecodeCheckpoint]]] = field(
+        default_factory=dict
+    )
 
 
 class TurnEndRetentionMixin:
@@ -132,6 +138,30 @@ class TurnEndRetentionMixin:
                     num_tokens,
                     request.num_prompt_tokens,
                 )
+            elif self.prefill_checkpoint_interval:
+                self._record_prefill(group_id, manager, request, num_tokens)
+
+    def _record_prefill(
+        self, group_id: int, manager: Any, request: Request, num_tokens: int
+    ) -> None:
+        """Note the prefill checkpoints a chunk ending at ``num_tokens`` just
+        cached, to rank them once their request moves past them."""
+        positions = self._prefill_boundaries(manager, request)
+        if num_tokens not in positions:
+            return  # only a chunk ending on a checkpoint writes one
+        blocks = manager.req_to_blocks.get(request.request_id) or []
+        index = num_tokens // manager.block_size - 1
+        if index >= len(blocks):
+            return
+        block = blocks[index]
+        if block.is_null or block.block_hash is None:
+            return
+        counts = self.turn_end_counts
+        noted = counts.prefill_by_request.setdefault(request.request_id, [])
+        if any(c.block is block for _, c in noted):
+            return
+        noted.append((group_id, DecodeCheckpoint(block, block.block_hash, num_tokens)))
+        counts.prefill_cached += 1
 
     def _prefill_boundaries(self, manager: Any, request: Request) -> range:
         """Prefill checkpoints of an align-mode state group's request."""
@@ -205,12 +235,35 @@ class TurnEndRetentionMixin:
         latest = self.turn_end_counts.by_request.get(request_id)
         if latest:
             self._rank_turn_ends(latest)
+        noted = self.turn_end_counts.prefill_by_request.get(request_id)
+        if noted:
+            noted[:] = self._rank_prefill(noted)
 
     def free(self, request_id: str) -> None:
         latest = self.turn_end_counts.by_request.pop(request_id, None)
+        noted = self.turn_end_counts.prefill_by_request.pop(request_id, None)
         super().free(request_id)
         if latest:
             self._rank_turn_ends(latest)
+        if noted:
+            self._rank_prefill(noted)
+
+    def _rank_prefill(
+        self, noted: list[tuple[int, DecodeCheckpoint]]
+    ) -> list[tuple[int, DecodeCheckpoint]]:
+        """Rank the freed ones of ``noted`` as prefill checkpoints in their
+        pool's eviction order; the ones still held stay noted."""
+        held = []
+        for group_id, checkpoint in noted:
+            block = checkpoint.block
+            if block.block_hash != checkpoint.block_hash:
+                continue  # evicted and reused since
+            if block.ref_cnt:
+                held.append((group_id, checkpoint))
+                continue
+            pool = self.single_type_managers[group_id].block_pool
+            rank_entry(pool, block, Entry.PREFILL)
+        return held
 
     def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:
         """Rank freed decode checkpoints as turn ends in their pool's
@@ -236,6 +289,7 @@ class TurnEndRetentionMixin:
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self.turn_end_counts.by_request.pop(request_id, None)
+        self.turn_end_counts.prefill_by_request.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
 
 

@@ -133,8 +133,9 @@ def test_the_scheduler_ends_a_chunk_at_the_next_checkpoint():
 def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval):
     """A 100-token prompt in chunks ending at 32, 64 and 96 (16-token
     blocks): with prefill checkpoints every 32 tokens the states at 32 and 64
-    stay cached next to the prompt's own at 96, and a request sharing its
-    first 70 tokens hits 64; without them it hits nothing."""
+    stay cached next to the prompt's own at 96, first in the eviction order,
+    and a request sharing its first 70 tokens hits 64; without them it hits
+    nothing."""
     monkeypatch.setattr(
         kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
     )
@@ -142,11 +143,21 @@ def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval):
     rng = random.Random(3)
     tokens = [rng.randrange(200, 900) for _ in range(100)]
     first = driver.request("first", tokens)
+    states = driver.coordinator.single_type_managers[1].req_to_blocks
+    at = {}  # state block of the state at each chunk's end
     for chunk in (32, 32, 32, 4):
         assert driver.step(first, chunk)
+        end = first.num_computed_tokens
+        at[end] = states["first"][(end - 1) // BLOCK].block_id
     driver.manager.free(first)
     state = driver.arena.state_pool
     assert len(state.cached_keys()) == (3 if interval else 1)
+    # prefill checkpoints are evicted before the prompt's own checkpoint
+    expected = [at[64], at[32], at[96]] if interval else [at[96]]
+    assert state.free_block_queue.cached_ids() == expected
+    counts = driver.coordinator.turn_end_counts
+    assert counts.prefill_cached == (2 if interval else 0)
+    assert counts.prefill_by_request == {}
     shared = driver.request("shared", tokens[:70] + [5, 6])
     assert driver.admit(shared) == (64 if interval else 0)
     driver.arena.check_invariants()

@@ -10,8 +10,9 @@ Hand-out order of one pool's free blocks, first to last (:data:`HAND_OUT_ORDER`)
    boundary first (token pool: lowest id, state pool: highest id), so blocks
    next to the boundary stay free and the boundary stays movable;
 2. ``CACHED``: evictable cached blocks, least recently freed first, as
-   upstream does; a freed turn-end (decode) checkpoint goes to the head of
-   its segment (:data:`PLACES`), so it only uses memory no other entry wants;
+   upstream does; a freed turn-end (decode) or prefill checkpoint goes to
+   the head of its segment (:data:`PLACES`), so it only uses memory no other
+   entry wants;
 3. ``PROTECTED``: cached blocks that served :data:`PROTECT_AFTER_HITS` prefix
    hits since they were cached (a shared system prompt, a conversation that
    was followed up), in their own LRU: a burst of one-off entries cannot
@@ -63,6 +64,9 @@ class Entry(Enum):
 
     #: A freed turn-end (decode) checkpoint: serves a follow-up turn, if any.
     TURN_END = "turn_end"
+    #: A freed prefill checkpoint: serves a later request sharing the prefix
+    #: up to it, if any (see ``prefill_checkpoints``).
+    PREFILL = "prefill"
     #: A decode checkpoint a later edge of the same request replaced.
     SUPERSEDED = "superseded"
     #: An entry the other pool made useless (see ``coupling``).
@@ -86,9 +90,14 @@ class Place(Enum):
 #: lost its hit to make room for an answer nobody may follow up on
 #: (measured: a repeat pass of the benchmark's fixed prompts on tiny
 #: ``qwen3_next`` fell from 4,224 to 1,536 cached tokens). At the head it
-#: only uses memory no other entry wants.
+#: only uses memory no other entry wants. A prefill checkpoint is as
+#: speculative and goes there too: kept like any entry, a long prompt's
+#: checkpoints pushed a repeated prompt's own checkpoints out (tiny
+#: ``qwen3_next`` at 48 MiB, checkpoints every 384 tokens: the repeat pass hit
+#: 2,304 tokens instead of 2,688).
 PLACES: dict[Entry, Place] = {
     Entry.TURN_END: Place.HEAD,
+    Entry.PREFILL: Place.HEAD,
     Entry.SUPERSEDED: Place.EVICT,
     Entry.DEAD: Place.EVICT,
 }
