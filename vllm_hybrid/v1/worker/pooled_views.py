@@ -60,7 +60,8 @@ def kernel_block_error(backend: type, spec: Any) -> str | None:
     Upstream splits a block into kernel blocks only where a block is one
     dense page (``prepare_kernel_block_sizes``, ``create_kv_cache_views``).
     A pooled token block holds every attention layer's page side by side,
-    so the block must be a kernel block size of the backend as it is. The test is upstream's own choice of kernel block
+    so the block must be a kernel block size of the backend as it is. The
+    test is upstream's own choice of kernel block
     (``select_common_block_size``), which each metadata builder repeats.
     """
     from vllm.v1.worker.utils import customize_attention_spec, select_common_block_size
