@@ -15,7 +15,8 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# tests/ (engine_utils) and the repository root (the benchmarks package)
+sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 3)]
 
 from engine_utils import (  # noqa: E402
     generate_greedy,

@@ -122,14 +122,15 @@ def worker_env(variant: Variant) -> dict[str, str]:
 
 
 def run_in_process(
-    spec: SimulationSpec, variant: Variant, workdir: Path
+    spec: SimulationSpec, variant: Variant, workdir: Path, line: int = 0
 ) -> dict[str, Any]:
     """Run one variant in a fresh worker process; its summary, or an
-    ``error`` entry with the worker's traceback."""
+    ``error`` entry with the worker's traceback. ``line``: the terminal line
+    of its progress bar."""
     name = "".join(c if c.isalnum() else "_" for c in variant.name)
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
     spec_path.write_text(
-        json.dumps({"spec": spec.to_json(), "variant": asdict(variant)})
+        json.dumps({"spec": spec.to_json(), "variant": asdict(variant), "line": line})
     )
     log = workdir / f"{name}.log"
     with log.open("w") as stdout:
@@ -167,8 +168,14 @@ def run_engines(
     with tempfile.TemporaryDirectory(prefix="vllm-hybrid-simulate-") as tmp:
         where = workdir or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            results = list(pool.map(lambda v: run_in_process(spec, v, where), flat))
+        lines = max(1, jobs)
+        with ThreadPoolExecutor(max_workers=lines) as pool:
+            results = list(
+                pool.map(
+                    lambda iv: run_in_process(spec, iv[1], where, iv[0] % lines),
+                    enumerate(flat),
+                )
+            )
     by_name = {v.name: r for v, r in zip(flat, results, strict=True)}
     engines: dict[str, Any] = {}
     for engine, runs in variants.items():

@@ -259,8 +259,11 @@ def summarize(
     return {"counted": counted, "modeled": modeled}
 
 
-def run_variant(spec: SimulationSpec, variant: Variant) -> dict[str, Any]:
-    """Run ``variant`` on ``spec``'s workload in this process."""
+def run_variant(
+    spec: SimulationSpec, variant: Variant, line: int = 0
+) -> dict[str, Any]:
+    """Run ``variant`` on ``spec``'s workload in this process (``line``: the
+    terminal line of its progress bar, when several run at once)."""
     from vllm_hybrid.tools.simulate.engine import overlay_active
 
     if overlay_active() != variant.overlay:
@@ -286,7 +289,7 @@ def run_variant(spec: SimulationSpec, variant: Variant) -> dict[str, Any]:
         def seconds(record: StepRecord) -> float:
             return clock.step_seconds(record, _copy_bytes(record, clock, cow_bytes))
 
-        progress = _progress_bar(spec, variant, workload)
+        progress = _progress_bar(spec, variant, workload, line)
         driver = Driver(
             engine.core,
             workload,
@@ -323,9 +326,17 @@ def _cow_block_bytes(engine: SimEngine) -> int:
     return state[0]["block_bytes"] if state else 0
 
 
-def _progress_bar(spec: SimulationSpec, variant: Variant, workload: Workload) -> Any:
+def _progress_bar(
+    spec: SimulationSpec, variant: Variant, workload: Workload, line: int
+) -> Any:
     if not spec.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=workload.total, desc=variant.name, unit="req", mininterval=2.0)
+    return tqdm(
+        total=workload.total,
+        desc=variant.name,
+        unit="req",
+        mininterval=2.0,
+        position=line,
+    )

@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = SimulationSpec.from_json(data["spec"])
     variant = Variant(**data["variant"])
     try:
-        summary = run_variant(spec, variant)
+        summary = run_variant(spec, variant, line=int(data.get("line", 0)))
     except Exception as exc:  # reported to the parent, which shows it once
         summary = {
             "variant": data["variant"],
