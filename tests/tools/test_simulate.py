@@ -330,7 +330,7 @@ def test_engine_variants_set_what_a_user_would() -> None:
     variants = engine_variants(
         ["upstream", "upstream-best", "single-pool", "pooled", "pooled-best"],
         retention_sweep=["0", "dense", "4x"],
-        block_sweep=["512", "1024"],
+        checkpoint_sweep=["0", "1024"],
         hybrid_kv={"retain_turn_ends": True},
     )
     assert [v.overlay for v in variants["upstream"]] == [False]
@@ -341,7 +341,10 @@ def test_engine_variants_set_what_a_user_would() -> None:
         "retain_turn_ends": True,
         "pooled": False,
     }
-    assert [v.cache["mamba_block_size"] for v in variants["pooled-best"]] == [512, 1024]
+    assert [
+        v.hybrid_kv["prefill_checkpoint_interval"] for v in variants["pooled-best"]
+    ] == [0, 1024]
+    assert all(v.hybrid_kv["retain_turn_ends"] for v in variants["pooled-best"])
     with pytest.raises(ValueError, match="unknown engine"):
         engine_variants(["fastest"])
 
@@ -401,6 +404,10 @@ def test_cli_refuses_bad_input_with_exit_2(capsys: pytest.CaptureFixture) -> Non
     code = main(["qwen3.6-35b-a3b-fp8", "--gpu-memory", "80", "--engines", "fast"])
     assert code == 2
     assert "unknown engine 'fast'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["qwen3.6-35b-a3b-fp8", "--checkpoint-sweep", "0,many"])
+    assert exc.value.code == 2
+    assert "many: not a whole number of tokens" in capsys.readouterr().err
 
 
 def test_package_data_ships_the_trace() -> None:

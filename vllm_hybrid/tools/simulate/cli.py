@@ -18,7 +18,7 @@ from vllm_hybrid.tools.plan.request import (
 )
 from vllm_hybrid.tools.simulate.clock import GPU_PROFILES
 from vllm_hybrid.tools.simulate.runner import (
-    DEFAULT_BLOCK_SWEEP,
+    DEFAULT_CHECKPOINT_SWEEP,
     DEFAULT_RETENTION_SWEEP,
     ENGINES,
     engine_variants,
@@ -47,6 +47,16 @@ class _Parser(argparse.ArgumentParser):
 
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _tokens(text: str) -> list[str]:
+    values = _names(text)
+    bad = [v for v in values if not v.isdigit()]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad)}: not a whole number of tokens (0 turns them off)"
+        )
+    return values
 
 
 def _window(text: str) -> tuple[float, float | None]:
@@ -125,12 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {','.join(DEFAULT_RETENTION_SWEEP)})",
     )
     engines.add_argument(
-        "--block-sweep",
-        type=_names,
-        default=list(DEFAULT_BLOCK_SWEEP),
+        "--checkpoint-sweep",
+        type=_tokens,
+        default=list(DEFAULT_CHECKPOINT_SWEEP),
         metavar="N,N,...",
-        help="pooled-best's --mamba-block-size values "
-        f"(default {','.join(DEFAULT_BLOCK_SWEEP)})",
+        help="pooled-best's hybrid_kv.prefill_checkpoint_interval values, tokens "
+        "(0: none) "
+        f"(default {','.join(DEFAULT_CHECKPOINT_SWEEP)})",
     )
     engines.add_argument(
         "--hybrid-kv",
@@ -215,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = spec_from_args(args)
         variants = engine_variants(
-            args.engines, args.retention_sweep, args.block_sweep, args.hybrid_kv
+            args.engines, args.retention_sweep, args.checkpoint_sweep, args.hybrid_kv
         )
     except (PlanError, ValueError) as exc:
         print(f"vllm-hybrid simulate: error: {exc}", file=sys.stderr)

@@ -44,9 +44,10 @@ ENGINES: tuple[str, ...] = (
 )
 #: ``--prefix-cache-retention-interval`` values upstream-best tries.
 DEFAULT_RETENTION_SWEEP: tuple[str, ...] = ("0", "dense", "4x")
-#: ``--mamba-block-size`` values pooled-best tries (multiples of the
-#: attention block on CUDA, 16 tokens).
-DEFAULT_BLOCK_SWEEP: tuple[str, ...] = ("256", "512", "1024", "2048")
+#: ``hybrid_kv.prefill_checkpoint_interval`` values pooled-best tries, in
+#: tokens (0: no prefill checkpoints); pooled mode's own default is the
+#: ``pooled`` engine. The trace's prompts share prefixes in 512-token blocks.
+DEFAULT_CHECKPOINT_SWEEP: tuple[str, ...] = ("0", "512", "2048", "8192")
 
 
 def _value(text: str) -> int | str | None:
@@ -58,7 +59,7 @@ def _value(text: str) -> int | str | None:
 def engine_variants(
     engines: Sequence[str],
     retention_sweep: Sequence[str] = DEFAULT_RETENTION_SWEEP,
-    block_sweep: Sequence[str] = DEFAULT_BLOCK_SWEEP,
+    checkpoint_sweep: Sequence[str] = DEFAULT_CHECKPOINT_SWEEP,
     hybrid_kv: Mapping[str, Any] | None = None,
 ) -> dict[str, list[Variant]]:
     """Engine name -> the variants run for it (one, or a sweep)."""
@@ -88,12 +89,11 @@ def engine_variants(
         elif engine == "pooled-best":
             out[engine] = [
                 Variant(
-                    f"pooled-best[mamba_block_size={b}]",
+                    f"pooled-best[prefill_checkpoint_interval={c}]",
                     True,
-                    cache={"mamba_block_size": _value(b)},
-                    hybrid_kv=overlay_kv,
+                    hybrid_kv={**overlay_kv, "prefill_checkpoint_interval": int(c)},
                 )
-                for b in block_sweep
+                for c in checkpoint_sweep
             ]
         else:
             raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
