@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
+# engine_core: re-exported for the engine tests
+from vllm_hybrid.tools.inproc import engine_core, top2_gaps
+
 T = TypeVar("T")
 
 #: Engine arguments every engine test uses unless it says otherwise.
@@ -63,13 +66,6 @@ def with_engine(
         cleanup_dist_env_and_memory()
         plugin.deactivate()
         plugin.register()
-
-
-def engine_core(llm: Any) -> Any:
-    """The in-process ``EngineCore`` (needs multiprocessing off):
-    ``LLMEngine.engine_core`` is an ``InprocClient``, whose ``engine_core``
-    is the core."""
-    return llm.llm_engine.engine_core.engine_core
 
 
 def scheduler(llm: Any) -> Any:
@@ -143,10 +139,9 @@ def generate_greedy(llm: Any, prompts: Sequence[Any], max_tokens: int) -> Greedy
     )
     outputs = llm.generate(list(prompts), params, use_tqdm=False)
     completions = [o.outputs[0] for o in outputs]
-    gaps_of = bench_pooled().top2_gaps_of
     return Greedy(
         [list(c.token_ids) for c in completions],
-        [gaps_of(c) for c in completions],
+        [top2_gaps(c) for c in completions],
         [o.num_cached_tokens or 0 for o in outputs],
     )
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hybrid.tools.inproc import engine_core, top2_gaps
+
 #: Top-2 log-probability gap below which two engines may pick different
 #: greedy tokens without either being wrong (bf16 rounding of a near-tie).
 NEAR_TIE = 2**-5
@@ -101,13 +103,8 @@ def _greedy(llm: Any) -> dict[str, list]:
     for out in outs:
         completion = out.outputs[0]
         tokens.append(list(completion.token_ids))
-        gaps.append([_top2_gap(step) for step in completion.logprobs or []])
+        gaps.append(top2_gaps(completion))
     return {"tokens": tokens, "gaps": gaps}
-
-
-def _top2_gap(step: dict) -> float | None:
-    values = sorted((lp.logprob for lp in step.values()), reverse=True)
-    return values[0] - values[1] if len(values) > 1 else None
 
 
 def _plan_facts(llm: Any) -> dict[str, Any]:
@@ -116,7 +113,7 @@ def _plan_facts(llm: Any) -> dict[str, Any]:
         PooledKVCacheConfig,
     )
 
-    core = llm.llm_engine.engine_core.engine_core
+    core = engine_core(llm)
     config = core.scheduler.kv_cache_config
     cache = llm.llm_engine.vllm_config.cache_config
     facts: dict[str, Any] = {
