@@ -14,8 +14,13 @@ docstring for the layers and ``benchmarks/README.md`` for the metrics.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from pooled.cli import main
+# Run as a script: the repository root takes this folder's place on sys.path,
+# so the benchmarks import as the package ``benchmarks``.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from benchmarks.pooled.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# bench_pooled's library (workloads, engine helpers); this folder is on
-# sys.path when the script runs.
-import pooled as bp
+# bench_pooled's library (workloads, engine helpers): the repository root
+# takes this folder's place on sys.path when the script runs.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import benchmarks.pooled as bp  # noqa: E402
+from vllm_hybrid.tools.workloads import random_tokens  # noqa: E402
 
 PRESETS = (
     "turboquant_k8v4",
@@ -65,7 +68,7 @@ def prompts_for(vocab: list[int], positions: int, length: int, seed: int):
     prompts, left = [], positions
     while left > 0:
         n = min(length, left + 1)
-        prompts.append(bp.random_tokens(rng, vocab, n))
+        prompts.append(random_tokens(rng, vocab, n))
         left -= n - 1
     return prompts
 

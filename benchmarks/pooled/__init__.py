@@ -4,13 +4,14 @@ The command line is ``benchmarks/bench_pooled.py``; this package is what it
 runs, in layers:
 
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
-* :mod:`.prompts`: seeded prompt generation, the same ids in both modes;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
-* :mod:`.checkpoints`: counters of align-mode state blocks, worker state
-  copies and prefix-cache checkpoints, wrapped around a running engine;
+* :mod:`.checkpoints`: counters of align-mode state blocks and prefix-cache
+  checkpoints, wrapped around a running engine;
 * :mod:`.engine`: engines and the step-by-step drive loop;
 * :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
-  (many_short, one_long, multi_turn, chat_server, two_turn, same_tokens);
+  (many_short, one_long, multi_turn, chat_server, two_turn, same_tokens),
+  with the prompts of :mod:`vllm_hybrid.tools.workloads` and the step counts
+  of :mod:`vllm_hybrid.tools.simulate.steps`;
 * :mod:`.worker`: one model in one mode, in its own process;
 * :mod:`.driver`: the worker subprocesses (``--jobs``, core pinning);
 * :mod:`.report`: the table of overlay/upstream ratios;
@@ -28,13 +29,7 @@ Other benchmarks and the tests reuse the names below.
 """
 
 from .config import MIB, BenchConfig
-from .engine import EngineSpec, llm_vocab, open_engine, top2_gaps_of
-from .prompts import (
-    many_short_prompts,
-    multi_turn_system,
-    multi_turn_user,
-    random_tokens,
-)
+from .engine import EngineSpec, open_engine
 from .same_tokens import first_difference
 from .worker import WorkerReport, one_long_part
 
@@ -44,12 +39,6 @@ __all__ = [
     "EngineSpec",
     "WorkerReport",
     "first_difference",
-    "llm_vocab",
-    "many_short_prompts",
-    "multi_turn_system",
-    "multi_turn_user",
     "one_long_part",
     "open_engine",
-    "random_tokens",
-    "top2_gaps_of",
 ]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-MIB = 2**20
+from benchmarks.harness import MIB, MODELS, REPO_ROOT
+from benchmarks.harness import MODES as SWITCH
+
 RESULT_PREFIX = "BENCH_RESULT "
 #: Modes a run compares when ``--modes`` is not given.
 MODES: tuple[str, ...] = ("upstream", "overlay")
@@ -15,10 +16,10 @@ MODES: tuple[str, ...] = ("upstream", "overlay")
 ALL_MODES: tuple[str, ...] = ("upstream", "upstream_best", "single", "overlay")
 #: Value of ``VLLM_HYBRID_KV`` that selects each mode.
 MODE_SWITCH: dict[str, str] = {
-    "upstream": "0",
-    "upstream_best": "0",
-    "single": "1",
-    "overlay": "1",
+    "upstream": SWITCH["upstream"],
+    "upstream_best": SWITCH["upstream"],
+    "single": SWITCH["pooled"],
+    "overlay": SWITCH["pooled"],
 }
 #: Workloads a run does when ``--workloads`` is not given (the acceptance run).
 DEFAULT_WORKLOADS: tuple[str, ...] = (
@@ -30,10 +31,9 @@ DEFAULT_WORKLOADS: tuple[str, ...] = (
 #: Every workload ``--workloads`` accepts: the default ones, the interleaved
 #: chat server and the two-turn checkpoint trace.
 WORKLOADS: tuple[str, ...] = (*DEFAULT_WORKLOADS, "chat_server", "two_turn")
-DEFAULT_MODELS: tuple[str, ...] = ("qwen3_5", "qwen3_next")
+DEFAULT_MODELS: tuple[str, ...] = MODELS
 #: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
 NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
-REPO_ROOT = Path(__file__).resolve().parents[2]
 #: The command line entry; workers are this script started with ``--worker``.
 BENCH_SCRIPT = REPO_ROOT / "benchmarks" / "bench_pooled.py"
 

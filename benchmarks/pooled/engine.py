@@ -10,6 +10,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gaps
+from vllm_hybrid.tools.simulate.steps import StepObserver, state_geometry
+
 from .config import BenchConfig
 from .pools import (
     KVGeometry,
@@ -19,7 +22,6 @@ from .pools import (
     pool_record,
     sample_kv,
 )
-from .prompts import allowed_token_ids
 
 
 @dataclass(frozen=True)
@@ -79,13 +81,6 @@ class EngineSpec:
         }
 
 
-def llm_vocab(llm: Any) -> list[int]:
-    """Token ids random prompts may use (tokenizer and model agree on)."""
-    tokenizer = llm.get_tokenizer()
-    model_size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
-    return allowed_token_ids(min(len(tokenizer), model_size), tokenizer.all_special_ids)
-
-
 @dataclass
 class Engine:
     """An open ``vllm.LLM`` with the handles the workloads read."""
@@ -97,13 +92,8 @@ class Engine:
     probes: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def core(self) -> Any:
-        """The in-process ``EngineCore`` (needs multiprocessing off)."""
-        return self.llm.llm_engine.engine_core.engine_core
-
-    @property
     def scheduler(self) -> Any:
-        return self.core.scheduler
+        return engine_core(self.llm).scheduler
 
     @property
     def vllm_config(self) -> Any:
@@ -135,6 +125,26 @@ class Engine:
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
+
+    def steps(self) -> StepObserver:
+        """The simulator's step observer on this engine's scheduler outputs
+        (prefill and decode tokens, preemptions, align-mode state copies),
+        attached on first use; ``total`` sums every step since."""
+        observer = self.probes.get("steps")
+        if observer is None:
+            scheduler = self.scheduler
+            mode = self.vllm_config.cache_config.mamba_cache_mode
+            observer = StepObserver(*state_geometry(scheduler.kv_cache_config, mode))
+            schedule = scheduler.schedule
+
+            def observed(*args: Any, **kwargs: Any) -> Any:
+                output = schedule(*args, **kwargs)
+                observer.observe(output)
+                return output
+
+            self.probes["steps"] = observer
+            scheduler.schedule = observed
+        return observer
 
 
 @contextlib.contextmanager
@@ -202,41 +212,7 @@ class DriveResult:
         return [int(t) for t in self.outputs[key].outputs[0].token_ids]
 
     def top2_gaps(self, key: str) -> list[float | None]:
-        """:func:`top2_gaps_of` the request's completion."""
-        return top2_gaps_of(self.outputs[key].outputs[0])
-
-
-def top2_gaps_of(completion: Any) -> list[float | None]:
-    """Per output token of a vLLM ``CompletionOutput``: log-probability of
-    the best token minus the second best (needs ``logprobs >= 2``); how
-    close greedy decoding was to a tie there."""
-    gaps: list[float | None] = []
-    for position in completion.logprobs or []:
-        best = sorted((lp.logprob for lp in position.values()), reverse=True)
-        gaps.append(best[0] - best[1] if len(best) > 1 else None)
-    return gaps
-
-
-@dataclass
-class _PreemptionCounter:
-    """Counts preemptions from ``Request.num_preemptions``.
-
-    The scheduler increments ``num_preemptions`` on the request each time it
-    preempts it; a preempted request stays in ``scheduler.requests`` (waiting)
-    for at least one more step, so sampling after every step sees every count.
-    """
-
-    seen: dict[str, int] = field(default_factory=dict)
-
-    def update(self, scheduler: Any) -> None:
-        for req_id, request in scheduler.requests.items():
-            count = int(getattr(request, "num_preemptions", 0) or 0)
-            if count > self.seen.get(req_id, 0):
-                self.seen[req_id] = count
-
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
+        return top2_gaps(self.outputs[key].outputs[0])
 
 
 #: Called after every step with the requests that finished in it (our key ->
@@ -301,7 +277,8 @@ def drive(
         return DriveResult({}, 0, 0.0, [], 0, "rejected", error)
     outputs: dict[str, Any] = {}
     samples: list[KVSample] = []
-    counter = _PreemptionCounter()
+    observed = engine.steps().total
+    preempted_before = observed.preemptions
     start = time.perf_counter()
     cpu_start = time.process_time()
     steps = idle = 0
@@ -318,13 +295,13 @@ def drive(
             if error is not None:
                 outcome, detail = "rejected", error
                 break
-        counter.update(scheduler)
+        preemptions = observed.preemptions - preempted_before
         if geometry is not None:
             samples.append(sample_kv(scheduler, geometry, steps))
         progress = _progress(scheduler) + len(outputs)
         idle = idle + 1 if progress == last_progress else 0
         last_progress = progress
-        if stop_on_preemption and counter.total:
+        if stop_on_preemption and preemptions:
             outcome = "preempted"
         elif idle >= cfg.stall_steps:
             outcome = "stalled"
@@ -335,8 +312,9 @@ def drive(
             break
     wall = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
+    preemptions = observed.preemptions - preempted_before
     return DriveResult(
-        outputs, steps, wall, samples, counter.total, outcome, detail, cpu_s=cpu
+        outputs, steps, wall, samples, preemptions, outcome, detail, cpu_s=cpu
     )
 
 

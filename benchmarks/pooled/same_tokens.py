@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_hybrid.tools.workloads import same_tokens_prompts
+
 from .config import MIB, BenchConfig
 from .engine import Engine, Submission, drive
-from .prompts import same_tokens_prompts
 from .workloads import check_finished
 
 #: KV budget of the forced-preemption run per model kind: room for about

@@ -8,20 +8,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .checkpoints import counters_of, per_unit, state_block_size
+from vllm_hybrid.tools import workloads as wl
+
+from .checkpoints import counters_of, per_unit
 from .config import BenchConfig
 from .engine import DriveResult, Engine, Submission, drive
 from .pools import KVGeometry, KVSample, coupled_evictions, kv_geometry
-from .prompts import (
-    chat_server_order,
-    chat_server_system,
-    chat_server_user,
-    many_short_prompts,
-    multi_turn_system,
-    multi_turn_user,
-    one_long_prompt,
-    two_turn_prompts,
-)
 
 
 def _peak_samples(samples: Sequence[KVSample]) -> dict[str, Any]:
@@ -64,7 +56,13 @@ def check_finished(result: DriveResult, workload: str) -> None:
 def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     """64 random prompts at once under the 48 MiB budget."""
     geometry = kv_geometry(engine.scheduler.kv_cache_config)
-    prompts = many_short_prompts(cfg, engine.vocab())
+    prompts = wl.many_short_prompts(
+        cfg.seed,
+        engine.vocab(),
+        cfg.many_short_requests,
+        cfg.many_short_min_len,
+        cfg.many_short_max_len,
+    )
     subs = [
         Submission(f"short-{i}", p, cfg.many_short_output)
         for i, p in enumerate(prompts)
@@ -99,7 +97,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     evicted_before = coupled_evictions(engine.scheduler)
     counters = _reset_counters(engine)
     vocab = engine.vocab()
-    system = multi_turn_system(cfg, vocab)
+    system = wl.multi_turn_system(cfg.seed, vocab, cfg.multi_turn_system_len)
     histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
     per_turn: list[dict[str, Any]] = []
     cached = prompt_tokens = out_tokens = preemptions = steps = 0
@@ -108,7 +106,10 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         subs = [
             Submission(
                 f"conv{conv}-turn{turn}",
-                history + multi_turn_user(cfg, vocab, conv, turn),
+                history
+                + wl.multi_turn_user(
+                    cfg.seed, vocab, conv, turn, cfg.multi_turn_user_len
+                ),
                 cfg.multi_turn_output,
             )
             for conv, history in enumerate(histories)
@@ -176,7 +177,7 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     """Many conversations interleaved, as a chat server sees them.
 
     Turns arrive in a seeded random order over all conversations
-    (:func:`.prompts.chat_server_order`); up to ``chat_server_concurrency``
+    (:func:`.wl.chat_server_order`); up to ``chat_server_concurrency``
     run at once. The next turn in the order is added as soon as a slot is
     free and its conversation's previous turn has finished (until then it
     blocks the queue), so between two turns of a conversation the other
@@ -187,8 +188,10 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     engine.reset_prefix_cache()
     counters = _reset_counters(engine)
     vocab = engine.vocab()
-    system = chat_server_system(cfg, vocab)
-    order = chat_server_order(cfg)
+    system = wl.chat_server_system(cfg.seed, vocab, cfg.chat_server_system_len)
+    order = wl.chat_server_order(
+        cfg.seed, cfg.chat_server_conversations, cfg.chat_server_turns
+    )
     histories = [list(system) for _ in range(cfg.chat_server_conversations)]
     sent: dict[str, tuple[int, int, list[int]]] = {}
     busy: set[int] = set()
@@ -205,7 +208,15 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
             conv, turn = order[position]
             if conv in busy:
                 break
-            prompt = histories[conv] + chat_server_user(cfg, vocab, conv, turn)
+            user = wl.chat_server_user(
+                cfg.seed,
+                vocab,
+                conv,
+                turn,
+                cfg.chat_server_user_min,
+                cfg.chat_server_user_max,
+            )
+            prompt = histories[conv] + user
             key = f"chat{conv}-turn{turn}"
             sent[key] = (conv, turn, prompt)
             new.append(Submission(key, prompt, cfg.chat_server_output))
@@ -239,11 +250,6 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         "cpu_s": result.cpu_s,
     }
     metrics |= _checkpoint_metrics(counters, requests, out_tokens)
-    if metrics.get("tokens_scheduled") is not None:
-        # every scheduled token not decoding a reply is a prefill token (the
-        # first reply token comes from the prompt's last prefill step)
-        decode = out_tokens - requests
-        metrics["prefill_tokens_computed"] = metrics["tokens_scheduled"] - decode
     details = {"order": order, "cached_tokens": cached, "prompt_len": prompt_len}
     return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
 
@@ -260,7 +266,9 @@ def run_two_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     counters = _reset_counters(engine)
     if counters is None:
         raise RuntimeError("two_turn needs prefix caching")
-    first, user = two_turn_prompts(cfg, engine.vocab())
+    first, user = wl.two_turn_prompts(
+        cfg.seed, engine.vocab(), cfg.two_turn_prompt_len, cfg.two_turn_user_len
+    )
     turns: list[dict[str, Any]] = []
     prompt = first
     for turn in (1, 2):
@@ -278,7 +286,7 @@ def run_two_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
             }
         )
         prompt = prompt + result.token_ids(key) + user
-    block = state_block_size(engine.scheduler.kv_cache_config)
+    block = engine.steps().state_block
     shared = cfg.two_turn_prompt_len + cfg.two_turn_output
     metrics = {
         "state_block": block,
@@ -310,7 +318,7 @@ class Try:
 
 def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
     """Can a ``length``-token prompt finish alone, without preemption?"""
-    prompt = one_long_prompt(cfg.seed, engine.vocab(), length)
+    prompt = wl.one_long_prompt(cfg.seed, engine.vocab(), length)
     sub = Submission(f"long-{length}", prompt, cfg.one_long_output)
     try:
         result = drive(engine, [sub], cfg, stop_on_preemption=True)

@@ -11,13 +11,12 @@ pooled mode, at 32-token blocks and checks the counts a trace predicts.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.pooled import checkpoints, cli, config, prompts
+from benchmarks.pooled import checkpoints, cli, config
 
 
 def _align_manager():
@@ -38,19 +37,31 @@ def _align_manager():
     )
 
 
-def _output(total: int, new=(), cached=(), scheduled=None):
-    """A ``SchedulerOutput`` with what the counters read."""
+def _output(new=(), cached=(), scheduled=None):
+    """A ``SchedulerOutput`` with what the step observer reads: ``new`` and
+    ``cached`` are (request id, computed tokens); a new request's prompt
+    ends with its chunk, and it holds one block per group."""
+    scheduled = scheduled or {}
     return SimpleNamespace(
-        total_num_scheduled_tokens=total,
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        kv_cache_block_copies=None,
         scheduled_new_reqs=[
-            SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new
+            SimpleNamespace(
+                req_id=r,
+                num_computed_tokens=c,
+                prompt_token_ids=[0] * (c + scheduled[r]),
+                block_ids=([7], [8], [9], [10]),
+            )
+            for r, c in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, _ in cached],
             num_computed_tokens=[c for _, c in cached],
+            new_block_ids=[None for _ in cached],
             resumed_req_ids=set(),
         ),
-        num_scheduled_tokens=scheduled or {},
+        num_scheduled_tokens=scheduled,
     )
 
 
@@ -58,12 +69,9 @@ def test_counters_count_state_groups_only_in_whole_request_states():
     from vllm.v1.core.kv_cache_utils import BlockHash
 
     manager = _align_manager()
-    output = _output(300)
-    scheduler = SimpleNamespace(kv_cache_manager=manager, schedule=lambda: output)
+    scheduler = SimpleNamespace(kv_cache_manager=manager)
     counters = checkpoints.attach(scheduler)
     assert counters.state_groups == 3
-    # wrappers are installed once: a second attach returns the same counters
-    assert checkpoints.attach(scheduler) is counters
     managers = manager.coordinator.single_type_managers
     assert getattr(managers[0].allocate_new_blocks, checkpoints._WRAPPED)
     for state in managers[:3]:
@@ -77,24 +85,23 @@ def test_counters_count_state_groups_only_in_whole_request_states():
         blocks = managers[gid].req_to_blocks["r"]
         pool.cache_full_blocks(request, blocks, 0, 1, 256, gid)
         pool.cache_full_blocks(request, blocks, 1, 1, 256, gid)  # nothing new
-    scheduler.schedule()
+    # wrappers are installed once: a second attach counts nothing twice
+    checkpoints.attach(scheduler)
+    managers[0].allocate_new_blocks("r", 512, 512)
     snap = counters.snapshot()
-    assert snap["state_blocks_allocated"] == 1.0
+    assert snap["state_blocks_allocated"] == 4 / 3
     assert snap["checkpoints_cached"] == 1.0
     assert snap["checkpoints_hit"] == 0.0
-    assert snap["tokens_scheduled"] == 300
     assert counters.cached_positions == [("r", 256)]
     assert first.block_hash is not None
     counters.reset()
     assert counters.snapshot()["state_blocks_allocated"] == 0.0
+    assert counters.snapshot()["state_copies"] == 0
 
 
 def test_counters_record_state_hits_by_distinct_checkpoint():
     manager = _align_manager()
-    scheduler = SimpleNamespace(
-        kv_cache_manager=manager,
-        schedule=lambda: _output(0),
-    )
+    scheduler = SimpleNamespace(kv_cache_manager=manager)
     counters = checkpoints.attach(scheduler)
     managers = manager.coordinator.single_type_managers
     from vllm.v1.core.kv_cache_utils import BlockHash
@@ -125,38 +132,29 @@ def test_counters_record_state_hits_by_distinct_checkpoint():
 
 def test_state_copies_are_read_from_scheduler_outputs():
     """Block 256: a new request copies its hit's checkpoint; a running one
-    copies its state when its chunk ends in another block column."""
-    counters = checkpoints.CheckpointCounters(state_groups=3, state_block=256)
+    copies its state when its chunk ends in another block column. The
+    counters read the copies and tokens of the simulator's step observer
+    since their last reset."""
+    from vllm_hybrid.tools.simulate.steps import StepObserver
 
+    steps = StepObserver(256, 0)
+    counters = checkpoints.CheckpointCounters(state_groups=3, steps=steps)
+    steps.observe(_output([("c", 0), ("d", 0)], (), {"c": 300, "d": 512}))
+    counters.reset()
     # a: fresh prefill (no state yet); b: a prefix hit at 256 taken over;
     # c: a decode step inside its block; d: a decode step crossing the edge at
     # 512
-    counters.count_copies(
+    steps.observe(
         _output(
-            302,
             [("a", 0), ("b", 256)],
             [("c", 300), ("d", 512)],
             {"a": 256, "b": 44, "c": 1, "d": 1},
         )
     )
-    assert counters.copies == 2
-    assert counters.snapshot()["state_copies"] == 2
-
-
-def test_chat_server_order_interleaves_every_turn_once_in_order():
-    cfg = config.BenchConfig()
-    order = prompts.chat_server_order(cfg)
-    assert order == prompts.chat_server_order(cfg)
-    assert len(order) == 32 * 6
-    assert Counter(conv for conv, _ in order) == {c: 6 for c in range(32)}
-    for conv in range(32):
-        assert [t for c, t in order if c == conv] == list(range(6))
-    # interleaved: a conversation's turns are not back to back
-    assert sum(a[0] == b[0] for a, b in zip(order[:-1], order[1:], strict=True)) < 16
-    assert prompts.chat_server_order(replace(cfg, seed=1)) != order
-    vocab = prompts.allowed_token_ids(951, [0, 1, 2])
-    lengths = {len(prompts.chat_server_user(cfg, vocab, c, t)) for c, t in order}
-    assert min(lengths) >= 40 and max(lengths) <= 160 and len(lengths) > 20
+    snap = counters.snapshot()
+    assert snap["state_copies"] == 2
+    assert snap["tokens_scheduled"] == 302
+    assert snap["prefill_tokens_computed"] == 300
 
 
 def test_new_workloads_are_opt_in():

@@ -2,7 +2,7 @@
 
 The benchmark itself (``benchmarks/bench_pooled.py``, code in
 ``benchmarks/pooled``) takes many minutes; these tests pin down the parts whose
-mistakes would silently skew its numbers: prompt determinism, the bytes
+mistakes would silently skew its numbers: the bytes
 arithmetic on real upstream spec classes, pool reading on real block pools and
 arenas, and formatting.
 """
@@ -10,7 +10,6 @@ arenas, and formatting.
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -21,7 +20,6 @@ from benchmarks.pooled import (
     config,
     driver,
     pools,
-    prompts,
     report,
     same_tokens,
     worker,
@@ -31,67 +29,9 @@ from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
 from vllm_hybrid.v1.core.pooled.usage import PoolUsage
 
-VOCAB = prompts.allowed_token_ids(951, [0, 1, 2])
-
-
 # ---------------------------------------------------------------------------
-# prompts
+# settings (the prompts are tests/tools/test_workloads.py's)
 # ---------------------------------------------------------------------------
-
-
-def test_allowed_token_ids_skip_special_tokens():
-    assert VOCAB[0] == 3 and VOCAB[-1] == 950 and len(VOCAB) == 948
-    with pytest.raises(ValueError):
-        prompts.allowed_token_ids(2, [0, 1])
-
-
-def test_many_short_prompts_are_deterministic_and_in_range():
-    cfg = config.BenchConfig()
-    first = prompts.many_short_prompts(cfg, VOCAB)
-    assert first == prompts.many_short_prompts(cfg, VOCAB)
-    assert len(first) == 64
-    assert all(64 <= len(p) <= 512 for p in first)
-    assert all(t in set(VOCAB) for p in first for t in p)
-    other = prompts.many_short_prompts(config.BenchConfig(seed=1), VOCAB)
-    assert other != first
-
-
-def test_prompts_do_not_depend_on_global_random_state():
-    cfg = config.BenchConfig()
-    random.seed(123)
-    a = prompts.many_short_prompts(cfg, VOCAB)
-    random.seed(456)
-    assert prompts.many_short_prompts(cfg, VOCAB) == a
-
-
-def test_one_long_prompt_has_exact_length_and_is_stable():
-    for n in (1, 249, 2044):
-        prompt = prompts.one_long_prompt(0, VOCAB, n)
-        assert len(prompt) == n
-        assert prompt == prompts.one_long_prompt(0, VOCAB, n)
-
-
-def test_multi_turn_pieces():
-    cfg = config.BenchConfig()
-    system = prompts.multi_turn_system(cfg, VOCAB)
-    assert len(system) == 1200
-    assert system == prompts.multi_turn_system(cfg, VOCAB)
-    a = prompts.multi_turn_user(cfg, VOCAB, 0, 0)
-    assert len(a) == 100
-    assert a == prompts.multi_turn_user(cfg, VOCAB, 0, 0)
-    assert a != prompts.multi_turn_user(cfg, VOCAB, 1, 0)
-    assert a != prompts.multi_turn_user(cfg, VOCAB, 0, 1)
-
-
-def test_same_tokens_prompts_share_a_prefix_and_include_long_ones():
-    fixed = prompts.same_tokens_prompts(0, VOCAB)
-    assert fixed == prompts.same_tokens_prompts(0, VOCAB)
-    assert len(fixed) == 8
-    assert sum(len(p) > 600 for p in fixed) >= 3
-    prefix = fixed[0][: prompts.SAME_TOKENS_PREFIX]
-    assert sum(p[: prompts.SAME_TOKENS_PREFIX] == prefix for p in fixed) == 3
-    # the first three are long and end just before a multiple of 768
-    assert all(len(p) % 768 == 760 for p in fixed[:3])
 
 
 def test_preempt_budget_defaults_per_model_and_override():

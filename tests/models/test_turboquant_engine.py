@@ -41,6 +41,9 @@ from engine_utils import (
     with_engine,
 )
 
+from vllm_hybrid.tools import workloads
+from vllm_hybrid.tools.inproc import llm_vocab
+
 pytestmark = pytest.mark.slow
 
 MiB = 2**20
@@ -68,6 +71,16 @@ def _config():
 NO_PC_BUDGET = 24 * MiB
 
 
+def _many_short(cfg, vocab):
+    return workloads.many_short_prompts(
+        cfg.seed,
+        vocab,
+        cfg.many_short_requests,
+        cfg.many_short_min_len,
+        cfg.many_short_max_len,
+    )
+
+
 def _generate(llm, prompts, max_tokens) -> Greedy:
     return generate_greedy(llm, [{"prompt_token_ids": p} for p in prompts], max_tokens)
 
@@ -84,13 +97,15 @@ def _saturation(llm, cfg, prompts):
 
 
 def _multi_turn(llm, cfg, vocab):
-    bp = bench_pooled()
-    system = bp.multi_turn_system(cfg, vocab)
+    system = workloads.multi_turn_system(cfg.seed, vocab, cfg.multi_turn_system_len)
     histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
     turns, cached, prompt_tokens = [], 0, 0
     for turn in range(cfg.multi_turn_turns):
         prompts = [
-            h + bp.multi_turn_user(cfg, vocab, conv, turn)
+            h
+            + workloads.multi_turn_user(
+                cfg.seed, vocab, conv, turn, cfg.multi_turn_user_len
+            )
             for conv, h in enumerate(histories)
         ]
         outs = _generate(llm, prompts, cfg.multi_turn_output)
@@ -118,7 +133,7 @@ def _kwargs(mode: str, prefix_caching: bool) -> dict:
 def _run_no_prefix_caching(model: str, mode: str) -> dict:
     def work(llm) -> dict:
         cfg = _config()
-        prompts = bench_pooled().many_short_prompts(cfg, bench_pooled().llm_vocab(llm))
+        prompts = _many_short(cfg, llm_vocab(llm))
         outs, preemptions, mid_decode = _saturation(llm, cfg, prompts)
         return {
             "saturation": outs,
@@ -135,8 +150,8 @@ def _run(model: str, mode: str) -> dict:
 
     def work(llm) -> dict:
         core = engine_core(llm)
-        vocab = bench_pooled().llm_vocab(llm)
-        prompts = bench_pooled().many_short_prompts(cfg, vocab)
+        vocab = llm_vocab(llm)
+        prompts = _many_short(cfg, vocab)
         first, preemptions, mid_decode = _saturation(llm, cfg, prompts)
         llm.reset_prefix_cache()
         second = _generate(llm, prompts, cfg.many_short_output)
