@@ -17,7 +17,6 @@ recurrent state of the request (same in both) takes the rest of the budget.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -25,25 +24,16 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+# bench_pooled's library: the repository root takes this folder's place on
+# sys.path when the script runs.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-
-def _load(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-quality = _load("bench_tq_quality")
-bp = quality.bp
+import benchmarks.pooled as bp  # noqa: E402
 
 
 def longest_prompt(kind: str, path: str, dtype: str, prefix: bool, cfg) -> dict:
     """bench_pooled's one_long result for one cache dtype."""
-    spec = quality.DtypeEngineSpec(
+    spec = bp.EngineSpec(
         model_path=path,
         budget_bytes=cfg.one_long_budget_bytes,
         prefix_caching=prefix,

@@ -47,16 +47,12 @@ PRESETS = (
 
 @dataclass(frozen=True)
 class DtypeEngineSpec(bp.EngineSpec):
-    """bench_pooled's engine, with a cache dtype and full-vocab logprobs."""
+    """bench_pooled's engine, with full-vocab logprobs."""
 
-    kv_cache_dtype: str = "auto"
     max_logprobs: int = 20
 
     def llm_kwargs(self) -> dict[str, Any]:
-        return super().llm_kwargs() | {
-            "kv_cache_dtype": self.kv_cache_dtype,
-            "max_logprobs": self.max_logprobs,
-        }
+        return super().llm_kwargs() | {"max_logprobs": self.max_logprobs}
 
 
 def prompts_for(vocab: list[int], positions: int, length: int, seed: int):
