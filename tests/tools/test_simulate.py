@@ -23,7 +23,12 @@ from vllm_hybrid.tools.simulate.clock import (
     ModelCosts,
     profile_for_memory,
 )
-from vllm_hybrid.tools.simulate.report import render_sweeps, render_table
+from vllm_hybrid.tools.simulate.report import (
+    SUMMARY_HEADER,
+    render_summary,
+    render_sweeps,
+    render_table,
+)
 from vllm_hybrid.tools.simulate.runner import best_key, engine_variants
 from vllm_hybrid.tools.simulate.session import percentiles
 from vllm_hybrid.tools.simulate.sources import (
@@ -386,6 +391,21 @@ def test_table_gives_ratios_to_upstream_best() -> None:
     assert table.endswith("Ratios to upstream-best.")
     engines["upstream-best"]["runs"]["ub2"] = _summary(120, 80)
     assert "ub (best): prefill tokens 100" in render_sweeps(engines)
+
+
+def test_summary_rows_give_prefill_ratio_to_upstream_best() -> None:
+    engines = {
+        "upstream-best": {"best": "ub", "runs": {"ub": _summary(100, 100)}},
+        "pooled": {"best": "pooled", "runs": {"pooled": _summary(80, 120)}},
+        "single-pool": {"best": "single-pool", "runs": {"single-pool": {"error": "x"}}},
+    }
+    rows = render_summary(engines, "80 GB tq").splitlines()
+    assert rows == [
+        "| 80 GB tq | upstream-best (ub) | 0.500 | 100 | 10 | 0 | 2 | 0.50 / 2.00 |",
+        "| 80 GB tq | pooled | 0.600 | 80 (0.800x) | 10 | 0 | 2 | 0.50 / 2.00 |",
+        "| 80 GB tq | single-pool | failed | | | | | |",
+    ]
+    assert SUMMARY_HEADER.count("|") == 2 * (rows[0].count("|"))
 
 
 def test_percentiles_are_nearest_rank() -> None:

@@ -91,6 +91,43 @@ def render_table(engines: Mapping[str, Any]) -> str:
     return "\n".join(lines + [f"error: {e}" for e in errors])
 
 
+#: Columns of :func:`render_summary` (one row per engine).
+SUMMARY_HEADER = (
+    "| case | engine | hit rate | prefill tokens | peak running | preemptions "
+    "| state copies, GB | TTFT p50 / p99, s (modeled) |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+
+def render_summary(engines: Mapping[str, Any], case: str) -> str:
+    """Rows of a compact table, one per engine (its best run), that several
+    comparisons share (:data:`SUMMARY_HEADER`): counted figures with the
+    prefill tokens' ratio to the reference engine, and modeled TTFT."""
+    runs = best_runs(engines)
+    reference = next((r for r in REFERENCE if r in runs), None)
+    ref = (runs[reference].get("counted") or {}) if reference else {}
+    lines = []
+    for name, summary in runs.items():
+        label = f"{name} ({engines[name]['best']})" if name.endswith("best") else name
+        if "error" in summary:
+            lines.append(f"| {case} | {label} | failed | | | | | |")
+            continue
+        figures = flat_figures(summary)
+        c, m = figures["counted"], figures["modeled"]
+        prefill = f"{c['prefill_tokens']:,}"
+        if name != reference and engine_ratio_defined(ref.get("prefill_tokens")):
+            prefill += f" ({c['prefill_tokens'] / ref['prefill_tokens']:.3f}x)"
+        ttft = "-"
+        if m.get("ttft_p50") is not None:
+            ttft = f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f}"
+        lines.append(
+            f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {prefill} "
+            f"| {c['peak_running']:,} | {c['preemptions']:,} "
+            f"| {c['copy_gb']:,.0f} | {ttft} |"
+        )
+    return "\n".join(lines)
+
+
 def render_sweeps(engines: Mapping[str, Any]) -> str:
     """One line per run of every swept engine: prefill tokens, hit rate."""
     lines = []
