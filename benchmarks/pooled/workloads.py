@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
+from vllm_hybrid.tools.simulate.sources import ChatServerShape, ChatServerWorkload
 
 from .checkpoints import counters_of, per_unit
 from .config import BenchConfig
@@ -174,63 +175,41 @@ def _checkpoint_metrics(counters: Any, requests: int, out_tokens: int) -> dict:
 
 
 def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Many conversations interleaved, as a chat server sees them.
-
-    Turns arrive in a seeded random order over all conversations
-    (:func:`.wl.chat_server_order`); up to ``chat_server_concurrency``
-    run at once. The next turn in the order is added as soon as a slot is
-    free and its conversation's previous turn has finished (until then it
-    blocks the queue), so between two turns of a conversation the other
-    conversations' turns run: that is its think time. Each turn's prompt is
-    the conversation's history (system prompt, earlier user turns and
-    replies) plus new user tokens.
+    """Many conversations interleaved, as a chat server sees them: the
+    simulator's :class:`~vllm_hybrid.tools.simulate.sources.ChatServerWorkload`
+    (turns in a seeded order, at most ``chat_server_concurrency`` in flight,
+    each prompt the conversation so far plus new user tokens) on this engine.
     """
     engine.reset_prefix_cache()
     counters = _reset_counters(engine)
-    vocab = engine.vocab()
-    system = wl.chat_server_system(cfg.seed, vocab, cfg.chat_server_system_len)
-    order = wl.chat_server_order(
-        cfg.seed, cfg.chat_server_conversations, cfg.chat_server_turns
+    shape = ChatServerShape(
+        cfg.chat_server_conversations,
+        cfg.chat_server_turns,
+        cfg.chat_server_system_len,
+        cfg.chat_server_user_min,
+        cfg.chat_server_user_max,
+        cfg.chat_server_output,
+        cfg.chat_server_concurrency,
+        cfg.seed,
     )
-    histories = [list(system) for _ in range(cfg.chat_server_conversations)]
-    sent: dict[str, tuple[int, int, list[int]]] = {}
-    busy: set[int] = set()
-    position = 0
+    workload = ChatServerWorkload(shape, engine.vocab())
+    order = workload.order
+    sent: dict[str, list[int]] = {}
 
     def feed(finished: dict[str, Any]) -> list[Submission]:
-        nonlocal position
         for key, out in finished.items():
-            conv, _, prompt = sent[key]
-            histories[conv] = prompt + [int(t) for t in out.outputs[0].token_ids]
-            busy.discard(conv)
-        new = []
-        while position < len(order) and len(busy) < cfg.chat_server_concurrency:
-            conv, turn = order[position]
-            if conv in busy:
-                break
-            user = wl.chat_server_user(
-                cfg.seed,
-                vocab,
-                conv,
-                turn,
-                cfg.chat_server_user_min,
-                cfg.chat_server_user_max,
-            )
-            prompt = histories[conv] + user
-            key = f"chat{conv}-turn{turn}"
-            sent[key] = (conv, turn, prompt)
-            new.append(Submission(key, prompt, cfg.chat_server_output))
-            busy.add(conv)
-            position += 1
-        return new
+            workload.finished(key, [int(t) for t in out.outputs[0].token_ids], 0.0)
+        new = workload.due(0.0)
+        sent.update((r.request_id, r.prompt) for r in new)
+        return [Submission(r.request_id, r.prompt, r.max_tokens) for r in new]
 
     result = drive(engine, [], cfg, feed=feed)
     check_finished(result, "chat_server")
-    if position != len(order):
-        raise RuntimeError(f"chat_server: {len(order) - position} turns never sent")
+    if len(sent) != len(order):
+        raise RuntimeError(f"chat_server: {len(order) - len(sent)} turns never sent")
     cached = {k: o.num_cached_tokens or 0 for k, o in result.outputs.items()}
-    prompt_len = {k: len(p) for k, (_, _, p) in sent.items()}
-    later = [k for k, (_, turn, _) in sent.items() if turn > 0]
+    prompt_len = {k: len(p) for k, p in sent.items()}
+    later = [k for k in sent if not k.endswith("-turn0")]
     out_tokens = result.output_tokens()
     requests = len(sent)
     metrics = {
