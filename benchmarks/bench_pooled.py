@@ -1,14 +1,7 @@
 """A/B benchmark of the hybrid KV cache: upstream vLLM against the overlay.
 
-One command runs the same workloads twice per model, once with the overlay
-switched off (``VLLM_HYBRID_KV=0``, pure upstream vLLM) and once with it on,
-under the same KV cache byte budget, then prints overlay/upstream ratios::
-
-    python benchmarks/bench_pooled.py --models qwen3_5,qwen3_next
-
-Each mode runs in its own worker subprocess (this same file started with
-``--worker``). The code is the ``pooled`` package next to this file; see its
-docstring for the layers and ``benchmarks/README.md`` for the metrics.
+Workers are this file started with ``--worker``; the code is the ``pooled``
+package next to it, the metrics are described in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -17,13 +17,9 @@ runs, in layers:
 * :mod:`.report`: the table of overlay/upstream ratios;
 * :mod:`.cli`: the options.
 
-The overlay reads its switch (``VLLM_HYBRID_KV``) when vLLM loads plugins,
-i.e. once per process, so each mode runs in its own worker subprocess. A
-worker drives in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) step
-by step so it can read the scheduler's block pools between steps, and prints
-one ``BENCH_RESULT {json}`` line that the driver parses. Everything runs on
-CPU with the tiny random weight models of :mod:`vllm_hybrid.tools.tiny_models`;
-see ``benchmarks/README.md`` for what each metric means.
+Each mode runs in its own worker subprocess (the overlay reads its switch
+once per process); what each workload and metric means:
+``docs/benchmarks.md``, "How bench_pooled measures".
 
 Other benchmarks and the tests reuse the names below.
 """
