@@ -1,4 +1,5 @@
-"""Command line of the benchmark (``benchmarks/bench_pooled.py``)."""
+"""Command line of the benchmark (``benchmarks/bench_pooled.py``): a table of
+options, most of them one :class:`BenchConfig` field each."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import argparse
 import json
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from .config import (
     ALL_MODES,
@@ -23,204 +26,90 @@ from .driver import run_driver
 from .worker import run_worker
 
 
-def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str]]:
+def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str] | tuple]:
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip()]
-        if choices is not None:
-            bad = [item for item in items if item not in choices]
-            if bad:
-                raise argparse.ArgumentTypeError(
-                    f"unknown {bad}; choose from {', '.join(choices)}"
-                )
+        bad = [item for item in items if choices is not None and item not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {bad}; choose from {', '.join(choices or ())}"
+            )
         return items
 
     return parse
 
 
+def _interval(text: str) -> int | None:
+    return None if text == "none" else int(text)
+
+
+def _layers(text: str) -> tuple[str, ...]:
+    return tuple(layer for layer in text.split(",") if layer)
+
+
+#: Options that set the ``BenchConfig`` field of the same name (default: the
+#: field's): flag, value type, help. Every engine option applies to both modes;
+#: what each one does: docs/benchmarks.md, "How bench_pooled measures".
+FIELD_OPTIONS: tuple[tuple[str, Any, str], ...] = (
+    ("--seed", int, "seed of all generated prompts"),
+    ("--chat-server-conversations", int, "chat_server: conversations"),
+    ("--chat-server-turns", int, "chat_server: turns per conversation"),
+    ("--chat-server-concurrency", int, "chat_server: turns in flight"),
+    ("--block-size", int, "attention block of every engine but one_long's"),
+    ("--mamba-block-size", int, "align-mode state interval, prefix caching"),
+    ("--kv-cache-dtype", str, "KV cache dtype of every engine"),
+    ("--kv-cache-dtype-skip-layers", _layers, "layers kept at the model dtype"),
+    ("--same-tokens-threads", int, "OpenMP threads of same_tokens (0: shared)"),
+    ("--mamba-ssm-cache-dtype", str, "SSM state dtype: float32, bfloat16, auto"),
+    ("--prefix-match-unit", int, "upstream_best's --prefix-match-unit"),
+    ("--prefix-cache-retention-interval", _interval, "upstream_best's ('none')"),
+    ("--prefill-checkpoint-interval", int, "pooled mode's interval (0: off)"),
+)
+#: Other options: flag, value type (or argparse action), default, help.
+OTHER_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
+    ("--models", _csv(None), list(DEFAULT_MODELS), "tiny model kinds"),
+    ("--workloads", _csv(WORKLOADS), list(DEFAULT_WORKLOADS), ",".join(WORKLOADS)),
+    ("--modes", _csv(ALL_MODES), list(MODES), "the first is the reference"),
+    ("--json", str, None, "also write all results to this JSON file"),
+    ("--model-dir", Path, REPO_ROOT / ".tiny-models", "tiny models built/reused"),
+    ("--log-dir", str, None, "worker logs (default: a new temp dir)"),
+    ("--jobs", int, 1, "workers at once (>1 skews wall times)"),
+    ("--one-long-block-size", int, BenchConfig.one_long_block_size, "(0: default)"),
+    ("--budget-mib", float, BenchConfig.budget_bytes / MIB, "main engine budget"),
+    ("--preempt-budget-mib", float, None, "same_tokens preempt budget"),
+    ("--gpu", "store_true", None, "CUDA graphs, 16-token blocks, model SSM dtype"),
+    ("--no-couple-prefix-caches", "store_true", None, "pools evict on their own"),
+    ("--no-retain-turn-ends", "store_true", None, "no turn-end checkpoints"),
+    ("--same-tokens-cached-only", "store_true", None, "only pc_on, pc_on_repeat"),
+    ("--compile", "store_true", None, "torch.compile (~35 s per engine start)"),
+    ("--quick", "store_true", None, "shrunken workloads (numbers not comparable)"),
+    ("--worker", "store_true", None, argparse.SUPPRESS),
+    ("--mode", str, "overlay", argparse.SUPPRESS),
+    ("--config-json", str, None, argparse.SUPPRESS),
+)
+STATE_DTYPES = ("float32", "bfloat16", "auto")
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Upstream vs vllm-hybrid overlay KV cache benchmark (CPU or, "
-        "with --gpu, CUDA).",
+        "with --gpu, CUDA); docs/benchmarks.md says what each option does.",
     )
-    parser.add_argument(
-        "--models",
-        type=_csv(None),
-        default=list(DEFAULT_MODELS),
-        help="tiny model kinds, comma separated (default: qwen3_5,qwen3_next)",
-    )
-    parser.add_argument(
-        "--workloads",
-        type=_csv(WORKLOADS),
-        default=list(DEFAULT_WORKLOADS),
-        help="comma separated subset of "
-        + ",".join(WORKLOADS)
-        + " (default: "
-        + ",".join(DEFAULT_WORKLOADS)
-        + ")",
-    )
-    parser.add_argument(
-        "--chat-server-conversations",
-        type=int,
-        default=BenchConfig.chat_server_conversations,
-        help="chat_server: conversations (default: 32)",
-    )
-    parser.add_argument(
-        "--chat-server-turns",
-        type=int,
-        default=BenchConfig.chat_server_turns,
-        help="chat_server: turns per conversation (default: 6)",
-    )
-    parser.add_argument(
-        "--chat-server-concurrency",
-        type=int,
-        default=BenchConfig.chat_server_concurrency,
-        help="chat_server: turns in flight at once (default: 8)",
-    )
-    parser.add_argument("--json", help="also write all results to this JSON file")
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=REPO_ROOT / ".tiny-models",
-        help="where tiny models are built/reused (default: .tiny-models)",
-    )
-    parser.add_argument("--log-dir", help="worker logs (default: a new temp dir)")
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="workers run at once; >1 overlaps runs and skews wall times",
-    )
-    parser.add_argument("--seed", type=int, default=BenchConfig.seed)
-    parser.add_argument(
-        "--one-long-block-size",
-        type=int,
-        default=BenchConfig.one_long_block_size,
-        help="attention --block-size of the one_long engines, both modes "
-        "(default: 32; 0 keeps the platform default)",
-    )
-    parser.add_argument(
-        "--mamba-block-size",
-        type=int,
-        default=None,
-        help="state checkpoint interval (align mode) of the prefix-caching "
-        "engines other than one_long's, both modes (default: the attention block)",
-    )
-    parser.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="attention --block-size of every engine but one_long's, both "
-        "modes (default: the platform's, 128 on CPU and 16 on CUDA)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default=BenchConfig.kv_cache_dtype,
-        help="--kv-cache-dtype of every engine, both modes (e.g. "
-        "turboquant_k8v4; default: auto)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype-skip-layers",
-        default="",
-        help="--kv-cache-dtype-skip-layers of every engine, both modes, comma "
-        "separated (layers kept at the model's dtype; default: none)",
-    )
-    parser.add_argument(
-        "--gpu",
-        action="store_true",
-        help="what a CUDA user runs: CUDA graphs (no --enforce-eager), 16-token "
-        "blocks everywhere, the model's SSM state dtype; refuses to run "
-        "without a CUDA device",
-    )
-    parser.add_argument(
-        "--budget-mib",
-        type=float,
-        default=BenchConfig.budget_bytes / MIB,
-        help="KV budget of the many_short, multi_turn and same_tokens engines "
-        "(default: 48)",
-    )
-    parser.add_argument(
-        "--no-couple-prefix-caches",
-        action="store_true",
-        help="pooled mode without coordinated eviction across its pools "
-        "(each pool evicts by its own LRU), to measure what coupling buys",
-    )
-    parser.add_argument(
-        "--no-retain-turn-ends",
-        action="store_true",
-        help="the overlay without turn-end checkpoints (hybrid_kv."
-        "retain_turn_ends false), to measure what they buy",
-    )
-    parser.add_argument(
-        "--preempt-budget-mib",
-        type=float,
-        default=None,
-        help="KV budget of the same_tokens forced-preemption run (default: 20 "
-        "for qwen3_5, 12 for qwen3_next, 16 otherwise)",
-    )
-    parser.add_argument(
-        "--same-tokens-threads",
-        type=int,
-        default=BenchConfig.same_tokens_threads,
-        help="OpenMP threads of the same_tokens workers, both modes (default: 1, "
-        "which makes CPU attention independent of batch composition; 0 runs "
-        "same_tokens in the main workers with the platform's threads)",
-    )
-    parser.add_argument(
-        "--same-tokens-cached-only",
-        action="store_true",
-        help="same_tokens runs only its prefix-caching passes (pc_on, "
-        "pc_on_repeat), not pc_off, alone and the forced preemption",
-    )
-    parser.add_argument(
-        "--mamba-ssm-cache-dtype",
-        choices=("float32", "bfloat16", "auto"),
-        default=BenchConfig.mamba_ssm_cache_dtype,
-        help="SSM state dtype of every engine (default: float32, what vLLM "
-        "forces on AVX512-BF16 CPUs, so figures match on any host; auto keeps "
-        "this host's choice)",
-    )
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="use torch.compile (default: eager; compiling adds ~35 s per engine)",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="shrunken workloads to check the harness (numbers not comparable)",
-    )
-    parser.add_argument(
-        "--modes",
-        type=_csv(ALL_MODES),
-        default=list(MODES),
-        help="engines to compare, the first one the reference of every ratio: "
-        + ",".join(ALL_MODES)
-        + " (default: "
-        + ",".join(MODES)
-        + "; upstream_best is upstream with --prefix-match-unit and "
-        "--prefix-cache-retention-interval, single the overlay's single pool)",
-    )
-    parser.add_argument(
-        "--prefix-match-unit",
-        type=int,
-        help="upstream_best: vLLM's --prefix-match-unit (e.g. the attention block)",
-    )
-    parser.add_argument(
-        "--prefix-cache-retention-interval",
-        type=lambda text: None if text == "none" else int(text),
-        default=BenchConfig.prefix_cache_retention_interval,
-        help="upstream_best: vLLM's --prefix-cache-retention-interval ('none': "
-        "dense retention; default 0)",
-    )
-    parser.add_argument(
-        "--prefill-checkpoint-interval",
-        type=int,
-        help="pooled mode's hybrid_kv.prefill_checkpoint_interval (0: off; "
-        "default: its rule)",
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", default="overlay", help=argparse.SUPPRESS)
-    parser.add_argument("--config-json", help=argparse.SUPPRESS)
+    defaults = {f.name: f.default for f in fields(BenchConfig)}
+    for flag, kind, text in FIELD_OPTIONS:
+        default = defaults[_dest(flag)]
+        extra = {"choices": STATE_DTYPES} if flag == "--mamba-ssm-cache-dtype" else {}
+        text = f"{text} (default: {default})"
+        parser.add_argument(flag, type=kind, default=default, help=text, **extra)
+    for flag, kind, default, text in OTHER_OPTIONS:
+        if kind == "store_true":
+            parser.add_argument(flag, action=kind, help=text)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=text)
     return parser
 
 
@@ -247,34 +136,17 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             f"--same-tokens-threads {args.same_tokens_threads}: use 0 (the "
             f"platform's threads) or 1..{cores} (this machine's cores)"
         )
+    preempt = args.preempt_budget_mib
     cfg = BenchConfig(
-        seed=args.seed,
-        preempt_budget_bytes=(
-            None
-            if args.preempt_budget_mib is None
-            else int(args.preempt_budget_mib * MIB)
-        ),
+        **{_dest(flag): getattr(args, _dest(flag)) for flag, _, _ in FIELD_OPTIONS},
+        preempt_budget_bytes=None if preempt is None else int(preempt * MIB),
         enforce_eager=not args.compile,
         one_long_block_size=args.one_long_block_size or None,
-        mamba_block_size=args.mamba_block_size,
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_dtype_skip_layers=tuple(
-            layer for layer in args.kv_cache_dtype_skip_layers.split(",") if layer
-        ),
         budget_bytes=int(args.budget_mib * MIB),
         couple_prefix_caches=not args.no_couple_prefix_caches,
         retain_turn_ends=not args.no_retain_turn_ends,
-        same_tokens_threads=args.same_tokens_threads,
-        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         same_tokens_uncached=not args.same_tokens_cached_only,
-        chat_server_conversations=args.chat_server_conversations,
-        chat_server_turns=args.chat_server_turns,
-        chat_server_concurrency=args.chat_server_concurrency,
         modes=tuple(args.modes),
-        prefix_match_unit=args.prefix_match_unit,
-        prefix_cache_retention_interval=args.prefix_cache_retention_interval,
-        prefill_checkpoint_interval=args.prefill_checkpoint_interval,
     )
     return quick_config(cfg) if args.quick else cfg
 
