@@ -43,36 +43,28 @@ class BenchConfig:
     """Every knob of a run; the driver hands it to workers as JSON.
 
     Defaults are the acceptance settings of pooled mode, so runs of different
-    people compare; the CLI can shrink them for quick checks.
+    people compare. What each workload and option does: docs/benchmarks.md,
+    "How bench_pooled measures". Engine settings apply to both modes.
     """
 
     seed: int = 0
     budget_bytes: int = 48 * MIB
     one_long_budget_bytes: int = 5 * MIB
-    #: Budget of the forced-preemption run of ``same_tokens``; None picks a
-    #: per-model default (``same_tokens.PREEMPT_BUDGET_MIB``).
+    #: None: a per-model default (``same_tokens.PREEMPT_BUDGET_MIB``)
     preempt_budget_bytes: int | None = None
     preempt_max_num_seqs: int = 8
     max_num_seqs: int = 64
     max_model_len: int = 4096
-    #: ``-1`` lets the engine fit ``max_model_len`` to the 5 MiB budget, the
-    #: only setting in which upstream starts at all with such a small cache.
+    #: auto-fit to the 5 MiB budget, the only setting upstream starts with
     one_long_max_model_len: int = -1
-    #: Attention block of the one_long engines (both modes). A 5 MiB budget
-    #: holds only a handful of the CPU default's 128-token blocks; 32 is the
-    #: smallest block the CPU attention kernel takes. None keeps the default.
+    #: a 5 MiB budget holds a handful of the CPU default's 128-token blocks;
+    #: 32 is the smallest block the CPU attention kernel takes (None: default)
     one_long_block_size: int | None = 32
-    #: ``--mamba-block-size`` (state checkpoint interval in align mode) of the
-    #: prefix-caching engines except one_long's; None keeps the default (the
-    #: attention block). Upstream overrides it with its inflated block.
+    #: None: the attention block (upstream overrides it with its inflated one)
     mamba_block_size: int | None = None
-    #: Attention ``--block-size`` of every engine but one_long's (both
-    #: modes); None keeps the platform default (128 on CPU, 16 on CUDA).
+    #: every engine but one_long's; None: the platform's (128 CPU, 16 CUDA)
     block_size: int | None = None
-    #: ``--kv-cache-dtype`` of every engine (both modes).
     kv_cache_dtype: str = "auto"
-    #: ``--kv-cache-dtype-skip-layers`` of every engine (both modes): layers
-    #: kept at the model's dtype next to ``kv_cache_dtype``.
     kv_cache_dtype_skip_layers: tuple[str, ...] = ()
     same_tokens_max_model_len: int = 2048
     many_short_requests: int = 64
@@ -80,7 +72,7 @@ class BenchConfig:
     many_short_max_len: int = 512
     many_short_output: int = 32
     one_long_output: int = 16
-    #: Upper bound of the one_long search, besides ``max_model_len``.
+    #: upper bound of the one_long search, besides ``max_model_len``
     one_long_search_cap: int = 16384
     multi_turn_conversations: int = 6
     multi_turn_turns: int = 5
@@ -88,55 +80,38 @@ class BenchConfig:
     multi_turn_user_len: int = 100
     multi_turn_output: int = 32
     same_tokens_output: int = 24
-    #: chat_server: conversations interleaved in a seeded random order, each
-    #: turn appending user tokens (uniform in [min, max]) and the reply.
     chat_server_conversations: int = 32
     chat_server_turns: int = 6
     chat_server_system_len: int = 1000
     chat_server_user_min: int = 40
     chat_server_user_max: int = 160
     chat_server_output: int = 32
-    #: Turns in flight at once; the next turn in the order waits for a slot
-    #: and for its conversation's previous turn.
     chat_server_concurrency: int = 8
-    #: two_turn: a prompt, its reply, then a second turn on top of both.
     two_turn_prompt_len: int = 1300
     two_turn_output: int = 24
     two_turn_user_len: int = 100
-    #: OpenMP threads of the same_tokens workers (own processes, both modes);
-    #: 0 runs same_tokens in the main workers with the platform's threads.
-    #: vLLM's CPU attention shares a step's work among its threads by the
-    #: KV length of the whole batch, so with more than one thread a request's
-    #: bf16 bits depend on which requests it runs with; one thread removes
-    #: that, which is what a token-for-token comparison needs.
+    #: 1 makes vLLM's CPU attention independent of batch composition, which a
+    #: token-for-token comparison needs; 0: the main workers' threads
     same_tokens_threads: int = 1
-    #: Also run same_tokens without prefix caching (pc_off, alone) and in
-    #: forced preemption; off runs only the cached passes (pc_on, repeat).
+    #: also pc_off, alone and preempt (off: only pc_on and pc_on_repeat)
     same_tokens_uncached: bool = True
-    #: Wall-clock cap of one engine drive; a stuck run ends as "time_limit".
+    #: wall-clock cap of one engine drive ("time_limit")
     drive_time_limit_s: float = 1800.0
-    #: Steps without any token progress after which a drive counts as stalled.
+    #: steps without any token progress after which a drive is "stalled"
     stall_steps: int = 64
     enforce_eager: bool = True
-    #: ``--mamba-ssm-cache-dtype`` of every engine, both modes. vLLM's CPU
-    #: platform forces float32 SSM state on AVX512-BF16 hosts and keeps the
-    #: model's bf16 elsewhere, which halves the state pages and changes every
-    #: memory row; pinning float32 gives the same figures on any host.
-    #: "auto" keeps the host's choice.
+    #: vLLM's CPU platform forces float32 on AVX512-BF16 hosts only; pinned,
+    #: the memory rows are the same on any host ("auto": the host's choice)
     mamba_ssm_cache_dtype: str = "float32"
-    #: Pooled mode's coordinated prefix-cache eviction across its pools
-    #: (``hybrid_kv.couple_prefix_caches``); upstream ignores the option.
+    #: hybrid_kv.couple_prefix_caches (upstream ignores the hybrid_kv options)
     couple_prefix_caches: bool = True
-    #: Pooled and single-pool mode keep turn-end checkpoints
-    #: (``hybrid_kv.retain_turn_ends``); upstream ignores the option.
+    #: hybrid_kv.retain_turn_ends
     retain_turn_ends: bool = True
-    #: Pooled mode's ``hybrid_kv.prefill_checkpoint_interval``; None keeps
-    #: its rule.
+    #: hybrid_kv.prefill_checkpoint_interval; None keeps its rule
     prefill_checkpoint_interval: int | None = None
-    #: Modes to run; the first is the reference of every ratio.
+    #: the first is the reference of every ratio
     modes: tuple[str, ...] = MODES
-    #: ``--prefix-match-unit`` and ``--prefix-cache-retention-interval`` of
-    #: the upstream_best engines (None: dense retention).
+    #: of the upstream_best engines (retention None: dense)
     prefix_match_unit: int | None = None
     prefix_cache_retention_interval: int | None = 0
 

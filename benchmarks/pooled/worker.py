@@ -85,58 +85,52 @@ def engine_specs(
     """The engines a worker in ``mode`` may need, by purpose."""
     pc = kind not in NO_PREFIX_CACHING_KINDS
     best = mode == "upstream_best"
-
-    def spec(
-        budget: int, prefix: bool, seqs: int, max_len: int, block: int | None = None
-    ) -> EngineSpec:
-        return EngineSpec(
-            model_path,
-            budget,
-            prefix,
-            seqs,
-            max_len,
-            cfg.enforce_eager,
-            cfg.seed,
-            cfg.block_size if block is None else block,
-            cfg.mamba_block_size if block is None else None,
-            cfg.couple_prefix_caches,
-            cfg.mamba_ssm_cache_dtype,
-            cfg.kv_cache_dtype,
-            cfg.retain_turn_ends,
-            cfg.kv_cache_dtype_skip_layers,
-            pooled=mode != "single",
-            prefill_checkpoint_interval=cfg.prefill_checkpoint_interval,
-            prefix_match_unit=cfg.prefix_match_unit if best else None,
-            prefix_cache_retention_interval=(
-                cfg.prefix_cache_retention_interval if best else 0
-            ),
-        )
-
+    main = EngineSpec(
+        model_path,
+        cfg.budget_bytes,
+        pc,
+        cfg.max_num_seqs,
+        cfg.max_model_len,
+        cfg.enforce_eager,
+        cfg.seed,
+        cfg.block_size,
+        cfg.mamba_block_size,
+        cfg.couple_prefix_caches,
+        cfg.mamba_ssm_cache_dtype,
+        cfg.kv_cache_dtype,
+        cfg.retain_turn_ends,
+        cfg.kv_cache_dtype_skip_layers,
+        pooled=mode != "single",
+        prefill_checkpoint_interval=cfg.prefill_checkpoint_interval,
+        prefix_match_unit=cfg.prefix_match_unit if best else None,
+        prefix_cache_retention_interval=(
+            cfg.prefix_cache_retention_interval if best else 0
+        ),
+    )
+    one_long = replace(
+        main,
+        budget_bytes=cfg.one_long_budget_bytes,
+        prefix_caching=False,
+        max_num_seqs=1,
+        max_model_len=cfg.one_long_max_model_len,
+    )
+    if cfg.one_long_block_size is not None:
+        block = cfg.one_long_block_size
+        one_long = replace(one_long, block_size=block, mamba_block_size=None)
     specs = {
-        "main": spec(cfg.budget_bytes, pc, cfg.max_num_seqs, cfg.max_model_len),
-        "no_pc": spec(cfg.budget_bytes, False, cfg.max_num_seqs, cfg.max_model_len),
-        "preempt": spec(
-            preempt_budget_bytes(cfg, kind),
-            False,
-            cfg.preempt_max_num_seqs,
-            cfg.same_tokens_max_model_len,
+        "main": main,
+        "no_pc": replace(main, prefix_caching=False),
+        "preempt": replace(
+            main,
+            budget_bytes=preempt_budget_bytes(cfg, kind),
+            prefix_caching=False,
+            max_num_seqs=cfg.preempt_max_num_seqs,
+            max_model_len=cfg.same_tokens_max_model_len,
         ),
-        "one_long_pc_off": spec(
-            cfg.one_long_budget_bytes,
-            False,
-            1,
-            cfg.one_long_max_model_len,
-            cfg.one_long_block_size,
-        ),
+        "one_long_pc_off": one_long,
     }
     if pc:
-        specs["one_long_pc_on"] = spec(
-            cfg.one_long_budget_bytes,
-            True,
-            1,
-            cfg.one_long_max_model_len,
-            cfg.one_long_block_size,
-        )
+        specs["one_long_pc_on"] = replace(one_long, prefix_caching=True)
     return specs
 
 
