@@ -62,15 +62,13 @@ class PrefixCacheCoupling:
     ) -> None:
         """A pool cached ``key`` for the first ``num_tokens`` tokens of
         ``request``; a state checkpoint gets linked to its attention prefix."""
-        if kind is not PoolKind.STATE:
+        if kind is not PoolKind.STATE or self.links.is_linked(key):
             return
-        links = self.links
-        token_keys = links.token_keys(request.block_hashes, num_tokens)
-        cached = self.pools[PoolKind.TOKEN].cached_block_hash_to_block
-        if all(cached.get_one_block(k) is not None for k in token_keys):
-            links.link(key, token_keys)
-        else:
-            links.link_incomplete(key)
+        # a key maps to at least one block while it is cached
+        cached = self.pools[PoolKind.TOKEN].cached_block_hash_to_block._cache
+        self.links.link_if_cached(
+            key, request.block_hashes, num_tokens, cached.__contains__
+        )
 
     def keys_left_cache(self, kind: PoolKind, keys: list[Any]) -> None:
         """Keys no block of pool ``kind`` holds any more: update the links
@@ -83,7 +81,7 @@ class PrefixCacheCoupling:
         broken: list[Any] = []
         orphans = []
         for key in keys:
-            if links.couples(key):
+            if links.is_needed(key):  # only needed keys are linked
                 states, lost = links.forget_token(key)
                 broken += states
                 orphans += lost
@@ -129,6 +127,8 @@ class PrefixCacheCoupling:
                         f"{kind.value}: dead block {i} kept in the prefix cache"
                     )
 
-    def _evict_dead_keys(self, kind: PoolKind, keys: Iterable[Any]) -> None:
+    def _evict_dead_keys(self, kind: PoolKind, keys: list[Any]) -> None:
+        if not keys:
+            return  # the common case: a key nothing depended on
         pool = self.pools[kind]
         self.evict_dead(kind, (b for k in keys for b in pool.blocks_with(k)))

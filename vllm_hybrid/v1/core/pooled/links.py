@@ -4,11 +4,23 @@
 full-attention block keys its prefix consists of, and the reverse, so that
 :mod:`.coupling` can tell which cached entries of one pool the other pool has
 made useless. Pure bookkeeping over prefix-cache keys: no pools, no blocks.
+
+A prefix of a 12k-token prompt spans hundreds of attention blocks, and a
+prompt caches a checkpoint every few blocks, so the links are not stored as a
+list of keys per checkpoint. Block hashes are chained (each one fingerprints
+its whole prefix, which upstream's prefix cache already relies on), so the
+keys every checkpoint needs form one tree per full-attention group: a key's
+parent is the key of the block before it. A checkpoint is recorded by its
+deepest key in each group; a key is needed while a checkpoint sits at it or
+below it. Linking and unlinking then touch only the keys that become needed
+or unneeded, and a checkpoint's prefix is checked only down to the first key
+already in the tree (a key in the tree is cached: when it leaves the cache,
+every checkpoint below it is unlinked).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import (
@@ -21,6 +33,23 @@ from vllm.v1.core.kv_cache_utils import (
 
 TokenKey = BlockHashWithGroupId
 StateKey = BlockHashWithGroupId
+#: One group's prefix: (number of keys, key at an index).
+Chain = tuple[int, Callable[[int], TokenKey]]
+
+
+class _Node:
+    """A needed token key: where it sits in its group's tree."""
+
+    __slots__ = ("parent", "depth", "ends", "kids")
+
+    def __init__(self, parent: TokenKey | None, depth: int) -> None:
+        self.parent = parent
+        #: index of the block in its request's chain
+        self.depth = depth
+        #: checkpoints whose prefix in this group ends at this key
+        self.ends: set[StateKey] = set()
+        #: keys of the next block that are needed
+        self.kids: set[TokenKey] = set()
 
 
 @dataclass
@@ -34,8 +63,11 @@ class CheckpointLinks:
     token_groups: dict[int, int]
     #: granularity of ``Request.block_hashes``
     hash_block_size: int
-    needs: dict[StateKey, tuple[TokenKey, ...]] = field(default_factory=dict)
-    needed_by: dict[TokenKey, set[StateKey]] = field(default_factory=dict)
+    #: deepest needed key of each linked checkpoint, per group (in group
+    #: order; groups its prefix has no full block of are left out)
+    tips: dict[StateKey, tuple[TokenKey, ...]] = field(default_factory=dict)
+    #: every needed token key (see the module docstring)
+    nodes: dict[TokenKey, _Node] = field(default_factory=dict)
     #: checkpoint keys still cached whose attention prefix is incomplete
     broken: set[StateKey] = field(default_factory=set)
 
@@ -45,30 +77,67 @@ class CheckpointLinks:
         """Keys of the full-attention blocks wholly inside the first
         ``num_tokens`` tokens, in every full-attention group."""
         keys: list[TokenKey] = []
-        for group_id, block_size in self.token_groups.items():
-            hashes = resolve_block_hashes(
-                block_hashes, self.hash_block_size, block_size
-            )
-            count = min(num_tokens // block_size, len(hashes))
-            keys.extend(
-                make_block_hash_with_group_id(hashes[i], group_id) for i in range(count)
-            )
+        for count, key_at in self._chains(block_hashes, num_tokens):
+            keys.extend(key_at(i) for i in range(count))
         return tuple(keys)
+
+    @property
+    def needs(self) -> dict[StateKey, tuple[TokenKey, ...]]:
+        """Every key each linked checkpoint needs, as :meth:`token_keys`
+        orders them (built on demand: for checks and tests)."""
+        return {s: self._prefix(tips) for s, tips in self.tips.items()}
+
+    @property
+    def needed_by(self) -> dict[TokenKey, set[StateKey]]:
+        """The checkpoints needing each token key (built on demand)."""
+        users: dict[TokenKey, set[StateKey]] = {}
+        for state_key, keys in self.needs.items():
+            for token_key in keys:
+                users.setdefault(token_key, set()).add(state_key)
+        return users
+
+    def is_linked(self, state_key: StateKey) -> bool:
+        return state_key in self.tips
 
     def link(self, state_key: StateKey, token_keys: tuple[TokenKey, ...]) -> None:
         """Record a newly cached checkpoint; idempotent for a key already
         linked (duplicate blocks share one key)."""
-        if state_key in self.needs:
+        if state_key in self.tips:
             return
-        self.broken.discard(state_key)
-        self.needs[state_key] = token_keys
+        by_group: dict[int, list[TokenKey]] = {g: [] for g in self.token_groups}
         for token_key in token_keys:
-            self.needed_by.setdefault(token_key, set()).add(state_key)
+            by_group[get_group_id(token_key)].append(token_key)
+        self._attach(state_key, [(len(k), k.__getitem__) for k in by_group.values()])
+
+    def link_if_cached(
+        self,
+        state_key: StateKey,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        is_cached: Callable[[TokenKey], bool],
+    ) -> None:
+        """:meth:`link` the checkpoint for the first ``num_tokens`` tokens of
+        ``block_hashes`` when all its token keys are cached (``is_cached``),
+        else :meth:`link_incomplete`. Keys already in the tree are cached,
+        so only the ones below them are asked about."""
+        if state_key in self.tips:
+            return
+        chains = self._chains(block_hashes, num_tokens)
+        nodes = self.nodes
+        for count, key_at in chains:
+            for i in range(count - 1, -1, -1):
+                token_key = key_at(i)
+                if token_key in nodes:
+                    break
+                if not is_cached(token_key):
+                    self.broken.add(state_key)
+                    return
+        self._attach(state_key, chains)
 
     def link_incomplete(self, state_key: StateKey) -> None:
         """A checkpoint cached while part of its attention prefix is not:
         broken from the start, unless the key is already linked."""
-        if state_key not in self.needs:
+        if state_key not in self.tips:
             self.broken.add(state_key)
 
     def forget_state(self, state_key: StateKey) -> list[TokenKey]:
@@ -82,15 +151,24 @@ class CheckpointLinks:
     ) -> tuple[list[StateKey], list[TokenKey]]:
         """A token key left the token pool's cache. Returns the checkpoints
         this breaks and the other token keys only those checkpoints needed."""
-        states = sorted(self.needed_by.pop(token_key, ()))
+        node = self.nodes.get(token_key)
+        if node is None:
+            return [], []
+        states: list[StateKey] = []
+        below = [node]
+        while below:
+            n = below.pop()
+            states.extend(n.ends)
+            below.extend(self.nodes[k] for k in n.kids)
+        states.sort()
         orphans: list[TokenKey] = []
         for state_key in states:
             self.broken.add(state_key)
-            orphans.extend(self._unlink(state_key))
+            orphans.extend(self._unlink(state_key, skip=token_key))
         return states, orphans
 
     def is_needed(self, token_key: TokenKey) -> bool:
-        return token_key in self.needed_by
+        return token_key in self.nodes
 
     def couples(self, token_key: TokenKey) -> bool:
         """Whether the key belongs to a full-attention group (the only token
@@ -101,25 +179,108 @@ class CheckpointLinks:
         """Raise AssertionError if the links disagree with the caches
         (``state_keys``/``token_keys``: keys cached in each pool now)."""
         cached_states = set(state_keys)
-        for state_key, needed in self.needs.items():
+        needs = self.needs
+        for state_key, needed in needs.items():
             assert state_key in cached_states, "linked checkpoint not cached"
             assert state_key not in self.broken, "checkpoint linked and broken"
             for token_key in needed:
                 assert token_key in token_keys, "checkpoint needs an evicted block"
-                assert state_key in self.needed_by[token_key], "links asymmetric"
-        for token_key, users in self.needed_by.items():
-            assert users, "empty needed_by entry"
-            assert all(token_key in self.needs[s] for s in users), "asymmetric"
+        ends = {(t, s) for s, tips in self.tips.items() for t in tips}
+        for token_key, state_key in ends:
+            assert state_key in self.nodes[token_key].ends, "links asymmetric"
+        for token_key, node in self.nodes.items():
+            assert node.ends or node.kids, "unneeded key kept in the tree"
+            assert all((token_key, s) in ends for s in node.ends), "asymmetric"
+            for kid in node.kids:
+                assert self.nodes[kid].parent == token_key, "tree asymmetric"
+            if node.parent is not None:
+                assert token_key in self.nodes[node.parent].kids, "tree asymmetric"
+        assert set(self.needed_by) == set(self.nodes), "needed keys disagree"
         assert self.broken <= cached_states, "broken key no longer cached"
 
-    def _unlink(self, state_key: StateKey) -> list[TokenKey]:
-        orphans = []
-        for token_key in self.needs.pop(state_key, ()):
-            users = self.needed_by.get(token_key)
-            if users is None:
+    # -- the tree ---------------------------------------------------------
+
+    def _chains(
+        self, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> list[Chain]:
+        """Each full-attention group's keys of the first ``num_tokens``."""
+        chains: list[Chain] = []
+        for group_id, block_size in self.token_groups.items():
+            hashes = resolve_block_hashes(
+                block_hashes, self.hash_block_size, block_size
+            )
+            count = min(num_tokens // block_size, len(hashes))
+
+            def key_at(i: int, _h=hashes, _g=group_id) -> TokenKey:
+                return make_block_hash_with_group_id(_h[i], _g)
+
+            chains.append((count, key_at))
+        return chains
+
+    def _attach(self, state_key: StateKey, chains: list[Chain]) -> None:
+        """Link ``state_key`` below the keys of ``chains`` (all cached)."""
+        self.broken.discard(state_key)
+        nodes = self.nodes
+        tips: list[TokenKey] = []
+        for count, key_at in chains:
+            if not count:
                 continue
-            users.discard(state_key)
-            if not users:
-                del self.needed_by[token_key]
-                orphans.append(token_key)
+            tip = key_at(count - 1)
+            # Add the keys not in the tree yet, deepest first.
+            child: TokenKey | None = None
+            i = count - 1
+            token_key = tip
+            while True:
+                node = nodes.get(token_key)
+                if node is not None:
+                    assert node.depth == i, "block hashes are not chained"
+                    if child is not None:
+                        node.kids.add(child)
+                    break
+                parent = key_at(i - 1) if i else None
+                node = nodes[token_key] = _Node(parent, i)
+                if child is not None:
+                    node.kids.add(child)
+                if parent is None:
+                    break
+                child, token_key, i = token_key, parent, i - 1
+            nodes[tip].ends.add(state_key)
+            tips.append(tip)
+        self.tips[state_key] = tuple(tips)
+
+    def _unlink(
+        self, state_key: StateKey, skip: TokenKey | None = None
+    ) -> list[TokenKey]:
+        """Drop a checkpoint; returns the keys no longer needed (but
+        ``skip``), in :meth:`token_keys` order."""
+        orphans: list[TokenKey] = []
+        nodes = self.nodes
+        for tip in self.tips.pop(state_key, ()):
+            node = nodes[tip]
+            node.ends.discard(state_key)
+            gone: list[TokenKey] = []
+            token_key = tip
+            while not (node.ends or node.kids):
+                del nodes[token_key]
+                if token_key != skip:
+                    gone.append(token_key)
+                parent = node.parent
+                if parent is None:
+                    break
+                node = nodes[parent]
+                node.kids.discard(token_key)
+                token_key = parent
+            gone.reverse()
+            orphans.extend(gone)
         return orphans
+
+    def _prefix(self, tips: tuple[TokenKey, ...]) -> tuple[TokenKey, ...]:
+        keys: list[TokenKey] = []
+        for tip in tips:
+            chain: list[TokenKey] = []
+            token_key: TokenKey | None = tip
+            while token_key is not None:
+                chain.append(token_key)
+                token_key = self.nodes[token_key].parent
+            keys.extend(reversed(chain))
+        return tuple(keys)
