@@ -2,14 +2,11 @@
 from a running engine (what each counts: ``docs/benchmarks.md``, "State
 checkpoints at small blocks").
 
-Wrappers on the engine's own objects (in the worker process, engines
-in-process) call the original with the same arguments and return its
-result, so the engine behaves exactly as without them; upstream's single
-pool and pooled mode's arena both run upstream's ``MambaManager``, so one
-set of wrappers serves both. Counts summed over state groups are divided by
-their number: one request's state in both modes. State copies, scheduled
-tokens and preemptions come from the simulator's
-:class:`~vllm_hybrid.tools.simulate.steps.StepObserver` on the same engine.
+Wrappers on the engine's own objects call the original with the same
+arguments and return its result; both modes run upstream's ``MambaManager``,
+so one set serves both. Counts summed over state groups are divided by their
+number (one request's state). State copies, scheduled tokens and preemptions
+come from the simulator's ``StepObserver`` on the same engine.
 """
 
 from __future__ import annotations

@@ -50,12 +50,8 @@ def parse_result(text: str) -> dict[str, Any] | None:
 
 
 def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, str]:
-    """Environment of a worker: the overlay switch and in-process engines.
-
-    ``threads`` > 0 pins the worker's vLLM CPU worker to that many OpenMP
-    threads on cores ``first_core..first_core+threads-1``; 0 keeps the
-    platform's choice.
-    """
+    """Environment of a worker: the overlay switch, in-process engines and,
+    with ``threads`` > 0, that many OpenMP threads from ``first_core`` on."""
     env = dict(os.environ)
     env["VLLM_HYBRID_KV"] = MODE_SWITCH[mode]
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -89,9 +85,8 @@ class WorkerJob:
 def worker_jobs(
     models: Sequence[str], workloads: Sequence[str], cfg: BenchConfig
 ) -> list[WorkerJob]:
-    """The workers of a run: per model and mode, one for the workloads that
-    use the platform's threads and, unless ``same_tokens_threads`` is 0, one
-    for same_tokens with that many threads."""
+    """Per model and mode, one worker with the platform's threads and, unless
+    ``same_tokens_threads`` is 0, one for same_tokens with that many."""
     separate = "same_tokens" in workloads and cfg.same_tokens_threads > 0
     rest = tuple(w for w in workloads if not (separate and w == "same_tokens"))
     jobs = []
@@ -107,12 +102,8 @@ def worker_jobs(
 
 
 def merge_runs(runs: Sequence[WorkerRun]) -> dict[tuple[str, str], WorkerRun]:
-    """One run per (model, mode): the reports of its workers combined.
-
-    Workloads, errors and tracebacks are joined; engine facts and geometry
-    come from the first worker that reported them, so an engine both workers
-    opened is described once.
-    """
+    """One run per (model, mode): its workers' workloads, errors and
+    tracebacks joined, engine facts and geometry from the first that has them."""
     merged: dict[tuple[str, str], WorkerRun] = {}
     for run in runs:
         key = (run.model, run.mode)
@@ -145,13 +136,8 @@ def _merge_reports(a: dict | None, b: dict | None) -> dict | None:
 
 
 class CoreSlots:
-    """Which cores a worker pinned to a few threads may use while others run.
-
-    With ``--jobs N`` up to N workers run at once; each takes a free slot k
-    and a worker with T threads is pinned to cores ``k*T .. k*T+T-1`` (modulo
-    the machine's cores), so single-thread workers run on separate cores
-    instead of sharing core 0.
-    """
+    """Cores of the workers pinned to T threads: with ``--jobs N`` each takes
+    a free slot k of N and gets cores ``k*T .. k*T+T-1`` (modulo the cores)."""
 
     def __init__(self, jobs: int) -> None:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -178,21 +164,14 @@ def spawn_worker(
     """Run one worker subprocess to completion, its output in a log file."""
     model, mode = job.model, job.mode
     log_path = log_dir / f"{job.name}.log"
-    cmd = [
-        sys.executable,
-        str(BENCH_SCRIPT),
-        "--worker",
-        "--models",
-        model,
-        "--workloads",
-        ",".join(job.workloads),
-        "--model-dir",
-        str(args.model_dir),
-        "--config-json",
-        json.dumps(asdict(cfg)),
-        "--mode",
-        mode,
-    ]
+    options = {
+        "--models": model,
+        "--workloads": ",".join(job.workloads),
+        "--model-dir": str(args.model_dir),
+        "--config-json": json.dumps(asdict(cfg)),
+        "--mode": mode,
+    }
+    cmd = [sys.executable, str(BENCH_SCRIPT), "--worker", *sum(options.items(), ())]
     _say(f"{job.name}: worker started, log {log_path}")
     start = time.perf_counter()
     with (

@@ -235,18 +235,10 @@ def drive(
     stop_on_preemption: bool = False,
     feed: Feed | None = None,
 ) -> DriveResult:
-    """Add every request, then step the engine until all are finished.
-
-    With ``feed``, more requests arrive while the engine runs: ``feed`` is
-    asked once before the first step and after every step (with the requests
-    finished in it), and what it returns is added before the next step.
-
-    Stepping by hand (instead of ``LLM.generate``) lets the harness sample
-    the scheduler after every step. A drive also ends when no token was
-    computed for ``cfg.stall_steps`` steps (upstream can leave a request that
-    never fits waiting forever), at the time limit, or on the first
-    preemption if asked; unfinished requests are then aborted.
-    """
+    """Add every request (and, with ``feed``, what it returns before the
+    first step and after each), then step the engine by hand, sampling the
+    scheduler, until all are finished, stalled, out of time or (if asked)
+    preempted (docs/benchmarks.md, "How it works"); the rest is aborted."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

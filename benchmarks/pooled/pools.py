@@ -1,11 +1,6 @@
 """What the benchmark reads from a scheduler's KV cache: the bytes a request
-truly needs (from the layer specs) and the blocks its pools hold.
-
-Pooled mode's arena reports its pools through :meth:`KVArena.usage`, the
-snapshot ``/metrics`` publishes too; upstream's single pool (overlay off, or
-a plan that keeps one pool) is read from its ``BlockPool``. Both come out as
-:class:`PoolUsage`, so every memory row is computed one way.
-"""
+truly needs (from the layer specs) and the blocks its pools hold, both modes
+as :class:`PoolUsage` (docs/benchmarks.md, "Shared measurements")."""
 
 from __future__ import annotations
 
@@ -22,11 +17,8 @@ SHARED_POOL = "shared"
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """What one request really needs, from the model's layer specs.
-
-    Uses unpadded sizes: the point of ``needed/reserved`` is to show how much
-    of the reserved memory is padding, rounding and fragmentation.
-    """
+    """What one request really needs, from the model's layer specs (unpadded:
+    ``needed/reserved`` shows padding, rounding and fragmentation)."""
 
     #: Bytes one token occupies summed over all attention layers.
     attn_bytes_per_token: float
@@ -65,13 +57,8 @@ def _layer_specs(group: Any) -> Iterator[tuple[str, Any]]:
 
 
 def kv_geometry(kv_cache_config: Any) -> KVGeometry:
-    """Per-token and per-request bytes of a ``KVCacheConfig``'s layers.
-
-    Attention layers count ``real_page_size_bytes / block_size`` per token
-    (a full page without ``page_size_padded``); state layers (``MambaSpec``:
-    Mamba, GDN, short conv) count their unpadded state, the bytes of
-    ``shapes``/``dtypes``, not ``page_size_padded``.
-    """
+    """Per-token and per-request bytes of a ``KVCacheConfig``'s layers,
+    unpadded (``real_page_size_bytes``)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
     per_token = 0.0
@@ -92,12 +79,8 @@ def kv_geometry(kv_cache_config: Any) -> KVGeometry:
 
 
 def shared_pool_block_bytes(kv_cache_config: Any) -> int:
-    """Bytes of one block id of upstream's single pool.
-
-    Every group's ``KVCacheTensor`` aliases one allocation of
-    ``bytes_per_block * num_blocks`` bytes from byte 0, so a block id stands
-    for ``size / num_blocks`` bytes across all layers.
-    """
+    """Bytes of one block id of upstream's single pool (every group's tensor
+    aliases one allocation of ``bytes_per_block * num_blocks`` bytes)."""
     tensors = kv_cache_config.kv_cache_tensors
     if not tensors or kv_cache_config.num_blocks <= 0:
         return 0
@@ -105,14 +88,8 @@ def shared_pool_block_bytes(kv_cache_config: Any) -> int:
 
 
 def kv_pools(scheduler: Any) -> list[PoolUsage]:
-    """The block pools of a scheduler and how many blocks each holds now.
-
-    Owned blocks never include a null block: the arena counts the blocks each
-    pool owns now (an arena pool owns a movable part of its id space), and
-    upstream's ``num_gpu_blocks`` less its null block. Used blocks are what
-    requests and the prefix cache's live blocks hold; evictable cached blocks
-    count as free, as the allocator sees them.
-    """
+    """The block pools of a scheduler and how many blocks each owns (never
+    a null block) and uses (evictable cached blocks count as free)."""
     from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 
     arena = arena_of(scheduler.kv_cache_manager)
