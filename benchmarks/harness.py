@@ -1,11 +1,7 @@
 """A loopback ``vllm-hybrid serve`` for the serving benchmark, the soak, the
-demo and the server tests: start and stop, HTTP and server-sent events,
-``/metrics`` read with ``prometheus_client``'s parser, what a server's log
-says, and the constants they share.
-
-The server runs ``vllm-hybrid serve`` in a child process (so the overlay is
-activated exactly as a user's ``vllm serve`` would be), writes its log to a
-file and is stopped with SIGINT, vLLM's clean shutdown path.
+demo and the server tests: a child process (the overlay activated as for a
+user) logging to a file, stopped with SIGINT (vLLM's clean shutdown); HTTP
+and server-sent events, ``/metrics``, what its log says, shared constants.
 """
 
 from __future__ import annotations
@@ -56,8 +52,8 @@ def connect(url: str, timeout: float) -> Iterator[http.client.HTTPConnection]:
 def send(
     conn: http.client.HTTPConnection, path: str, body: dict | bytes | None = None
 ) -> None:
-    """GET ``path``, or POST ``body`` as JSON (bytes as they are: a test's
-    malformed JSON); the answer is left unread."""
+    """GET ``path``, or POST ``body`` as JSON (bytes as they are); the
+    answer is left unread."""
     if body is None:
         conn.request("GET", path)
     else:
@@ -162,8 +158,7 @@ def scrape(url: str, timeout: float = 30.0) -> Metrics:
 
 
 def wait_idle(url: str, tries: int = 120, pause: float = 0.5) -> dict[str, float]:
-    """:meth:`Metrics.kv_in_use` once every value reads 0, or the last read
-    after ``tries`` reads (a value that stays above 0 is a leak)."""
+    """:meth:`Metrics.kv_in_use` once all read 0, else after ``tries``."""
     for _ in range(tries):
         values = scrape(url).kv_in_use()
         if not any(values.values()):
@@ -176,11 +171,9 @@ def wait_idle(url: str, tries: int = 120, pause: float = 0.5) -> dict[str, float
 def held_requests(
     url: str, model: str, count: int, max_tokens: int = 256
 ) -> Iterator[Metrics]:
-    """Open ``count`` streaming completions of ``max_tokens`` tokens at once
-    and yield ``/metrics`` once every one of them reached the scheduler;
-    closing the streams on exit aborts them. The load is held, not sampled:
-    the gauges come from a step that scheduled all ``count`` requests (and
-    admitted what fits), and the requests run for many more steps."""
+    """Hold ``count`` streaming completions of ``max_tokens`` tokens open and
+    yield ``/metrics`` once all reached the scheduler (held, not sampled);
+    closing the streams on exit aborts them."""
     body = {
         "model": model,
         "prompt": [11 + i for i in range(16)],
@@ -299,8 +292,7 @@ def serve(
     port: int | None = None,
 ) -> Iterator[ServerHandle]:
     """Run ``vllm-hybrid serve MODEL`` on a loopback port (``port``, or a
-    free one: a caller that sends requests while the server starts picks the
-    port first)."""
+    free one)."""
     port = free_port() if port is None else port
     log_file = Path(log_path) if log_path else Path(f"/tmp/vllm-hybrid-{port}.log")
     child_env = dict(os.environ if env is None else env)
@@ -330,10 +322,8 @@ def server_args(
     seed: int = 0,
     compile: bool = False,
 ) -> list[str]:
-    """``vllm serve`` options of the benchmarks' servers. float32 SSM state:
-    vLLM forces it on AVX512-BF16 hosts and keeps bf16 elsewhere; fixed, a
-    budget splits the same on every machine. Eager unless ``compile``:
-    torch.compile costs ~35 s per server start on CPU."""
+    """``vllm serve`` options of the benchmarks' servers: float32 SSM state
+    (a budget splits the same on every host), eager unless ``compile``."""
     args = [
         f"--kv-cache-memory-bytes={int(kv_cache_mib * MIB)}",
         f"--kv-cache-dtype={dtype}",
@@ -401,10 +391,8 @@ class LogReport:
 
 
 def _cause(lines: list[str]) -> str:
-    """A crash and the first frame below it outside libc's signal handling,
-    else the first exception line that is not the API server's
-    ``EngineDeadError`` for an engine that died before, else the first
-    problem line."""
+    """A crash and its first frame outside libc, else the first exception
+    that is not a consequential ``EngineDeadError``, else the first problem."""
     for i, line in enumerate(lines):
         if any(marker in line for marker in CRASH_MARKERS):
             frames = [x for x in lines[i + 1 : i + 6] if x.startswith("File ")]
@@ -443,7 +431,7 @@ def read_log(text: str, limit: int = 5) -> LogReport:
 
 @dataclass(frozen=True)
 class ShutdownReport:
-    """What a stopped server's exit code and log say about its shutdown."""
+    """A stopped server's exit code and log."""
 
     exit_code: int
     log: LogReport
