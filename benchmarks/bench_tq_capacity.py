@@ -1,17 +1,14 @@
 """Longest single prompt a fixed KV budget serves: ``auto`` vs TurboQuant.
 
-Reuses bench_pooled's one_long search unchanged (``one_long_part``: start
-with ``max_model_len=-1`` auto-fit, fall back to the largest startable
-``max_model_len``, then binary-search the longest prompt that prefills and
-decodes 16 tokens alone without preemption) on engines that differ only in
-``--kv-cache-dtype``. Default: tiny ``qwen3_5``, pooled mode, 5 MiB budget,
-32-token blocks, prefix caching off and on::
+bench_pooled's one_long search unchanged (``one_long_part``) on engines that
+differ only in ``--kv-cache-dtype``; default: tiny ``qwen3_5``, pooled mode,
+5 MiB, 32-token blocks, prefix caching off and on (figures:
+docs/turboquant-backend.md, "Capacity")::
 
     python benchmarks/bench_tq_capacity.py --dtypes auto,turboquant_k8v4
 
-The attention bytes per token fall from 4096 (bf16 K/V, head_dim 256, 2 KV
-heads, 2 attention layers) to 1552 with k8v4 (388-byte slots), 2.64x; the
-recurrent state of the request (same in both) takes the rest of the budget.
+Attention bytes per token fall from 4096 (bf16 K/V, head_dim 256, 2 KV heads,
+2 attention layers) to 1552 with k8v4 (388-byte slots), 2.64x.
 """
 
 from __future__ import annotations

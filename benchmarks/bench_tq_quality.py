@@ -1,18 +1,10 @@
 """TurboQuant KV cache quality against ``auto`` on the tiny hybrid models.
 
-Method (teacher forcing): the same random-token prompts are prefilled by an
-engine per cache dtype, asking vLLM for the log-probabilities of *every*
-vocabulary entry at every prompt position (``prompt_logprobs`` = vocab
-size, ``max_logprobs`` raised to match; raw log-softmax of the logits). The
-prefill already runs through the CPU_TURBOQUANT backend's quantized cache
-(store, then attend over the dequantized context), so each position's
-distribution reflects the preset. Per preset we report, over the same
-positions:
-
-* top-1 agreement: share of positions whose argmax equals ``auto``'s;
-* mean KL(auto || preset) of the next-token distributions, in nats.
-
-Engines run in this process, pooled mode (the default), one at a time::
+Teacher forcing: the same random-token prompts prefilled by an engine per
+cache dtype (in this process, pooled mode, one at a time) with the whole
+vocabulary's ``prompt_logprobs``; per preset, over the same positions, top-1
+agreement with ``auto`` and mean KL(auto || preset) in nats (method and
+figures: docs/turboquant-backend.md, "Quality")::
 
     python benchmarks/bench_tq_quality.py --models qwen3_5,qwen3_next
 """
