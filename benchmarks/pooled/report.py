@@ -219,28 +219,14 @@ def _engine_value(engine: dict[str, Any], key: str) -> Any:
 
 def _engine_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
     """Which KV layout each mode ran, and its capacity, per engine."""
-    rows = [
-        Row(
-            model,
-            "setup",
-            "overlay active",
-            (up or {}).get("overlay_active"),
-            (ov or {}).get("overlay_active"),
-        )
-    ]
+    active = [(r or {}).get("overlay_active") for r in (up, ov)]
+    rows = [Row(model, "setup", "overlay active", *active)]
     eu_all, eo_all = _engines(up), _engines(ov)
     for name in list(dict.fromkeys([*eu_all, *eo_all])):
         eu, eo = eu_all.get(name, {}), eo_all.get(name, {})
-        rows += [
-            Row(
-                model,
-                f"engine {name}",
-                label,
-                _engine_value(eu, key),
-                _engine_value(eo, key),
-            )
-            for key, label in ENGINE_ROWS
-        ]
+        for key, label in ENGINE_ROWS:
+            values = _engine_value(eu, key), _engine_value(eo, key)
+            rows.append(Row(model, f"engine {name}", label, *values))
     return rows
 
 
@@ -271,25 +257,14 @@ def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]
         verdict = tokens_verdict(a["tokens"], b["tokens"]) if a and b else "missing"
         rows.append(Row(model, where, "overlay == upstream", "", verdict))
         if a and b and a["tokens"] != b["tokens"]:
-            rows.append(
-                Row(
-                    model,
-                    where,
-                    "top-2 logprob gap, 1st diff",
-                    first_difference_gap(a, b["tokens"]),
-                    first_difference_gap(b, a["tokens"]),
-                )
+            gaps = (
+                first_difference_gap(a, b["tokens"]),
+                first_difference_gap(b, a["tokens"]),
             )
+            rows.append(Row(model, where, "top-2 logprob gap, 1st diff", *gaps))
         if name != "pc_off":
-            rows.append(
-                Row(
-                    model,
-                    where,
-                    "== pc_off, same mode",
-                    same_as_pc_off(cu, name),
-                    same_as_pc_off(co, name),
-                )
-            )
+            same = same_as_pc_off(cu, name), same_as_pc_off(co, name)
+            rows.append(Row(model, where, "== pc_off, same mode", *same))
         for key, label in (
             ("preemptions", "preemptions"),
             ("cached_tokens", "cached tokens"),
@@ -329,9 +304,8 @@ def comparison_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
             if key == "engine_start_error" and a is None and b is None:
                 continue
             rows.append(Row(model, f"one_long {part}", label, a, b))
-        rows.append(
-            Row(model, f"one_long {part}", "wall s", wu.get("wall_s"), wo.get("wall_s"))
-        )
+        walls = wu.get("wall_s"), wo.get("wall_s")
+        rows.append(Row(model, f"one_long {part}", "wall s", *walls))
     rows += _same_tokens_rows(model, up, ov)
     return rows
 
