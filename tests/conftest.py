@@ -63,6 +63,12 @@ def pytest_addoption(parser):
         action="store_true",
         help="collect tests/kernels (Triton interpreter; run it on its own)",
     )
+    parser.addoption(
+        "--extended",
+        action="store_true",
+        help="also run the extended tier (tests marked extended: more engine "
+        "variants of behaviour the default run already checks)",
+    )
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -74,6 +80,11 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):
+        extended = pytest.mark.skip(reason="extended tier: run with --extended")
+        for item in items:
+            if item.get_closest_marker("extended") is not None:
+                item.add_marker(extended)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is present here")
