@@ -148,8 +148,7 @@ def same_tokens(start: list, end: list) -> Check:
 
 
 def _probes(target: Target, specs) -> list[list[int] | str]:
-    """Each probe alone on the server (its tokens do not depend on a
-    batch): its token ids, or what went wrong."""
+    """Each probe alone (batch-independent): its token ids, or the error."""
     out: list[list[int] | str] = []
     for spec in specs:
         o = submit(target, spec)
@@ -167,9 +166,8 @@ def _health(url: str) -> Check:
 
 
 def _idle(url: str, pooled: bool, name: str = "idle KV = 0") -> tuple[Check, dict]:
-    """No request and no KV block in use once idle: both pools' used bytes
-    (pooled mode) and vLLM's usage gauge; a value that stays above 0 is a
-    leaked block."""
+    """No request and no KV block in use once idle (both pools' used bytes in
+    pooled mode, vLLM's usage gauge); a value that stays above 0 is a leak."""
     values = wait_idle(url)
     missing = pooled and not {"token_used_bytes", "state_used_bytes"} <= set(values)
     detail = ", ".join(f"{k} {v:g}" for k, v in values.items())
@@ -178,9 +176,8 @@ def _idle(url: str, pooled: bool, name: str = "idle KV = 0") -> tuple[Check, dic
 
 
 def _held(cfg: SoakConfig, target: Target, pooled: bool) -> tuple[Check, dict]:
-    """``max_num_seqs + held_extra`` long requests held open: the scheduler
-    runs at most ``max_num_seqs`` of them and queues the rest, and KV memory
-    is in use while they run (both pools in pooled mode)."""
+    """``max_num_seqs + held_extra`` long requests held open: at most
+    ``max_num_seqs`` run, the rest wait, KV memory (both pools) in use."""
     count = cfg.max_num_seqs + cfg.held_extra
     with held_requests(target.url, target.model, count) as metrics:
         held = metrics.kv_in_use()
