@@ -48,26 +48,27 @@ class EngineSpec:
     prefix_cache_retention_interval: int | None = 0
 
     def llm_kwargs(self) -> dict[str, Any]:
-        extra = {} if self.block_size is None else {"block_size": self.block_size}
-        # turn-end retention explicitly, whatever the overlay's default
-        hybrid_kv: dict[str, Any] = {"retain_turn_ends": self.retain_turn_ends}
-        if not self.couple_prefix_caches:
-            hybrid_kv["couple_prefix_caches"] = False
-        if not self.pooled:
-            hybrid_kv["pooled"] = False
-        if self.prefill_checkpoint_interval is not None:
-            hybrid_kv["prefill_checkpoint_interval"] = self.prefill_checkpoint_interval
-        if self.prefix_match_unit is not None:
-            extra["prefix_match_unit"] = self.prefix_match_unit
+        # turn-end retention explicitly, whatever the overlay's default; the
+        # other options only where they differ from the engine's default
+        hybrid_kv = {
+            "retain_turn_ends": self.retain_turn_ends,
+            "couple_prefix_caches": None if self.couple_prefix_caches else False,
+            "pooled": None if self.pooled else False,
+            "prefill_checkpoint_interval": self.prefill_checkpoint_interval,
+        }
+        extra = {
+            "block_size": self.block_size,
+            "prefix_match_unit": self.prefix_match_unit,
+            "mamba_block_size": self.mamba_block_size if self.prefix_caching else None,
+            "kv_cache_dtype_skip_layers": list(self.kv_cache_dtype_skip_layers) or None,
+        }
+        extra = {k: v for k, v in extra.items() if v is not None}
         if self.prefix_cache_retention_interval != 0:
             extra["prefix_cache_retention_interval"] = (
                 self.prefix_cache_retention_interval
             )
+        hybrid_kv = {k: v for k, v in hybrid_kv.items() if v is not None}
         extra["additional_config"] = {"hybrid_kv": hybrid_kv}
-        if self.mamba_block_size is not None and self.prefix_caching:
-            extra["mamba_block_size"] = self.mamba_block_size
-        if self.kv_cache_dtype_skip_layers:
-            extra["kv_cache_dtype_skip_layers"] = list(self.kv_cache_dtype_skip_layers)
         return extra | {
             "model": self.model_path,
             "kv_cache_memory_bytes": self.budget_bytes,
