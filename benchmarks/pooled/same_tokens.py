@@ -64,14 +64,8 @@ def run_same_tokens_plain(
 
 
 def run_same_tokens_alone(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Each fixed prompt by itself, one after the other (prefix caching off).
-
-    Against the batched ``pc_off`` pass of the same engine this shows whether
-    a request's tokens depend on the requests it is batched with: a
-    difference here, in either mode, is the kernels' batch dependence, which
-    any change of schedule (more requests admitted, other prefix hits, other
-    preemptions) exposes.
-    """
+    """Each fixed prompt by itself (prefix caching off): the batch-dependence
+    control against ``pc_off`` (docs/benchmarks.md, same_tokens)."""
     prompts = same_tokens_prompts(cfg.seed, engine.vocab())
     passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
     return {
@@ -111,10 +105,8 @@ def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int | None:
 
 
 def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str:
-    """Largest, over the prompts whose tokens differ from ``other``'s, of this
-    run's best-minus-second log-probability at the first differing token: a
-    small value means greedy decoding was close to a tie there, so rounding
-    noise decides the token."""
+    """Largest top-2 log-probability gap of this run at the first token where
+    a prompt differs from ``other`` (small: a near tie, rounding decides)."""
     worst: float | None = None
     for mine, theirs, gaps in zip(
         run["tokens"], other, run.get("top2_gaps", []), strict=False

@@ -157,11 +157,8 @@ def _with_engine(
     body: Callable[[Engine], None],
     start_error_is_result: bool = False,
 ) -> None:
-    """Open one engine, run ``body`` on it, record start-up facts or errors.
-
-    For one_long an engine that refuses the budget is a result (it can serve
-    no prompt), not a harness failure, hence ``start_error_is_result``.
-    """
+    """Open one engine, run ``body`` on it, record start-up facts or errors
+    (a start error is a result with ``start_error_is_result``: one_long)."""
     try:
         with open_engine(spec) as engine:
             report.engines[name] = {**engine.describe(), "spec": asdict(spec)}
@@ -223,12 +220,8 @@ MAX_MODEL_LEN_STEP = 128
 
 
 def startable_max_model_len(spec: EngineSpec, cap: int) -> tuple[int, int]:
-    """Largest ``max_model_len`` (a multiple of the step) an engine accepts.
-
-    Used when an engine refuses ``max_model_len=-1`` (auto-fit): the largest
-    explicit value it accepts is what auto-fit would have chosen. Returns
-    (value or 0, number of probe starts).
-    """
+    """Largest ``max_model_len`` (a multiple of the step) an engine refusing
+    auto-fit accepts, or 0, and the number of probe starts."""
     probes = 0
 
     def starts(k: int) -> bool:
@@ -244,12 +237,8 @@ def startable_max_model_len(spec: EngineSpec, cap: int) -> tuple[int, int]:
 def one_long_part(
     report: WorkerReport, name: str, spec: EngineSpec, cfg: BenchConfig
 ) -> dict[str, Any]:
-    """One prefix-caching setting of one_long: start, fall back, search.
-
-    Both modes first try ``max_model_len=-1``. An engine that refuses it gets
-    the largest explicit ``max_model_len`` it accepts; an engine that accepts
-    none scores 0 tokens (a result, not a harness failure).
-    """
+    """One prefix-caching setting of one_long: start with auto-fit, else the
+    largest startable ``max_model_len`` (none: 0 tokens), then search."""
     parts: dict[str, Any] = {}
 
     def body(engine: Engine) -> None:
