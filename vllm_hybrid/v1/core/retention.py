@@ -42,6 +42,19 @@ from vllm.v1.request import Request
 from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import prefill_checkpoints
 
+#: Whether each manager class is upstream's MambaManager (an ABC subclass,
+#: so ``isinstance`` is slow, and it is asked for every group at every step).
+_IS_MAMBA: dict[type, bool] = {}
+
+
+def _align_mode(manager: Any) -> bool:
+    """Whether ``manager`` is an align-mode state (Mamba) manager."""
+    cls = type(manager)
+    mamba = _IS_MAMBA.get(cls)
+    if mamba is None:
+        mamba = _IS_MAMBA[cls] = isinstance(manager, MambaManager)
+    return mamba and manager.mamba_cache_mode == "align"
+
 
 @dataclass
 class DecodeCheckpoint:
@@ -117,16 +130,17 @@ class TurnEndRetentionMixin:
             if not manager.enable_caching:
                 continue
             num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
-            decoding = self.retain_turn_ends and self._keeps_turn_end(
-                manager, request, num_tokens
-            )
+            # asked once per group: the checks below run at every step
+            align = _align_mode(manager)
+            decoding = align and self._keeps_turn_end(request, num_tokens)
+            prefill = self._prefill_boundaries(manager, request) if align else range(0)
             manager.cache_blocks(
                 request,
                 num_tokens,
                 retention_interval=self.retention_interval,
                 replay_boundaries=(
                     *boundaries,
-                    *self._prefill_boundaries(manager, request),
+                    *prefill,
                     *((num_tokens,) if decoding else ()),
                 ),
             )
@@ -139,14 +153,19 @@ class TurnEndRetentionMixin:
                     request.num_prompt_tokens,
                 )
             elif self.prefill_checkpoint_interval:
-                self._record_prefill(group_id, manager, request, num_tokens)
+                self._record_prefill(group_id, manager, request, num_tokens, prefill)
 
     def _record_prefill(
-        self, group_id: int, manager: Any, request: Request, num_tokens: int
+        self,
+        group_id: int,
+        manager: Any,
+        request: Request,
+        num_tokens: int,
+        positions: range,
     ) -> None:
         """Note the prefill checkpoints a chunk ending at ``num_tokens`` just
-        cached, to rank them once their request moves past them."""
-        positions = self._prefill_boundaries(manager, request)
+        cached (``positions``: the request's in this group), to rank them
+        once their request moves past them."""
         if num_tokens not in positions:
             return  # only a chunk ending on a checkpoint writes one
         blocks = manager.req_to_blocks.get(request.request_id) or []
@@ -165,21 +184,18 @@ class TurnEndRetentionMixin:
 
     def _prefill_boundaries(self, manager: Any, request: Request) -> range:
         """Prefill checkpoints of an align-mode state group's request."""
-        if not (
-            isinstance(manager, MambaManager) and manager.mamba_cache_mode == "align"
-        ):
-            return range(0)
         return prefill_checkpoints(
             request.num_prompt_tokens,
             self.prefill_checkpoint_interval,
             manager.block_size,
         )
 
-    def _keeps_turn_end(self, manager: Any, request: Request, num_tokens: int) -> bool:
+    def _keeps_turn_end(self, request: Request, num_tokens: int) -> bool:
+        """Whether an align-mode state group caches ``num_tokens`` as a
+        decode checkpoint."""
         return (
-            self.retention_interval is not None
-            and isinstance(manager, MambaManager)
-            and manager.mamba_cache_mode == "align"
+            self.retain_turn_ends
+            and self.retention_interval is not None
             and num_tokens > request.num_prompt_tokens
         )
 

@@ -243,9 +243,6 @@ class ArenaBoundary:
         """State floor that satisfies both needs, or None if none does.
         Blocks ``reach`` spares count as neither free nor movable."""
         token, state = self.token_pool, self.state_pool
-        kept = {(id(block.pool), block.block_id) for block in keep}
-        for pool in (token, state):
-            kept |= {(id(pool), i) for i in pool.free_block_queue.spared_ids(reach)}
         free_token = token.get_num_free_within(reach)
         free_state = state.get_num_free_within(reach)
         short_token = need_token > free_token
@@ -263,14 +260,22 @@ class ArenaBoundary:
             lost = range(self._state_floor, target)
             if free_state - len(lost) < need_state:
                 return None
-            return target if _all_free(state, lost, kept) else None
+            return target if _all_free(state, lost, self._kept(keep, reach)) else None
         target = self._state_floor - (need_state - free_state)
         if target < layout.min_state_floor:
             return None
         lost = self._token_ids_lost(target)
         if free_token - len(lost) < need_token:
             return None
-        return target if _all_free(token, lost, kept) else None
+        return target if _all_free(token, lost, self._kept(keep, reach)) else None
+
+    def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
+        """(pool, id) of the blocks a move must leave alone; built only when
+        a plan moves the boundary (most plans need no move)."""
+        kept = {(id(block.pool), block.block_id) for block in keep}
+        for pool in (self.token_pool, self.state_pool):
+            kept |= {(id(pool), i) for i in pool.free_block_queue.spared_ids(reach)}
+        return kept
 
     def _token_ids_lost(self, target: int) -> range:
         """Owned token ids at or above the token limit of state floor ``target``."""

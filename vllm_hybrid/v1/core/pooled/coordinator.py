@@ -40,6 +40,10 @@ class PooledCoordinatorMixin:
     single_type_managers: tuple[Any, ...]
 
     def _bind_arena(self) -> None:
+        # no encoder blocks in the arena (checked once: the managers are fixed)
+        assert not any(
+            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
+        )
         upstream_pool = self.block_pool  # built by upstream; only settings kept
         self.arena = KVArena(
             self.kv_cache_config.layout,
@@ -113,9 +117,6 @@ class PooledCoordinatorMixin:
         if self.retention_interval != 0:
             prefill_end = 0
         self._in_place.pop(request_id, None)
-        assert not any(
-            isinstance(m, CrossAttentionManager) for m in self.single_type_managers
-        )
         needs = [
             manager.get_num_blocks_to_allocate(
                 request_id,

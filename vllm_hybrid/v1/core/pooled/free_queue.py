@@ -59,11 +59,14 @@ class ArenaFreeBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._clean) + sum(len(lru) for lru in self._lru.values())
+        return len(self._clean) + sum(map(len, self._lru.values()))
 
     def num_free_within(self, reach: Reach) -> int:
         """Free blocks an allocation of ``reach`` may take."""
-        return self.num_free_blocks - sum(len(self._segment(s)) for s in SPARED[reach])
+        spared = SPARED[reach]
+        if not spared:
+            return self.num_free_blocks
+        return self.num_free_blocks - sum(len(self._segment(s)) for s in spared)
 
     def spared_ids(self, reach: Reach) -> list[int]:
         """Ids of free blocks an allocation of ``reach`` must leave alone."""

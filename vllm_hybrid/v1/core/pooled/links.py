@@ -37,21 +37,6 @@ StateKey = BlockHashWithGroupId
 Chain = tuple[int, Callable[[int], TokenKey]]
 
 
-class _Node:
-    """A needed token key: where it sits in its group's tree."""
-
-    __slots__ = ("parent", "depth", "ends", "kids")
-
-    def __init__(self, parent: TokenKey | None, depth: int) -> None:
-        self.parent = parent
-        #: index of the block in its request's chain
-        self.depth = depth
-        #: checkpoints whose prefix in this group ends at this key
-        self.ends: set[StateKey] = set()
-        #: keys of the next block that are needed
-        self.kids: set[TokenKey] = set()
-
-
 @dataclass
 class CheckpointLinks:
     """Which full-attention block keys each cached state checkpoint needs.
@@ -66,8 +51,13 @@ class CheckpointLinks:
     #: deepest needed key of each linked checkpoint, per group (in group
     #: order; groups its prefix has no full block of are left out)
     tips: dict[StateKey, tuple[TokenKey, ...]] = field(default_factory=dict)
-    #: every needed token key (see the module docstring)
-    nodes: dict[TokenKey, _Node] = field(default_factory=dict)
+    #: every needed token key (see the module docstring): the key of the
+    #: block before it (None for a first block) and its index in the chain
+    nodes: dict[TokenKey, tuple[TokenKey | None, int]] = field(default_factory=dict)
+    #: needed keys of the next block, for the keys that have any
+    kids: dict[TokenKey, set[TokenKey]] = field(default_factory=dict)
+    #: checkpoints whose prefix in a group ends at a key, for those keys
+    ends: dict[TokenKey, set[StateKey]] = field(default_factory=dict)
     #: checkpoint keys still cached whose attention prefix is incomplete
     broken: set[StateKey] = field(default_factory=set)
 
@@ -151,15 +141,14 @@ class CheckpointLinks:
     ) -> tuple[list[StateKey], list[TokenKey]]:
         """A token key left the token pool's cache. Returns the checkpoints
         this breaks and the other token keys only those checkpoints needed."""
-        node = self.nodes.get(token_key)
-        if node is None:
+        if token_key not in self.nodes:
             return [], []
         states: list[StateKey] = []
-        below = [node]
+        below = [token_key]
         while below:
-            n = below.pop()
-            states.extend(n.ends)
-            below.extend(self.nodes[k] for k in n.kids)
+            key = below.pop()
+            states.extend(self.ends.get(key, ()))
+            below.extend(self.kids.get(key, ()))
         states.sort()
         orphans: list[TokenKey] = []
         for state_key in states:
@@ -187,14 +176,18 @@ class CheckpointLinks:
                 assert token_key in token_keys, "checkpoint needs an evicted block"
         ends = {(t, s) for s, tips in self.tips.items() for t in tips}
         for token_key, state_key in ends:
-            assert state_key in self.nodes[token_key].ends, "links asymmetric"
-        for token_key, node in self.nodes.items():
-            assert node.ends or node.kids, "unneeded key kept in the tree"
-            assert all((token_key, s) in ends for s in node.ends), "asymmetric"
-            for kid in node.kids:
-                assert self.nodes[kid].parent == token_key, "tree asymmetric"
-            if node.parent is not None:
-                assert token_key in self.nodes[node.parent].kids, "tree asymmetric"
+            assert state_key in self.ends[token_key], "links asymmetric"
+        for token_key, users in self.ends.items():
+            assert users, "empty ends entry"
+            assert all((token_key, s) in ends for s in users), "asymmetric"
+        for token_key, kids in self.kids.items():
+            assert kids, "empty kids entry"
+            for kid in kids:
+                assert self.nodes[kid][0] == token_key, "tree asymmetric"
+        for token_key, (parent, _) in self.nodes.items():
+            assert token_key in self.ends or token_key in self.kids, "unneeded key"
+            if parent is not None:
+                assert token_key in self.kids[parent], "tree asymmetric"
         assert set(self.needed_by) == set(self.nodes), "needed keys disagree"
         assert self.broken <= cached_states, "broken key no longer cached"
 
@@ -220,7 +213,7 @@ class CheckpointLinks:
     def _attach(self, state_key: StateKey, chains: list[Chain]) -> None:
         """Link ``state_key`` below the keys of ``chains`` (all cached)."""
         self.broken.discard(state_key)
-        nodes = self.nodes
+        nodes, kids = self.nodes, self.kids
         tips: list[TokenKey] = []
         for count, key_at in chains:
             if not count:
@@ -231,20 +224,20 @@ class CheckpointLinks:
             i = count - 1
             token_key = tip
             while True:
-                node = nodes.get(token_key)
-                if node is not None:
-                    assert node.depth == i, "block hashes are not chained"
+                known = nodes.get(token_key)
+                if known is not None:
+                    assert known[1] == i, "block hashes are not chained"
                     if child is not None:
-                        node.kids.add(child)
+                        kids.setdefault(token_key, set()).add(child)
                     break
                 parent = key_at(i - 1) if i else None
-                node = nodes[token_key] = _Node(parent, i)
+                nodes[token_key] = (parent, i)
                 if child is not None:
-                    node.kids.add(child)
+                    kids[token_key] = {child}
                 if parent is None:
                     break
                 child, token_key, i = token_key, parent, i - 1
-            nodes[tip].ends.add(state_key)
+            self.ends.setdefault(tip, set()).add(state_key)
             tips.append(tip)
         self.tips[state_key] = tuple(tips)
 
@@ -254,21 +247,27 @@ class CheckpointLinks:
         """Drop a checkpoint; returns the keys no longer needed (but
         ``skip``), in :meth:`token_keys` order."""
         orphans: list[TokenKey] = []
-        nodes = self.nodes
+        nodes, kids, ends = self.nodes, self.kids, self.ends
         for tip in self.tips.pop(state_key, ()):
-            node = nodes[tip]
-            node.ends.discard(state_key)
+            users = ends[tip]
+            users.discard(state_key)
+            if users:
+                continue
+            del ends[tip]
             gone: list[TokenKey] = []
-            token_key = tip
-            while not (node.ends or node.kids):
-                del nodes[token_key]
+            token_key: TokenKey | None = tip
+            # Walk up while the key has no checkpoint and no needed kid left.
+            while token_key is not None and token_key not in kids:
+                if token_key in ends:
+                    break
+                parent = nodes.pop(token_key)[0]
                 if token_key != skip:
                     gone.append(token_key)
-                parent = node.parent
-                if parent is None:
-                    break
-                node = nodes[parent]
-                node.kids.discard(token_key)
+                if parent is not None:
+                    siblings = kids[parent]
+                    siblings.discard(token_key)
+                    if not siblings:
+                        del kids[parent]
                 token_key = parent
             gone.reverse()
             orphans.extend(gone)
@@ -281,6 +280,6 @@ class CheckpointLinks:
             token_key: TokenKey | None = tip
             while token_key is not None:
                 chain.append(token_key)
-                token_key = self.nodes[token_key].parent
+                token_key = self.nodes[token_key][0]
             keys.extend(reversed(chain))
         return tuple(keys)
