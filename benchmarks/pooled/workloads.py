@@ -9,7 +9,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
-from vllm_hybrid.tools.simulate.sources import ChatServerShape, ChatServerWorkload
+from vllm_hybrid.tools.simulate.sources import (
+    ChatServerShape,
+    ChatServerWorkload,
+    MultiTurnShape,
+    MultiTurnWorkload,
+)
 
 from .checkpoints import counters_of, per_unit
 from .config import BenchConfig
@@ -93,28 +98,27 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Conversations sharing a system prefix, run turn by turn."""
+    """Conversations sharing a system prefix, run turn by turn: the
+    simulator's :class:`~vllm_hybrid.tools.simulate.sources.MultiTurnWorkload`
+    (same ids and prompts), one drive per turn."""
     engine.reset_prefix_cache()
     evicted_before = coupled_evictions(engine.scheduler)
     counters = _reset_counters(engine)
-    vocab = engine.vocab()
-    system = wl.multi_turn_system(cfg.seed, vocab, cfg.multi_turn_system_len)
-    histories = [list(system) for _ in range(cfg.multi_turn_conversations)]
+    shape = MultiTurnShape(
+        cfg.multi_turn_conversations,
+        cfg.multi_turn_turns,
+        cfg.multi_turn_system_len,
+        cfg.multi_turn_user_len,
+        cfg.multi_turn_output,
+        cfg.seed,
+    )
+    workload = MultiTurnWorkload(shape, engine.vocab())
     per_turn: list[dict[str, Any]] = []
     cached = prompt_tokens = out_tokens = preemptions = steps = 0
     wall = cpu = 0.0
     for turn in range(cfg.multi_turn_turns):
-        subs = [
-            Submission(
-                f"conv{conv}-turn{turn}",
-                history
-                + wl.multi_turn_user(
-                    cfg.seed, vocab, conv, turn, cfg.multi_turn_user_len
-                ),
-                cfg.multi_turn_output,
-            )
-            for conv, history in enumerate(histories)
-        ]
+        due = workload.due(0.0)
+        subs = [Submission(r.request_id, r.prompt, r.max_tokens) for r in due]
         result = drive(engine, subs, cfg)
         check_finished(result, f"multi_turn turn {turn}")
         turn_cached = sum(o.num_cached_tokens or 0 for o in result.outputs.values())
@@ -128,8 +132,8 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
                 "preemptions": result.preemptions,
             }
         )
-        for conv, sub in enumerate(subs):
-            histories[conv] = sub.prompt + result.token_ids(sub.key)
+        for sub in subs:
+            workload.finished(sub.key, result.token_ids(sub.key), 0.0)
         cached += turn_cached
         prompt_tokens += turn_prompt
         out_tokens += result.output_tokens()
