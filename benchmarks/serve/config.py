@@ -11,12 +11,9 @@ from pathlib import Path
 
 from benchmarks.harness import KV_CACHE_DTYPES, MODELS, MODES, TINY_MODELS, server_args
 
-#: The load of one rate, in ``vllm bench serve`` options: every prompt starts
-#: with the same 576 random tokens (a chat service's system prompt: 4.5 blocks
-#: of 128 tokens in pooled mode, 2.25 of upstream's 256-token ``qwen3_5``
-#: block, 1.5 of its 384-token ``qwen3_next`` block: every layout loses a
-#: partial block), then 36-252 tokens of its own; 32-96 output tokens, so
-#: requests finish at different steps and the batch changes shape.
+#: The load of one rate, in ``vllm bench serve`` options: a shared 576-token
+#: prefix (a partial block in every layout), then 36-252 tokens of its own;
+#: 32-96 output tokens, so the batch changes shape (docs/benchmarks.md).
 DATASET_ARGS = (
     "--dataset-name=random",
     "--random-prefix-len=576",

@@ -31,18 +31,12 @@ class SoakConfig:
     rounds: int = 4
     #: Socket timeout of every request: no request hangs beyond it.
     request_timeout: float = 120.0
-    #: Allowed growth of the server's RSS (all its processes) from the
-    #: middle of the run to its end. The engine worker's memory rises in
-    #: steps when a batch reaches a new size (measured at 1,200 requests:
-    #: +94 MiB pooled, +59 MiB upstream from the middle, flat afterwards);
-    #: a leak of 0.25 MiB per request crosses 128 MiB within 600 requests.
+    #: RSS bounds (why these: docs/benchmarks.md, "Soak"): growth of all the
+    #: server's processes from the middle of the run to its end, of the API
+    #: server and the engine core each, and the run length below which the
+    #: growth is reported but not judged (the worker grows for ~450 requests).
     rss_growth_mib: float = 128.0
-    #: Allowed growth of the API server and of the engine core each (they
-    #: keep the per-request state; measured: under 2 MiB).
     flat_process_mib: float = 16.0
-    #: Runs shorter than this report the RSS growth without judging it: the
-    #: engine worker's private memory grows for its first ~450 requests
-    #: (new batch shapes; the same in upstream vLLM) before it levels off.
     rss_min_requests: int = 800
     #: Greedy probes sent at the start and again at the end.
     probes: int = 3
