@@ -23,7 +23,9 @@ from engine_utils import Greedy, near_tie_differences
 from benchmarks.pooled import cli
 from benchmarks.pooled.config import MODES
 
-pytestmark = pytest.mark.slow
+# Token equality across modes is also checked by tests/gpu/test_modes_agree.py
+# and the engine tests; this benchmark's matrix runs in the extended tier.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 MODELS = ("qwen3_5", "qwen3_next")
 

@@ -208,6 +208,7 @@ def test_tables_show_runs_ratios_and_servers_that_did_not_run():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_quick_run_of_both_modes(tmp_path):
     """``--quick`` on ``qwen3_5`` with bf16 in both modes: every request
     completes with all its tokens, the servers' counters and peaks are

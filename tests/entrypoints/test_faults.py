@@ -149,6 +149,7 @@ def test_sigterm_under_load_exits_cleanly_and_frees_the_port(tiny_model_dir, tmp
         assert all(_ended_by_shutdown(o) for o in outcomes), outcomes
 
 
+@pytest.mark.extended
 def test_killed_tensor_parallel_worker_ends_the_server_with_a_clear_message(
     tiny_model_dir, tmp_path
 ):

@@ -95,7 +95,10 @@ def _env(core: int) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+@pytest.fixture(
+    scope="module",
+    params=["tensor", pytest.param("pipeline", marks=pytest.mark.extended)],
+)
 def nodes(request, tiny_model_dir, tmp_path_factory):
     parallel = request.param
     model = str(tiny_model_dir("qwen3_next"))
