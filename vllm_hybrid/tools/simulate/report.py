@@ -58,6 +58,11 @@ def _cell(value: Any, fmt: str, reference: Any, ratio: bool) -> str:
     return text
 
 
+def engine_label(engines: Mapping[str, Any], name: str) -> str:
+    """An engine's name, with its best run's name for a swept engine."""
+    return f"{name} ({engines[name]['best']})" if name.endswith("best") else name
+
+
 def engine_ratio_defined(reference: Any) -> bool:
     return isinstance(reference, (int, float)) and reference != 0
 
@@ -71,7 +76,7 @@ def render_table(engines: Mapping[str, Any]) -> str:
     reference = next((r for r in REFERENCE if r in runs), None)
     header = [
         "",
-        *(f"{n} ({engines[n]['best']})" if n.endswith("best") else n for n in names),
+        *(engine_label(engines, n) for n in names),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, section, key, fmt, ratio in ROWS:
@@ -108,7 +113,7 @@ def render_summary(engines: Mapping[str, Any], case: str) -> str:
     ref = (runs[reference].get("counted") or {}) if reference else {}
     lines = []
     for name, summary in runs.items():
-        label = f"{name} ({engines[name]['best']})" if name.endswith("best") else name
+        label = engine_label(engines, name)
         if "error" in summary:
             lines.append(f"| {case} | {label} | failed | | | | | |")
             continue
