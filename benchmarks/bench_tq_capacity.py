@@ -26,21 +26,14 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import benchmarks.pooled as bp  # noqa: E402
+from benchmarks.pooled.worker import engine_specs  # noqa: E402
 
 
 def longest_prompt(kind: str, path: str, dtype: str, prefix: bool, cfg) -> dict:
     """bench_pooled's one_long result for one cache dtype."""
-    spec = bp.EngineSpec(
-        model_path=path,
-        budget_bytes=cfg.one_long_budget_bytes,
-        prefix_caching=prefix,
-        max_num_seqs=1,
-        max_model_len=cfg.one_long_max_model_len,
-        enforce_eager=cfg.enforce_eager,
-        seed=cfg.seed,
-        block_size=cfg.one_long_block_size,
-        kv_cache_dtype=dtype,
-    )
+    cfg = replace(cfg, kv_cache_dtype=dtype)
+    spec = engine_specs(path, kind, cfg)["one_long_pc_off"]
+    spec = replace(spec, prefix_caching=prefix)
     report = bp.WorkerReport(model=kind, mode=dtype)
     result = bp.one_long_part(report, f"one_long_{dtype}", spec, cfg)
     metrics = result["metrics"]

@@ -7,7 +7,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gaps
@@ -46,6 +46,21 @@ class EngineSpec:
     prefill_checkpoint_interval: int | None = None
     prefix_match_unit: int | None = None
     prefix_cache_retention_interval: int | None = 0
+
+    @classmethod
+    def from_config(
+        cls, model_path: str, cfg: BenchConfig, prefix_caching: bool, mode: str
+    ) -> EngineSpec:
+        """The main engine of ``mode``: the fields ``cfg`` names alike, the
+        upstream_best tuning flags in that mode only."""
+        given = {
+            f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)
+        }
+        if mode != "upstream_best":
+            given |= {"prefix_match_unit": None, "prefix_cache_retention_interval": 0}
+        return cls(
+            model_path, prefix_caching=prefix_caching, pooled=mode != "single", **given
+        )
 
     def llm_kwargs(self) -> dict[str, Any]:
         # turn-end retention explicitly, whatever the overlay's default; the

@@ -84,29 +84,7 @@ def engine_specs(
 ) -> dict[str, EngineSpec]:
     """The engines a worker in ``mode`` may need, by purpose."""
     pc = kind not in NO_PREFIX_CACHING_KINDS
-    best = mode == "upstream_best"
-    main = EngineSpec(
-        model_path,
-        cfg.budget_bytes,
-        pc,
-        cfg.max_num_seqs,
-        cfg.max_model_len,
-        cfg.enforce_eager,
-        cfg.seed,
-        cfg.block_size,
-        cfg.mamba_block_size,
-        cfg.couple_prefix_caches,
-        cfg.mamba_ssm_cache_dtype,
-        cfg.kv_cache_dtype,
-        cfg.retain_turn_ends,
-        cfg.kv_cache_dtype_skip_layers,
-        pooled=mode != "single",
-        prefill_checkpoint_interval=cfg.prefill_checkpoint_interval,
-        prefix_match_unit=cfg.prefix_match_unit if best else None,
-        prefix_cache_retention_interval=(
-            cfg.prefix_cache_retention_interval if best else 0
-        ),
-    )
+    main = EngineSpec.from_config(model_path, cfg, pc, mode)
     one_long = replace(
         main,
         budget_bytes=cfg.one_long_budget_bytes,
