@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -314,26 +315,19 @@ def serve(
         stop(handle)
 
 
-def server_args(
-    kv_cache_mib: float,
-    max_model_len: int,
-    max_num_seqs: int,
-    dtype: str = "auto",
-    seed: int = 0,
-    compile: bool = False,
-) -> list[str]:
-    """``vllm serve`` options of the benchmarks' servers: float32 SSM state
-    (a budget splits the same on every host), eager unless ``compile``."""
+def server_args(cfg: Any, dtype: str) -> list[str]:
+    """``vllm serve`` options of a soak or serve config's servers: float32 SSM
+    state (a budget splits the same on every host), eager unless ``compile``."""
     args = [
-        f"--kv-cache-memory-bytes={int(kv_cache_mib * MIB)}",
+        f"--kv-cache-memory-bytes={int(cfg.kv_cache_mib * MIB)}",
         f"--kv-cache-dtype={dtype}",
-        f"--max-model-len={max_model_len}",
-        f"--max-num-seqs={max_num_seqs}",
+        f"--max-model-len={cfg.max_model_len}",
+        f"--max-num-seqs={cfg.max_num_seqs}",
         "--mamba-ssm-cache-dtype=float32",
-        f"--seed={seed}",
+        f"--seed={cfg.seed}",
         "--disable-uvicorn-access-log",
     ]
-    return args if compile else [*args, "--enforce-eager"]
+    return args if cfg.compile else [*args, "--enforce-eager"]
 
 
 def mode_env(mode: str) -> dict[str, str]:

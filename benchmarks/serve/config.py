@@ -9,7 +9,7 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from benchmarks.harness import KV_CACHE_DTYPES, MODELS, MODES, TINY_MODELS, server_args
+from benchmarks.harness import KV_CACHE_DTYPES, MODELS, MODES, TINY_MODELS
 
 #: The load of one rate, in ``vllm bench serve`` options: a shared 576-token
 #: prefix (a partial block in every layout), then 36-252 tokens of its own;
@@ -63,17 +63,6 @@ class BenchConfig:
     compile: bool = False
     model_dir: Path = TINY_MODELS
     log_dir: Path | None = None
-
-    def server_args(self, dtype: str) -> list[str]:
-        """``vllm serve`` options; only the dtype differs between servers."""
-        return server_args(
-            self.kv_cache_mib,
-            self.max_model_len,
-            self.max_num_seqs,
-            dtype,
-            self.seed,
-            self.compile,
-        )
 
     def bench_args(self, url: str, model: str, rate: float) -> list[str]:
         """``vllm bench serve`` options of one rate on one server: streaming

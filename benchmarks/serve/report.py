@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from benchmarks.harness import server_args
+
 from .config import BenchConfig, rate_key
 from .run import RateRun, ServerResult
 
@@ -132,7 +134,7 @@ def document(
     """Everything of the invocation, as ``--json`` writes it."""
     return {
         "config": {k: str(v) for k, v in asdict(cfg).items()},
-        "server_args": {d: cfg.server_args(d) for d in cfg.dtypes},
+        "server_args": {d: server_args(cfg, d) for d in cfg.dtypes},
         "bench_args": {
             rate_key(r): cfg.bench_args("URL", "MODEL", r) for r in cfg.rates
         },

@@ -22,6 +22,7 @@ from benchmarks.harness import (
     read_log,
     scrape,
     serve,
+    server_args,
     shutdown_report,
     tiny_model,
 )
@@ -145,7 +146,7 @@ def run_server(
         with (
             serve(
                 tiny_model(model, cfg.model_dir),
-                cfg.server_args(dtype),
+                server_args(cfg, dtype),
                 log_path=log_path,
                 env=mode_env(mode),
             ) as handle,

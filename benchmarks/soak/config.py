@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import MODES, TINY_MODELS, server_args
+from benchmarks.harness import MODES, TINY_MODELS
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,6 @@ class SoakConfig:
     log_dir: Path | None = None
     compile: bool = False
     ready_timeout: float = 300.0
-
-    def server_args(self) -> list[str]:
-        return server_args(
-            self.kv_cache_mib,
-            self.max_model_len,
-            self.max_num_seqs,
-            self.kv_cache_dtype,
-            self.seed,
-            self.compile,
-        )
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from benchmarks.harness import (
     request,
     scrape,
     serve,
+    server_args,
     shutdown_report,
     stop,
     tiny_model,
@@ -307,7 +308,7 @@ def run_mode(
     try:
         with serve(
             path,
-            cfg.server_args(),
+            server_args(cfg, cfg.kv_cache_dtype),
             log_path=log_file,
             env=mode_env(mode),
             ready_timeout=cfg.ready_timeout,

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from benchmarks.harness import REPO_ROOT, Metrics
+from benchmarks.harness import REPO_ROOT, Metrics, server_args
 from benchmarks.serve import cli, config, report, run
 
 
@@ -68,7 +68,7 @@ def test_vllm_reads_the_arguments_as_the_documented_load():
 
 def test_server_args_differ_only_in_the_dtype():
     cfg = config.BenchConfig(kv_cache_mib=24)
-    auto, tq = cfg.server_args("auto"), cfg.server_args("turboquant_k8v4")
+    auto, tq = server_args(cfg, "auto"), server_args(cfg, "turboquant_k8v4")
     assert [a for a in auto if a not in tq] == ["--kv-cache-dtype=auto"]
     assert f"--kv-cache-memory-bytes={24 * 2**20}" in auto
     assert "--enforce-eager" in auto and "--mamba-ssm-cache-dtype=float32" in auto
