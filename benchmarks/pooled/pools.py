@@ -138,7 +138,6 @@ class KVSample:
 
     step: int
     running: int
-    waiting: int
     reserved_bytes: int
     needed_bytes: float
 
@@ -155,7 +154,6 @@ def sample_kv(scheduler: Any, geometry: KVGeometry, step: int) -> KVSample:
     return KVSample(
         step=step,
         running=len(running),
-        waiting=len(scheduler.waiting),
         reserved_bytes=sum(p.used_bytes for p in kv_pools(scheduler)),
         needed_bytes=geometry.bytes_needed(r.num_computed_tokens for r in running),
     )

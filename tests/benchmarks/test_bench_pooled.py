@@ -193,10 +193,9 @@ def test_sample_kv_reserves_the_used_blocks_of_every_pool():
     arena.state_pool.get_new_blocks(1)
     scheduler = _pooled_scheduler(arena)
     scheduler.running = [SimpleNamespace(num_computed_tokens=5)]
-    scheduler.waiting = [object(), object()]
     geometry = pools.KVGeometry(0.5, 7, 1, 1)
     sample = pools.sample_kv(scheduler, geometry, step=3)
-    assert sample == pools.KVSample(3, 1, 2, 3 * 4 + 10, 5 * 0.5 + 7)
+    assert sample == pools.KVSample(3, 1, 3 * 4 + 10, 5 * 0.5 + 7)
 
 
 def test_coupled_evictions_only_with_coupled_prefix_caches():
