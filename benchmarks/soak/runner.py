@@ -30,6 +30,7 @@ from benchmarks.harness import (
     tiny_model,
     wait_idle,
 )
+from benchmarks.pooled.same_tokens import first_difference
 
 from .client import FAILURES, Target, run_phase, submit
 from .config import SoakConfig, middle_phase, phase_plan
@@ -133,11 +134,7 @@ def same_tokens(start: list, end: list) -> Check:
     diffs = []
     for i, (a, b) in enumerate(zip(start, end, strict=False)):
         if a != b and isinstance(a, list) and isinstance(b, list):
-            at = next(
-                (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                len(a),
-            )
-            diffs.append(f"probe {i} differs at token {at}")
+            diffs.append(f"probe {i} differs at token {first_difference(a, b)}")
         elif a != b:
             diffs.append(f"probe {i}: {a if isinstance(a, str) else b}")
     ok = equal == len(start) == len(end)
