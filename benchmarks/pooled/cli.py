@@ -11,9 +11,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import MODELS
+
 from .config import (
     ALL_MODES,
-    DEFAULT_MODELS,
     DEFAULT_WORKLOADS,
     MIB,
     MODES,
@@ -67,7 +68,7 @@ FIELD_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 )
 #: Other options: flag, value type (or argparse action), default, help.
 OTHER_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
-    ("--models", _csv(None), list(DEFAULT_MODELS), "tiny model kinds"),
+    ("--models", _csv(None), list(MODELS), "tiny model kinds"),
     ("--workloads", _csv(WORKLOADS), list(DEFAULT_WORKLOADS), ",".join(WORKLOADS)),
     ("--modes", _csv(ALL_MODES), list(MODES), "the first is the reference"),
     ("--json", str, None, "also write all results to this JSON file"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from benchmarks.harness import MIB, MODELS, REPO_ROOT
+from benchmarks.harness import MIB, REPO_ROOT
 from benchmarks.harness import MODES as SWITCH
 
 RESULT_PREFIX = "BENCH_RESULT "
@@ -31,7 +31,6 @@ DEFAULT_WORKLOADS: tuple[str, ...] = (
 #: Every workload ``--workloads`` accepts: the default ones, the interleaved
 #: chat server and the two-turn checkpoint trace.
 WORKLOADS: tuple[str, ...] = (*DEFAULT_WORKLOADS, "chat_server", "two_turn")
-DEFAULT_MODELS: tuple[str, ...] = MODELS
 #: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
 NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
 #: The command line entry; workers are this script started with ``--worker``.
