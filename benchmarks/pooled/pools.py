@@ -78,18 +78,10 @@ def kv_geometry(kv_cache_config: Any) -> KVGeometry:
     return KVGeometry(per_token, state, n_attn, n_state, tuple(other))
 
 
-def shared_pool_block_bytes(kv_cache_config: Any) -> int:
-    """Bytes of one block id of upstream's single pool (every group's tensor
-    aliases one allocation of ``bytes_per_block * num_blocks`` bytes)."""
-    tensors = kv_cache_config.kv_cache_tensors
-    if not tensors or kv_cache_config.num_blocks <= 0:
-        return 0
-    return max(t.size for t in tensors) // kv_cache_config.num_blocks
-
-
 def kv_pools(scheduler: Any) -> list[PoolUsage]:
     """The block pools of a scheduler and how many blocks each owns (never
     a null block) and uses (evictable cached blocks count as free)."""
+    from vllm_hybrid.tools.plan.compute import shared_block_bytes
     from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 
     arena = arena_of(scheduler.kv_cache_manager)
@@ -100,7 +92,7 @@ def kv_pools(scheduler: Any) -> list[PoolUsage]:
     return [
         PoolUsage(
             SHARED_POOL,
-            shared_pool_block_bytes(scheduler.kv_cache_config),
+            shared_block_bytes(scheduler.kv_cache_config),
             owned,
             owned - pool.get_num_free_blocks(),
         )

@@ -122,8 +122,9 @@ def test_bytes_needed_and_token_bound():
 
 
 def test_shared_pool_block_bytes_from_aliasing_tensors():
-    config = _qwen3_5_like_config()
-    assert pools.shared_pool_block_bytes(config) == 2**20
+    from vllm_hybrid.tools.plan.compute import shared_block_bytes
+
+    assert shared_block_bytes(_qwen3_5_like_config()) == 2**20
 
 
 # ---------------------------------------------------------------------------
