@@ -114,8 +114,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     )
     workload = MultiTurnWorkload(shape, engine.vocab())
     per_turn: list[dict[str, Any]] = []
-    cached = prompt_tokens = out_tokens = preemptions = steps = 0
-    wall = cpu = 0.0
+    results: list[DriveResult] = []
     for turn in range(cfg.multi_turn_turns):
         due = workload.due(0.0)
         subs = [Submission(r.request_id, r.prompt, r.max_tokens) for r in due]
@@ -134,13 +133,11 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         )
         for sub in subs:
             workload.finished(sub.key, result.token_ids(sub.key), 0.0)
-        cached += turn_cached
-        prompt_tokens += turn_prompt
-        out_tokens += result.output_tokens()
-        preemptions += result.preemptions
-        steps += result.steps
-        wall += result.wall_s
-        cpu += result.cpu_s
+        results.append(result)
+    cached = sum(t["cached_tokens"] for t in per_turn)
+    prompt_tokens = sum(t["prompt_tokens"] for t in per_turn)
+    out_tokens = sum(r.output_tokens() for r in results)
+    wall, cpu = sum(r.wall_s for r in results), sum(r.cpu_s for r in results)
     metrics = {
         "hit_rate": cached / prompt_tokens if prompt_tokens else None,
         "hit_rate_first_turn": per_turn[0]["hit_rate"] if per_turn else None,
@@ -151,8 +148,8 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         ),
         "cached_tokens": cached,
         "prompt_tokens": prompt_tokens,
-        "preemptions": preemptions,
-        "steps": steps,
+        "preemptions": sum(t["preemptions"] for t in per_turn),
+        "steps": sum(r.steps for r in results),
         "output_tok_per_s": _per(out_tokens, wall),
         "cpu_s": cpu,
         "output_tok_per_cpu_s": _per(out_tokens, cpu),
