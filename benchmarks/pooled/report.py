@@ -45,10 +45,6 @@ def format_value(value: Any) -> str:
     return text if len(text) <= 32 else text[:29] + "..."
 
 
-def format_ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 @dataclass(frozen=True)
 class Row:
     """One line of the final table."""
@@ -70,7 +66,7 @@ class Row:
             self.metric,
             format_value(self.upstream),
             format_value(self.overlay),
-            format_ratio(self.ratio),
+            "-" if self.ratio is None else f"{self.ratio:.2f}x",
         ]
 
 
