@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from benchmarks.harness import KV_CACHE_DTYPES, MODELS, MODES
@@ -61,29 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    """Defaults, then ``--quick``, then any option given explicitly."""
+    """Defaults, then ``--quick``, then any option given explicitly (every
+    option but ``--quick`` and ``--json`` is the field of the same name)."""
     cfg = quick(BenchConfig()) if args.quick else BenchConfig()
-    given = {
-        "rates": tuple(args.rates or ()) or None,
-        "requests": args.requests,
-        "dataset_args": tuple(args.dataset_args or ()) or None,
-    }
-    cfg = replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    given = {f.name: getattr(args, f.name) for f in fields(cfg) if f.name in args}
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in given.items()}
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v not in (None, ())})
     if cfg.requests < 1:
         raise SystemExit("bench_serve: --requests must be >= 1")
-    return replace(
-        cfg,
-        models=tuple(args.models),
-        modes=tuple(args.modes),
-        dtypes=tuple(args.dtypes),
-        kv_cache_mib=args.kv_cache_mib,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        compile=args.compile,
-        model_dir=args.model_dir,
-        log_dir=args.log_dir,
-    )
+    return cfg
 
 
 def main(argv: Sequence[str] | None = None) -> int:
