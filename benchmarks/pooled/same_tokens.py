@@ -45,38 +45,28 @@ def _same_tokens_pass(
     }
 
 
-def run_same_tokens_on(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Prefix caching on: a cold pass, then the same prompts again (hits)."""
-    engine.reset_prefix_cache()
+def run_same_tokens(engine: Engine, cfg: BenchConfig, config: str) -> dict[str, Any]:
+    """The passes of an engine set up for ``config``: ``pc_on`` runs the
+    prompts cold, then again (hits); ``pc_off`` then runs each prompt alone,
+    the batch-dependence control (docs/benchmarks.md, same_tokens)."""
     prompts = same_tokens_prompts(cfg.seed, engine.vocab())
-    return {
-        "pc_on": _same_tokens_pass(engine, cfg, prompts),
-        "pc_on_repeat": _same_tokens_pass(engine, cfg, prompts),
-    }
-
-
-def run_same_tokens_plain(
-    engine: Engine, cfg: BenchConfig, name: str
-) -> dict[str, Any]:
-    """One pass of the fixed prompts on an engine set up for ``name``."""
-    prompts = same_tokens_prompts(cfg.seed, engine.vocab())
-    return {name: _same_tokens_pass(engine, cfg, prompts)}
-
-
-def run_same_tokens_alone(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Each fixed prompt by itself (prefix caching off): the batch-dependence
-    control against ``pc_off`` (docs/benchmarks.md, same_tokens)."""
-    prompts = same_tokens_prompts(cfg.seed, engine.vocab())
-    passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
-    return {
-        "alone": {
+    if config == "pc_on":
+        engine.reset_prefix_cache()
+        return {
+            "pc_on": _same_tokens_pass(engine, cfg, prompts),
+            "pc_on_repeat": _same_tokens_pass(engine, cfg, prompts),
+        }
+    out = {config: _same_tokens_pass(engine, cfg, prompts)}
+    if config == "pc_off":
+        passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
+        out["alone"] = {
             "tokens": [p["tokens"][0] for p in passes],
             "top2_gaps": [p["top2_gaps"][0] for p in passes],
             "preemptions": sum(p["preemptions"] for p in passes),
             "cached_tokens": sum(p["cached_tokens"] for p in passes),
             "wall_s": sum(p["wall_s"] for p in passes),
         }
-    }
+    return out
 
 
 def omp_threads() -> int:

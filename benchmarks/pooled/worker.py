@@ -17,9 +17,7 @@ from .pools import KVGeometry, kv_geometry
 from .same_tokens import (
     omp_threads,
     preempt_budget_bytes,
-    run_same_tokens_alone,
-    run_same_tokens_on,
-    run_same_tokens_plain,
+    run_same_tokens,
 )
 from .workloads import (
     longest_completing,
@@ -167,30 +165,19 @@ def _run_main_engine(
             result["engine"] = "main"
             report.workloads[name] = result
     if "same_tokens" in workloads and engine.spec.prefix_caching:
-        _add_same_tokens(report, lambda: run_same_tokens_on(engine, cfg))
+        _add_same_tokens(report, engine, cfg, "pc_on")
 
 
-def _add_same_tokens(report: WorkerReport, fn: Callable[[], dict[str, Any]]) -> None:
-    """Merge one same_tokens configuration into the report."""
-    result = _timed(report, "same_tokens", fn)
+def _add_same_tokens(
+    report: WorkerReport, engine: Engine, cfg: BenchConfig, config: str
+) -> None:
+    """Run one same_tokens configuration and merge it into the report."""
+    result = _timed(report, "same_tokens", lambda: run_same_tokens(engine, cfg, config))
     if result is None:
         return
     result.pop("wall_s", None)
     configs = report.workloads.setdefault("same_tokens", {}).setdefault("configs", {})
     configs.update(result)
-
-
-def _same_tokens_body(
-    report: WorkerReport, cfg: BenchConfig, config: str
-) -> Callable[[Engine], None]:
-    """The same_tokens passes of the engine set up for ``config``."""
-
-    def body(engine: Engine) -> None:
-        _add_same_tokens(report, lambda: run_same_tokens_plain(engine, cfg, config))
-        if config == "pc_off":
-            _add_same_tokens(report, lambda: run_same_tokens_alone(engine, cfg))
-
-    return body
 
 
 #: Granularity of the max_model_len search when auto-fit is refused.
@@ -294,7 +281,10 @@ def run_worker(
         if "same_tokens" in selected and cfg.same_tokens_uncached:
             for name, config in (("no_pc", "pc_off"), ("preempt", "preempt")):
                 _with_engine(
-                    report, name, specs[name], _same_tokens_body(report, cfg, config)
+                    report,
+                    name,
+                    specs[name],
+                    lambda e, c=config: _add_same_tokens(report, e, cfg, c),
                 )
         if "same_tokens" in selected:
             report.workloads.setdefault("same_tokens", {})["omp_threads"] = (
