@@ -187,16 +187,13 @@ MAX_MODEL_LEN_STEP = 128
 def startable_max_model_len(spec: EngineSpec, cap: int) -> tuple[int, int]:
     """Largest ``max_model_len`` (a multiple of the step) an engine refusing
     auto-fit accepts, or 0, and the number of probe starts."""
-    probes = 0
 
     def starts(k: int) -> bool:
-        nonlocal probes
-        probes += 1
         trial = replace(spec, max_model_len=k * MAX_MODEL_LEN_STEP)
         return start_error(trial) is None
 
-    best, _ = longest_completing(starts, 1, cap // MAX_MODEL_LEN_STEP)
-    return best * MAX_MODEL_LEN_STEP, probes
+    best, probed = longest_completing(starts, 1, cap // MAX_MODEL_LEN_STEP)
+    return best * MAX_MODEL_LEN_STEP, len(probed)
 
 
 def one_long_part(
@@ -221,20 +218,18 @@ def one_long_part(
             report.engines.pop(name, None)
             _with_engine(report, name, retry, body, start_error_is_result=True)
     result = parts.get("result")
+    started = report.engines.get(name, {})
     if result is None:
         geometry = KVGeometry(**report.geometry) if report.geometry else None
         result = one_long_metrics(None, cfg, geometry, 0, [], 0.0)
-        last_error = report.engines.get(name, {}).get("start_error", first_error)
+        last_error = started.get("start_error", first_error)
         result["metrics"]["engine_start_error"] = last_error
     result["metrics"]["auto_fit_refused"] = first_error is not None
+    result["metrics"]["max_model_len"] = started.get("max_model_len")
     result["details"]["auto_fit_error"] = first_error
     result["details"]["max_model_len_fallback"] = fallback
-    started = report.engines.get(name, {})
     if first_error is not None and not started.get("start_error"):
         started["auto_fit_error"] = first_error
-    result["metrics"]["max_model_len"] = report.engines.get(name, {}).get(
-        "max_model_len"
-    )
     return result
 
 
