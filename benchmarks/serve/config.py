@@ -27,11 +27,8 @@ QUICK_DATASET_ARGS = (
     "--random-output-len=24",
     '--random-range-ratio={"input": 0.75, "output": 0.34}',
 )
-#: KV cache dtypes upstream vLLM 0.32 can serve on CPU: its CPU platform
-#: gives every decoder layer CPU_ATTN, which stores ``auto`` and fp8 only. A
-#: TurboQuant server would start, then write bf16 K/V into pages sized for
-#: TurboQuant's packed slot (a segfault under load;
-#: docs/turboquant-backend.md), so it is not started.
+#: KV cache dtypes upstream vLLM 0.32's CPU attention stores (a TurboQuant
+#: server segfaults under load: docs/benchmarks.md, "Serving benchmark").
 UPSTREAM_CPU_DTYPES = ("auto",)
 
 
