@@ -46,9 +46,10 @@ def _same_tokens_pass(
 
 
 def run_same_tokens(engine: Engine, cfg: BenchConfig, config: str) -> dict[str, Any]:
-    """The passes of an engine set up for ``config``: ``pc_on`` runs the
-    prompts cold, then again (hits); ``pc_off`` then runs each prompt alone,
-    the batch-dependence control (docs/benchmarks.md, same_tokens)."""
+    """One pass set of an engine: ``pc_on`` runs the prompts cold, then again
+    (hits); ``alone`` runs each prompt by itself, the batch-dependence control
+    of ``pc_off`` (docs/benchmarks.md, same_tokens); any other ``config`` is
+    one pass of the prompts."""
     prompts = same_tokens_prompts(cfg.seed, engine.vocab())
     if config == "pc_on":
         engine.reset_prefix_cache()
@@ -56,17 +57,18 @@ def run_same_tokens(engine: Engine, cfg: BenchConfig, config: str) -> dict[str, 
             "pc_on": _same_tokens_pass(engine, cfg, prompts),
             "pc_on_repeat": _same_tokens_pass(engine, cfg, prompts),
         }
-    out = {config: _same_tokens_pass(engine, cfg, prompts)}
-    if config == "pc_off":
-        passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
-        out["alone"] = {
+    if config != "alone":
+        return {config: _same_tokens_pass(engine, cfg, prompts)}
+    passes = [_same_tokens_pass(engine, cfg, [prompt]) for prompt in prompts]
+    return {
+        "alone": {
             "tokens": [p["tokens"][0] for p in passes],
             "top2_gaps": [p["top2_gaps"][0] for p in passes],
             "preemptions": sum(p["preemptions"] for p in passes),
             "cached_tokens": sum(p["cached_tokens"] for p in passes),
             "wall_s": sum(p["wall_s"] for p in passes),
         }
-    return out
+    }
 
 
 def omp_threads() -> int:

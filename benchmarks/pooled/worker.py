@@ -169,15 +169,19 @@ def _run_main_engine(
 
 
 def _add_same_tokens(
-    report: WorkerReport, engine: Engine, cfg: BenchConfig, config: str
+    report: WorkerReport, engine: Engine, cfg: BenchConfig, *configs: str
 ) -> None:
-    """Run one same_tokens configuration and merge it into the report."""
-    result = _timed(report, "same_tokens", lambda: run_same_tokens(engine, cfg, config))
-    if result is None:
-        return
-    result.pop("wall_s", None)
-    configs = report.workloads.setdefault("same_tokens", {}).setdefault("configs", {})
-    configs.update(result)
+    """Run same_tokens configurations and merge them into the report, each
+    timed on its own (one that fails leaves the others' results)."""
+    for config in configs:
+        result = _timed(
+            report, "same_tokens", lambda c=config: run_same_tokens(engine, cfg, c)
+        )
+        if result is None:
+            continue
+        result.pop("wall_s", None)
+        merged = report.workloads.setdefault("same_tokens", {})
+        merged.setdefault("configs", {}).update(result)
 
 
 #: Granularity of the max_model_len search when auto-fit is refused.
@@ -274,12 +278,15 @@ def run_worker(
                 lambda e: _run_main_engine(report, e, cfg, selected),
             )
         if "same_tokens" in selected and cfg.same_tokens_uncached:
-            for name, config in (("no_pc", "pc_off"), ("preempt", "preempt")):
+            for name, configs in (
+                ("no_pc", ("pc_off", "alone")),
+                ("preempt", ("preempt",)),
+            ):
                 _with_engine(
                     report,
                     name,
                     specs[name],
-                    lambda e, c=config: _add_same_tokens(report, e, cfg, c),
+                    lambda e, cs=configs: _add_same_tokens(report, e, cfg, *cs),
                 )
         if "same_tokens" in selected:
             report.workloads.setdefault("same_tokens", {})["omp_threads"] = (
