@@ -337,6 +337,7 @@ def test_engine_variants_set_what_a_user_would() -> None:
         retention_sweep=["0", "dense", "4x"],
         checkpoint_sweep=["0", "1024"],
         hybrid_kv={"retain_turn_ends": True},
+        state_block_sweep=["512"],
     )
     assert [v.overlay for v in variants["upstream"]] == [False]
     best = variants["upstream-best"]
@@ -346,9 +347,15 @@ def test_engine_variants_set_what_a_user_would() -> None:
         "retain_turn_ends": True,
         "pooled": False,
     }
-    assert [
-        v.hybrid_kv["prefill_checkpoint_interval"] for v in variants["pooled-best"]
-    ] == [0, 1024]
+    pooled_best = variants["pooled-best"]
+    assert [v.hybrid_kv.get("prefill_checkpoint_interval") for v in pooled_best] == [
+        0,
+        1024,
+        None,
+    ]
+    # the state block sweep sets vLLM's own option, the default interval
+    assert [v.cache for v in pooled_best] == [{}, {}, {"mamba_block_size": 512}]
+    assert pooled_best[2].name == "pooled-best[mamba_block_size=512]"
     assert all(v.hybrid_kv["retain_turn_ends"] for v in variants["pooled-best"])
     with pytest.raises(ValueError, match="unknown engine"):
         engine_variants(["fastest"])

@@ -20,6 +20,7 @@ from vllm_hybrid.tools.simulate.clock import GPU_PROFILES
 from vllm_hybrid.tools.simulate.runner import (
     DEFAULT_CHECKPOINT_SWEEP,
     DEFAULT_RETENTION_SWEEP,
+    DEFAULT_STATE_BLOCK_SWEEP,
     ENGINES,
     engine_variants,
     run_engines,
@@ -144,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {','.join(DEFAULT_CHECKPOINT_SWEEP)})",
     )
     engines.add_argument(
+        "--state-block-sweep",
+        type=_tokens,
+        default=list(DEFAULT_STATE_BLOCK_SWEEP),
+        metavar="N,N,...",
+        help="pooled-best's --mamba-block-size values on top, tokens: multiples "
+        "of the attention block; states are kept only at their multiples "
+        "(default none)",
+    )
+    engines.add_argument(
         "--hybrid-kv",
         type=_json_object,
         default={},
@@ -226,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = spec_from_args(args)
         variants = engine_variants(
-            args.engines, args.retention_sweep, args.checkpoint_sweep, args.hybrid_kv
+            args.engines,
+            args.retention_sweep,
+            args.checkpoint_sweep,
+            args.hybrid_kv,
+            args.state_block_sweep,
         )
     except (PlanError, ValueError) as exc:
         print(f"vllm-hybrid simulate: error: {exc}", file=sys.stderr)

@@ -9,8 +9,10 @@ Engines (item by item what a user of each would set):
 * ``single-pool``: the overlay with pooled mode off (``hybrid_kv.pooled:
   false``): upstream's single shared pool with the overlay's fixes;
 * ``pooled``: the overlay's default;
-* ``pooled-best``: pooled mode with the best ``--mamba-block-size`` (state
-  checkpoint interval) of a sweep.
+* ``pooled-best``: pooled mode with the best of a sweep of
+  ``hybrid_kv.prefill_checkpoint_interval`` (sparse states during long
+  prefills) and, if asked, of ``--mamba-block-size`` (the state block: where
+  align mode may keep states at all).
 
 "Best" is the fewest prefill tokens computed (every prompt token not served
 from the cache, and every token recomputed after a preemption), then the
@@ -48,6 +50,10 @@ DEFAULT_RETENTION_SWEEP: tuple[str, ...] = ("0", "dense", "4x")
 #: tokens (0: no prefill checkpoints); pooled mode's own default is the
 #: ``pooled`` engine. The trace's prompts share prefixes in 512-token blocks.
 DEFAULT_CHECKPOINT_SWEEP: tuple[str, ...] = ("0", "512", "2048", "8192")
+#: ``--mamba-block-size`` values pooled-best tries on top (none by default:
+#: each is one more engine run; pooled mode's own default is the attention
+#: block).
+DEFAULT_STATE_BLOCK_SWEEP: tuple[str, ...] = ()
 
 
 def _value(text: str) -> int | str | None:
@@ -61,6 +67,7 @@ def engine_variants(
     retention_sweep: Sequence[str] = DEFAULT_RETENTION_SWEEP,
     checkpoint_sweep: Sequence[str] = DEFAULT_CHECKPOINT_SWEEP,
     hybrid_kv: Mapping[str, Any] | None = None,
+    state_block_sweep: Sequence[str] = DEFAULT_STATE_BLOCK_SWEEP,
 ) -> dict[str, list[Variant]]:
     """Engine name -> the variants run for it (one, or a sweep)."""
     overlay_kv = dict(hybrid_kv or {})
@@ -94,6 +101,14 @@ def engine_variants(
                     hybrid_kv={**overlay_kv, "prefill_checkpoint_interval": int(c)},
                 )
                 for c in checkpoint_sweep
+            ] + [
+                Variant(
+                    f"pooled-best[mamba_block_size={b}]",
+                    True,
+                    cache={"mamba_block_size": int(b)},
+                    hybrid_kv=overlay_kv,
+                )
+                for b in state_block_sweep
             ]
         else:
             raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
