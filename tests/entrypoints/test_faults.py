@@ -26,7 +26,16 @@ pytestmark = pytest.mark.slow
 END_WITHIN_S = 30.0
 #: Output tokens of the in-flight requests: far more than they reach.
 LONG = 1500
-BUDGET = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(32 * 2**20)]
+# eager: shutdown does not depend on compiled graphs, and compiling them
+# would double each server's start (tests/entrypoints/test_openai_server.py
+# serves the compiled default)
+BUDGET = [
+    "--max-model-len",
+    "2048",
+    "--kv-cache-memory-bytes",
+    str(32 * 2**20),
+    "--enforce-eager",
+]
 
 
 def _complete(url: str, model: str, max_tokens: int, timeout: float = 120.0):
