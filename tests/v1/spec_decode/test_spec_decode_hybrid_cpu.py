@@ -49,7 +49,7 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
+def runs(request, tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
     model = tiny_model_dir("qwen3_next")
     draft = tiny_eagle_dir("qwen3_next")
     mtp_model = tiny_model_dir("qwen3_next", mtp=True)
@@ -61,10 +61,15 @@ def runs(tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
         (model, "ngram", "pc", "single"),
         (mtp_model, "plain", "pc", "pooled"),
         (mtp_model, "mtp", "pc", "pooled"),
-        (mtp_model, "mtp", "pc", "single"),
         (model, "eagle", "pc", "pooled"),
-        (model, "eagle", "pc", "single"),
     ]
+    if request.config.getoption("--extended"):
+        # the single shared pool under MTP and EAGLE drafts: the default run
+        # compares pooled mode with it under n-gram drafts
+        engines += [
+            (mtp_model, "mtp", "pc", "single"),
+            (model, "eagle", "pc", "single"),
+        ]
     return {
         (key[1], key[2], key[3], key[0] == mtp_model): _run(
             *key, tmp, draft if key[1] == "eagle" else None
@@ -80,6 +85,12 @@ def _greedy(run: dict, i: int) -> Greedy:
 
 #: (speculative method, whether it runs on the MTP variant of the model)
 METHODS = [("ngram", False), ("mtp", True), ("eagle", False)]
+#: the methods whose engines also run with the single shared pool
+AGAINST_SINGLE = [
+    ("ngram", False),
+    pytest.param("mtp", True, marks=pytest.mark.extended),
+    pytest.param("eagle", False, marks=pytest.mark.extended),
+]
 
 
 @pytest.mark.parametrize("method, mtp", METHODS)
@@ -133,13 +144,13 @@ def _gaps_at(found, other: dict) -> list[tuple[int, int, float | None, float | N
     ]
 
 
-@pytest.mark.parametrize("method, mtp", METHODS)
+@pytest.mark.parametrize("method, mtp", AGAINST_SINGLE)
 def test_pooled_mode_takes_the_drafts(runs, method, mtp):
     assert runs[method, "pc", "pooled", mtp]["kv_cache_config"] == "PooledKVCacheConfig"
     assert runs[method, "pc", "single", mtp]["kv_cache_config"] == "KVCacheConfig"
 
 
-@pytest.mark.parametrize("method, mtp", METHODS)
+@pytest.mark.parametrize("method, mtp", AGAINST_SINGLE)
 def test_pooled_tokens_equal_the_single_pool_with_the_same_flags(runs, method, mtp):
     single = runs[method, "pc", "single", mtp]["passes"]
     pooled = runs[method, "pc", "pooled", mtp]["passes"]
@@ -150,7 +161,7 @@ def test_pooled_tokens_equal_the_single_pool_with_the_same_flags(runs, method, m
         assert found == [], i
 
 
-@pytest.mark.parametrize("method, mtp", METHODS)
+@pytest.mark.parametrize("method, mtp", AGAINST_SINGLE)
 def test_pooled_runs_more_requests_at_once_with_drafts(runs, method, mtp):
     pooled = runs[method, "pc", "pooled", mtp]["peak_running"]
     single = runs[method, "pc", "single", mtp]["peak_running"]
