@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -424,19 +424,10 @@ def read_log(text: str, limit: int = 5) -> LogReport:
 
 
 @dataclass(frozen=True)
-class ShutdownReport:
-    """A stopped server's exit code and log."""
+class ShutdownReport(LogReport):
+    """A stopped server's log and exit code."""
 
-    exit_code: int
-    log: LogReport
-
-    @property
-    def harmless_lines(self) -> int:
-        return self.log.harmless_lines
-
-    @property
-    def problems(self) -> tuple[str, ...]:
-        return self.log.problems
+    exit_code: int = 0
 
     @property
     def clean(self) -> bool:
@@ -445,4 +436,4 @@ class ShutdownReport:
 
 def shutdown_report(handle: ServerHandle, exit_code: int) -> ShutdownReport:
     """Classify the log of a stopped server."""
-    return ShutdownReport(exit_code, read_log(handle.log_text()))
+    return ShutdownReport(**asdict(read_log(handle.log_text())), exit_code=exit_code)
