@@ -5,29 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from benchmarks.harness import MIB, REPO_ROOT
-from benchmarks.harness import MODES as SWITCH
+from vllm_hybrid.tools.simulate.sources import ChatServerShape, MultiTurnShape
 
 RESULT_PREFIX = "BENCH_RESULT "
 #: Modes a run compares when ``--modes`` is not given.
 MODES: tuple[str, ...] = ("upstream", "overlay")
-#: Every mode ``--modes`` accepts: upstream with the flags a user tunes
-#: (``--prefix-match-unit``, ``--prefix-cache-retention-interval``) and the
-#: overlay's single shared pool next to its pooled mode ("overlay").
-ALL_MODES: tuple[str, ...] = ("upstream", "upstream_best", "single", "overlay")
-#: Value of ``VLLM_HYBRID_KV`` that selects each mode.
-MODE_SWITCH: dict[str, str] = {
-    "upstream": SWITCH["upstream"],
-    "upstream_best": SWITCH["upstream"],
-    "single": SWITCH["pooled"],
-    "overlay": SWITCH["pooled"],
+#: Every mode ``--modes`` accepts and the server mode (``harness.MODES``: the
+#: value of ``VLLM_HYBRID_KV``) its workers run in: upstream with the flags a
+#: user tunes (``--prefix-match-unit``, ``--prefix-cache-retention-interval``)
+#: and the overlay's single shared pool next to its pooled mode ("overlay").
+SERVER_MODE: dict[str, str] = {
+    "upstream": "upstream",
+    "upstream_best": "upstream",
+    "single": "pooled",
+    "overlay": "pooled",
 }
+ALL_MODES: tuple[str, ...] = tuple(SERVER_MODE)
 #: Workloads a run does when ``--workloads`` is not given (the acceptance run).
-DEFAULT_WORKLOADS: tuple[str, ...] = (
-    "many_short",
-    "one_long",
-    "multi_turn",
-    "same_tokens",
-)
+DEFAULT_WORKLOADS = ("many_short", "one_long", "multi_turn", "same_tokens")
 #: Every workload ``--workloads`` accepts: the default ones, the interleaved
 #: chat server and the two-turn checkpoint trace.
 WORKLOADS: tuple[str, ...] = (*DEFAULT_WORKLOADS, "chat_server", "two_turn")
@@ -73,19 +68,20 @@ class BenchConfig:
     one_long_output: int = 16
     #: upper bound of the one_long search, besides ``max_model_len``
     one_long_search_cap: int = 16384
-    multi_turn_conversations: int = 6
-    multi_turn_turns: int = 5
-    multi_turn_system_len: int = 1200
-    multi_turn_user_len: int = 100
-    multi_turn_output: int = 32
+    #: multi_turn and chat_server: the simulator's shapes of the same workloads
+    multi_turn_conversations: int = MultiTurnShape.conversations
+    multi_turn_turns: int = MultiTurnShape.turns
+    multi_turn_system_len: int = MultiTurnShape.system_len
+    multi_turn_user_len: int = MultiTurnShape.user_len
+    multi_turn_output: int = MultiTurnShape.output
     same_tokens_output: int = 24
-    chat_server_conversations: int = 32
-    chat_server_turns: int = 6
-    chat_server_system_len: int = 1000
-    chat_server_user_min: int = 40
-    chat_server_user_max: int = 160
-    chat_server_output: int = 32
-    chat_server_concurrency: int = 8
+    chat_server_conversations: int = ChatServerShape.conversations
+    chat_server_turns: int = ChatServerShape.turns
+    chat_server_system_len: int = ChatServerShape.system_len
+    chat_server_user_min: int = ChatServerShape.user_min
+    chat_server_user_max: int = ChatServerShape.user_max
+    chat_server_output: int = ChatServerShape.output
+    chat_server_concurrency: int = ChatServerShape.concurrency
     two_turn_prompt_len: int = 1300
     two_turn_output: int = 24
     two_turn_user_len: int = 100

@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import BENCH_SCRIPT, MODE_SWITCH, MODES, RESULT_PREFIX, BenchConfig
+from benchmarks.harness import mode_env
+
+from .config import BENCH_SCRIPT, MODES, RESULT_PREFIX, SERVER_MODE, BenchConfig
 from .report import (
     Row,
     comparison_rows,
@@ -52,9 +54,7 @@ def parse_result(text: str) -> dict[str, Any] | None:
 def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, str]:
     """Environment of a worker: the overlay switch, in-process engines and,
     with ``threads`` > 0, that many OpenMP threads from ``first_core`` on."""
-    env = dict(os.environ)
-    env["VLLM_HYBRID_KV"] = MODE_SWITCH[mode]
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env = mode_env(SERVER_MODE[mode]) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     if threads > 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
@@ -46,8 +46,25 @@ def _per(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def _delta(after: int | None, before: int | None) -> int | None:
-    return None if after is None or before is None else after - before
+def _totals(results: Sequence[DriveResult]) -> dict[str, Any]:
+    """Steps, preemptions, decoded tokens and their rates over drives."""
+    out_tokens = sum(r.output_tokens() for r in results)
+    wall, cpu = sum(r.wall_s for r in results), sum(r.cpu_s for r in results)
+    return {
+        "preemptions": sum(r.preemptions for r in results),
+        "steps": sum(r.steps for r in results),
+        "output_tokens": out_tokens,
+        "output_tok_per_s": _per(out_tokens, wall),
+        "cpu_s": cpu,
+        "output_tok_per_cpu_s": _per(out_tokens, cpu),
+    }
+
+
+def _shape(cls: type, cfg: BenchConfig, workload: str) -> Any:
+    """The simulator's shape ``cls`` of a workload from ``cfg``'s
+    ``<workload>_<field>`` settings and its seed."""
+    names = [f.name for f in fields(cls) if f.name != "seed"]
+    return cls(**{n: getattr(cfg, f"{workload}_{n}") for n in names}, seed=cfg.seed)
 
 
 def check_finished(result: DriveResult, workload: str) -> None:
@@ -75,16 +92,10 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     ]
     result = drive(engine, subs, cfg, geometry=geometry)
     check_finished(result, "many_short")
-    out_tokens = result.output_tokens()
     metrics = {
         **_peak_samples(result.samples),
-        "preemptions": result.preemptions,
-        "steps": result.steps,
-        "output_tokens": out_tokens,
+        **_totals([result]),
         "prompt_tokens": sum(len(p) for p in prompts),
-        "output_tok_per_s": _per(out_tokens, result.wall_s),
-        "cpu_s": result.cpu_s,
-        "output_tok_per_cpu_s": _per(out_tokens, result.cpu_s),
         "attn_bytes_per_token": geometry.attn_bytes_per_token,
         "state_bytes_per_request": geometry.state_bytes_per_request,
     }
@@ -104,14 +115,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     engine.reset_prefix_cache()
     evicted_before = coupled_evictions(engine.scheduler)
     counters = _reset_counters(engine)
-    shape = MultiTurnShape(
-        cfg.multi_turn_conversations,
-        cfg.multi_turn_turns,
-        cfg.multi_turn_system_len,
-        cfg.multi_turn_user_len,
-        cfg.multi_turn_output,
-        cfg.seed,
-    )
+    shape = _shape(MultiTurnShape, cfg, "multi_turn")
     workload = MultiTurnWorkload(shape, engine.vocab())
     per_turn: list[dict[str, Any]] = []
     results: list[DriveResult] = []
@@ -136,27 +140,20 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         results.append(result)
     cached = sum(t["cached_tokens"] for t in per_turn)
     prompt_tokens = sum(t["prompt_tokens"] for t in per_turn)
-    out_tokens = sum(r.output_tokens() for r in results)
-    wall, cpu = sum(r.wall_s for r in results), sum(r.cpu_s for r in results)
+    evicted = coupled_evictions(engine.scheduler)
     metrics = {
         "hit_rate": cached / prompt_tokens if prompt_tokens else None,
         "hit_rate_first_turn": per_turn[0]["hit_rate"] if per_turn else None,
         "cached_tokens_first_turn": per_turn[0]["cached_tokens"] if per_turn else None,
         "hit_rate_last_turn": per_turn[-1]["hit_rate"] if per_turn else None,
-        "coupled_evictions": _delta(
-            coupled_evictions(engine.scheduler), evicted_before
-        ),
+        "coupled_evictions": None if evicted is None else evicted - evicted_before,
         "cached_tokens": cached,
         "prompt_tokens": prompt_tokens,
-        "preemptions": sum(t["preemptions"] for t in per_turn),
-        "steps": sum(r.steps for r in results),
-        "output_tok_per_s": _per(out_tokens, wall),
-        "cpu_s": cpu,
-        "output_tok_per_cpu_s": _per(out_tokens, cpu),
-        "output_tokens": out_tokens,
+        **_totals(results),
         "requests": len(per_turn) * cfg.multi_turn_conversations,
     }
-    metrics |= _checkpoint_metrics(counters, metrics["requests"], out_tokens)
+    metrics |= _checkpoint_metrics(counters, metrics)
+    wall = sum(r.wall_s for r in results)
     return {"metrics": metrics, "details": {"turns": per_turn}, "wall_s": wall}
 
 
@@ -167,12 +164,13 @@ def _reset_counters(engine: Engine) -> Any:
     return counters
 
 
-def _checkpoint_metrics(counters: Any, requests: int, out_tokens: int) -> dict:
-    """State checkpoint counts of a workload (see :mod:`.checkpoints`)."""
+def _checkpoint_metrics(counters: Any, metrics: dict[str, Any]) -> dict:
+    """State checkpoint counts of a workload (see :mod:`.checkpoints`), also
+    per request and per decoded token of its ``metrics``."""
     if counters is None:
         return {}
     snap = counters.snapshot()
-    return snap | per_unit(snap, requests, out_tokens)
+    return snap | per_unit(snap, metrics["requests"], metrics["output_tokens"])
 
 
 def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
@@ -183,16 +181,7 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     """
     engine.reset_prefix_cache()
     counters = _reset_counters(engine)
-    shape = ChatServerShape(
-        cfg.chat_server_conversations,
-        cfg.chat_server_turns,
-        cfg.chat_server_system_len,
-        cfg.chat_server_user_min,
-        cfg.chat_server_user_max,
-        cfg.chat_server_output,
-        cfg.chat_server_concurrency,
-        cfg.seed,
-    )
+    shape = _shape(ChatServerShape, cfg, "chat_server")
     workload = ChatServerWorkload(shape, engine.vocab())
     order = workload.order
     sent: dict[str, list[int]] = {}
@@ -211,8 +200,6 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     cached = {k: o.num_cached_tokens or 0 for k, o in result.outputs.items()}
     prompt_len = {k: len(p) for k, p in sent.items()}
     later = [k for k in sent if not k.endswith("-turn0")]
-    out_tokens = result.output_tokens()
-    requests = len(sent)
     metrics = {
         "hit_rate": sum(cached.values()) / sum(prompt_len.values()),
         "hit_rate_later_turns": (
@@ -222,14 +209,10 @@ def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         ),
         "cached_tokens": sum(cached.values()),
         "prompt_tokens": sum(prompt_len.values()),
-        "requests": requests,
-        "output_tokens": out_tokens,
-        "preemptions": result.preemptions,
-        "steps": result.steps,
-        "output_tok_per_s": _per(out_tokens, result.wall_s),
-        "cpu_s": result.cpu_s,
+        "requests": len(sent),
+        **_totals([result]),
     }
-    metrics |= _checkpoint_metrics(counters, requests, out_tokens)
+    metrics |= _checkpoint_metrics(counters, metrics)
     details = {"order": order, "cached_tokens": cached, "prompt_len": prompt_len}
     return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
 
