@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,22 +32,22 @@ MODES = {"pooled": "1", "upstream": "0"}
 MODELS = ("qwen3_5", "qwen3_next")
 KV_CACHE_DTYPES = ("auto", "turboquant_k8v4")
 LOOPBACK = "127.0.0.1"
+#: What every benchmark's vLLM process runs with unless told otherwise: no
+#: download (the tiny models are local), no usage report.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 # -- HTTP -------------------------------------------------------------------
 
 
-@contextmanager
-def connect(url: str, timeout: float) -> Iterator[http.client.HTTPConnection]:
+def connect(url: str, timeout: float) -> closing[http.client.HTTPConnection]:
     """A connection to ``url``'s host, closed on exit (closing it mid-answer
     is how a client disconnects)."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        yield conn
-    finally:
-        conn.close()
+    return closing(
+        http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    )
 
 
 def send(
@@ -79,12 +79,11 @@ def sse_events(resp: http.client.HTTPResponse) -> Iterator[dict]:
     stream that ends without it raises ``ValueError``."""
     for raw in resp:
         line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        yield json.loads(data)
+        if line.startswith(b"data:"):
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return
+            yield json.loads(data)
     raise ValueError("stream ended without [DONE]")
 
 
@@ -296,10 +295,8 @@ def serve(
     free one)."""
     port = free_port() if port is None else port
     log_file = Path(log_path) if log_path else Path(f"/tmp/vllm-hybrid-{port}.log")
-    child_env = dict(os.environ if env is None else env)
-    child_env.setdefault("HF_HUB_OFFLINE", "1")
-    child_env.setdefault("VLLM_NO_USAGE_STATS", "1")
     # The log is read while the server runs (plan lines, tests): no buffering.
+    child_env = OFFLINE | dict(os.environ if env is None else env)
     child_env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, "-m", "vllm_hybrid.cli", "serve", str(model)]
     cmd += ["--host", LOOPBACK, "--port", str(port), *extra_args]
@@ -331,8 +328,9 @@ def server_args(cfg: Any, dtype: str) -> list[str]:
 
 
 def mode_env(mode: str) -> dict[str, str]:
-    """This process's environment with ``mode``'s ``VLLM_HYBRID_KV``."""
-    return dict(os.environ, VLLM_HYBRID_KV=MODES[mode])
+    """This process's environment with ``mode``'s ``VLLM_HYBRID_KV`` (and
+    :data:`OFFLINE` where it does not say otherwise)."""
+    return OFFLINE | dict(os.environ, VLLM_HYBRID_KV=MODES[mode])
 
 
 def tiny_model(kind: str, model_dir: Path = TINY_MODELS) -> Path:

@@ -55,14 +55,10 @@ def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, st
     """Environment of a worker: the overlay switch, in-process engines and,
     with ``threads`` > 0, that many OpenMP threads from ``first_core`` on."""
     env = mode_env(SERVER_MODE[mode]) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
     if threads > 0:
-        env["OMP_NUM_THREADS"] = str(threads)
         last = first_core + threads - 1
-        env["VLLM_CPU_OMP_THREADS_BIND"] = (
-            str(first_core) if threads == 1 else f"{first_core}-{last}"
-        )
+        bind = str(first_core) if threads == 1 else f"{first_core}-{last}"
+        env |= {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": bind}
     return env
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from benchmarks.harness import server_args
+from benchmarks.pooled.report import ratio
 
 from .config import BenchConfig, rate_key
 from .run import RateRun, ServerResult
@@ -39,13 +40,6 @@ class RatioRow:
     group: str
     rate: str
     values: dict[str, float | None]
-
-
-def ratio(num: float | None, den: float | None) -> float | None:
-    """``num / den``; None when either is missing or the denominator is 0."""
-    if num is None or den is None or den == 0:
-        return None
-    return num / den
 
 
 def _clean_runs(result: ServerResult) -> dict[str, RateRun]:
