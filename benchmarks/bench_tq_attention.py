@@ -1,13 +1,8 @@
 """Decode attention over a TurboQuant KV cache: native kernel vs torch path vs bf16.
 
-Shapes follow the Qwen3.5-like models: head_dim 256, 2 KV heads, 16 query
-heads (GQA 8), 16-token pages. Each case decodes one token per request over a
-``--context``-token cached context. The bf16 baseline is torch SDPA over
-contiguous (already gathered) bf16 K/V, i.e. the best case for an unpaged
-bf16 cache; the two TurboQuant paths read the paged uint8 cache. All paths
-run in the same process, interleaved, reporting the median of ``--iters``.
-
-    python benchmarks/bench_tq_attention.py [--context 4096] [--batch 1 4]
+Qwen3.5-like shapes, every path in the same process, interleaved, the median
+of ``--iters`` (the cases and the bf16 baseline: docs/turboquant.md,
+"Benchmark").
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Longest single prompt a fixed KV budget serves: ``auto`` vs TurboQuant.
 
 bench_pooled's one_long search unchanged (``one_long_part``) on engines that
-differ only in ``--kv-cache-dtype``; default: tiny ``qwen3_5``, pooled mode,
-5 MiB, 32-token blocks, prefix caching off and on (figures:
-docs/turboquant-backend.md, "Capacity")::
-
-    python benchmarks/bench_tq_capacity.py --dtypes auto,turboquant_k8v4
-
-Attention bytes per token fall from 4096 (bf16 K/V, head_dim 256, 2 KV heads,
-2 attention layers) to 1552 with k8v4 (388-byte slots), 2.64x.
+differ only in ``--kv-cache-dtype`` (settings and figures:
+docs/turboquant-backend.md, "Capacity"). Attention bytes per token fall
+from 4096 (bf16 K/V, head_dim 256, 2 KV heads, 2 attention layers) to 1552
+with k8v4 (388-byte slots), 2.64x.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import benchmarks.pooled as bp  # noqa: E402
+from benchmarks.harness import tiny_model  # noqa: E402
 from benchmarks.pooled.worker import engine_specs  # noqa: E402
 
 
@@ -59,11 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = replace(bp.BenchConfig(), one_long_budget_bytes=int(args.budget_mib * bp.MIB))
-    from vllm_hybrid.tools.tiny_models import build_tiny_model
-
     report: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = str(build_tiny_model(Path(tmp) / args.model, args.model))
+        path = str(tiny_model(args.model, Path(tmp)))
         for pc in args.prefix_caching.split(","):
             for dtype in args.dtypes.split(","):
                 r = longest_prompt(args.model, path, dtype, pc == "on", cfg)

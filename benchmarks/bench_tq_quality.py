@@ -1,12 +1,8 @@
 """TurboQuant KV cache quality against ``auto`` on the tiny hybrid models.
 
-Teacher forcing: the same random-token prompts prefilled by an engine per
-cache dtype (in this process, pooled mode, one at a time) with the whole
-vocabulary's ``prompt_logprobs``; per preset, over the same positions, top-1
-agreement with ``auto`` and mean KL(auto || preset) in nats (method and
-figures: docs/turboquant-backend.md, "Quality")::
-
-    python benchmarks/bench_tq_quality.py --models qwen3_5,qwen3_next
+Teacher forcing, one in-process engine per cache dtype: top-1 agreement with
+``auto`` and mean KL(auto || preset) over the same positions (method and
+figures: docs/turboquant-backend.md, "Quality").
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import time
@@ -27,14 +24,9 @@ from typing import Any
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import benchmarks.pooled as bp  # noqa: E402
+from benchmarks.harness import tiny_model  # noqa: E402
+from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES  # noqa: E402
 from vllm_hybrid.tools.workloads import random_tokens  # noqa: E402
-
-PRESETS = (
-    "turboquant_k8v4",
-    "turboquant_4bit_nc",
-    "turboquant_k3v4_nc",
-    "turboquant_3bit_nc",
-)
 
 
 @dataclass(frozen=True)
@@ -50,8 +42,6 @@ class DtypeEngineSpec(bp.EngineSpec):
 def prompts_for(vocab: list[int], positions: int, length: int, seed: int):
     """Random prompts whose scored positions (all but the first) sum to
     ``positions``; the last prompt is shortened to hit the count."""
-    import random
-
     rng = random.Random(f"tq_quality/{seed}")
     prompts, left = [], positions
     while left > 0:
@@ -99,9 +89,7 @@ def compare(reference: list[list[float]], other: list[list[float]]) -> dict:
 
 
 def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
-    from vllm_hybrid.tools.tiny_models import build_tiny_model
-
-    path = str(build_tiny_model(root / kind, kind))
+    path = str(tiny_model(kind, root))
     results: dict[str, Any] = {}
     reference = None
     for dtype in ("auto", *args.presets):
@@ -138,7 +126,7 @@ def format_table(report: dict[str, dict]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for kind, results in report.items():
-        for dtype in PRESETS:
+        for dtype in TQ_CACHE_DTYPES:
             r = results.get(dtype)
             if r is None:
                 continue
@@ -153,7 +141,7 @@ def format_table(report: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen3_5,qwen3_next")
-    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--presets", default=",".join(TQ_CACHE_DTYPES))
     parser.add_argument("--positions", type=int, default=2000)
     parser.add_argument("--prompt-len", type=int, default=501)
     parser.add_argument("--budget-mib", type=int, default=48)
