@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from .same_tokens import first_difference_gap, same_as_pc_off, tokens_verdict
@@ -60,24 +60,13 @@ class Row:
         return ratio(self.overlay, self.upstream)
 
     def cells(self) -> list[str]:
-        return [
-            self.model,
-            self.workload,
-            self.metric,
-            format_value(self.upstream),
-            format_value(self.overlay),
-            "-" if self.ratio is None else f"{self.ratio:.2f}x",
-        ]
+        values = [format_value(self.upstream), format_value(self.overlay)]
+        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}x"
+        return [self.model, self.workload, self.metric, *values, ratio]
 
 
-TABLE_HEADER: tuple[str, ...] = (
-    "model",
-    "workload",
-    "metric",
-    "upstream",
-    "overlay",
-    "overlay/upstream",
-)
+#: The table's columns: a row's fields, then the ratio.
+TABLE_HEADER = (*(f.name for f in fields(Row)), "overlay/upstream")
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -248,7 +237,7 @@ def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]
     co = _workload(ov, "same_tokens").get("configs", {})
     rows: list[Row] = []
     for name in list(dict.fromkeys([*cu, *co])):
-        a, b = cu.get(name), co.get(name)
+        a, b = cu.get(name, {}), co.get(name, {})
         where = f"same_tokens {name}"
         verdict = tokens_verdict(a["tokens"], b["tokens"]) if a and b else "missing"
         rows.append(Row(model, where, "overlay == upstream", "", verdict))
@@ -261,13 +250,10 @@ def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]
         if name != "pc_off":
             same = same_as_pc_off(cu, name), same_as_pc_off(co, name)
             rows.append(Row(model, where, "== pc_off, same mode", *same))
-        for key, label in (
-            ("preemptions", "preemptions"),
-            ("cached_tokens", "cached tokens"),
-        ):
-            rows.append(
-                Row(model, where, label, (a or {}).get(key), (b or {}).get(key))
-            )
+        rows += [
+            Row(model, where, key.replace("_", " "), a.get(key), b.get(key))
+            for key in ("preemptions", "cached_tokens")
+        ]
     if cu or co:
         wu, wo = _workload(up, "same_tokens"), _workload(ov, "same_tokens")
         for key, label in (("omp_threads", "OpenMP threads"), ("wall_s", "wall s")):

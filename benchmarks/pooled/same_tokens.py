@@ -71,13 +71,6 @@ def run_same_tokens(engine: Engine, cfg: BenchConfig, config: str) -> dict[str, 
     }
 
 
-def omp_threads() -> int:
-    """OpenMP threads this process computes with."""
-    import torch
-
-    return int(torch.get_num_threads())
-
-
 def tokens_verdict(upstream: Sequence[list[int]], overlay: Sequence[list[int]]) -> str:
     """ "k/n prompts equal", comparing token ids prompt by prompt."""
     n = max(len(upstream), len(overlay))

@@ -11,14 +11,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import tiny_model
+from vllm_hybrid import plugin
+
 from .config import NO_PREFIX_CACHING_KINDS, RESULT_PREFIX, BenchConfig
 from .engine import Engine, EngineSpec, open_engine, start_error
 from .pools import KVGeometry, kv_geometry
-from .same_tokens import (
-    omp_threads,
-    preempt_budget_bytes,
-    run_same_tokens,
-)
+from .same_tokens import preempt_budget_bytes, run_same_tokens
 from .workloads import (
     longest_completing,
     one_long_metrics,
@@ -63,18 +62,6 @@ class WorkerReport:
             n += 1
             key = f"{where}#{n}"
         self.tracebacks[key] = text[-4000:]
-
-
-def _overlay_state() -> tuple[bool | None, str]:
-    try:
-        from vllm_hybrid import plugin
-
-        state = plugin.state()
-    except Exception as exc:  # the overlay is not importable at all
-        return None, f"unavailable: {exc}"
-    if state is None:
-        return None, "not activated"
-    return state.active, state.reason
 
 
 def engine_specs(
@@ -182,6 +169,7 @@ def _add_same_tokens(
         result.pop("wall_s", None)
         merged = report.workloads.setdefault("same_tokens", {})
         merged.setdefault("configs", {}).update(result)
+        merged["wall_s"] = sum(c["wall_s"] for c in merged["configs"].values())
 
 
 #: Granularity of the max_model_len search when auto-fit is refused.
@@ -264,9 +252,7 @@ def run_worker(
         import vllm
 
         report.vllm_version = str(getattr(vllm, "__version__", "unknown"))
-        from vllm_hybrid.tools.tiny_models import build_tiny_model
-
-        path = str(build_tiny_model(model_dir / model, model))
+        path = str(tiny_model(model, model_dir))
         specs = engine_specs(path, model, cfg, mode)
         selected = set(workloads)
         main_engine = {name for name, _ in MAIN_ENGINE_WORKLOADS} | {"same_tokens"}
@@ -289,16 +275,16 @@ def run_worker(
                     lambda e, cs=configs: _add_same_tokens(report, e, cfg, *cs),
                 )
         if "same_tokens" in selected:
-            report.workloads.setdefault("same_tokens", {})["omp_threads"] = (
-                omp_threads()
-            )
+            import torch
+
+            same = report.workloads.setdefault("same_tokens", {})
+            same["omp_threads"] = torch.get_num_threads()
         if "one_long" in selected:
             _run_one_long(report, specs, cfg)
     except Exception as exc:
         report.record_error("worker", exc)
-    report.overlay_active, report.overlay_state = _overlay_state()
-    for name, data in report.workloads.items():
-        if name == "same_tokens" and "configs" in data:
-            data["wall_s"] = sum(c["wall_s"] for c in data["configs"].values())
+    state = plugin.state()  # None: the overlay was never activated here
+    report.overlay_active = state.active if state else None
+    report.overlay_state = state.reason if state else "not activated"
     print(RESULT_PREFIX + json.dumps(asdict(report)), flush=True)
     return report
