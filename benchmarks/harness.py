@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass
@@ -130,24 +131,22 @@ class Metrics:
 
     def by(self, name: str, label: str) -> dict[str, float]:
         """``{label value: summed value}`` of one sample name."""
-        out: dict[str, float] = {}
+        out: Counter[str] = Counter()
         for n, labels, value in self.samples:
             if n == name:
-                key = labels.get(label, "")
-                out[key] = out.get(key, 0.0) + value
-        return out
+                out[labels.get(label, "")] += value
+        return dict(out)
 
     def kv_in_use(self) -> dict[str, float]:
         """Requests and KV memory in use: running, waiting, vLLM's usage
         gauge and, in pooled mode, each pool's used bytes (all 0 when idle)."""
-        out = {
+        pools = self.by(POOL_USED, "pool").items()
+        return {
             "running": self.total(RUNNING),
             "waiting": self.total(WAITING),
             "kv_cache_usage_perc": self.total(KV_USAGE),
+            **{f"{pool}_used_bytes": value for pool, value in pools},
         }
-        for pool, value in self.by(POOL_USED, "pool").items():
-            out[f"{pool}_used_bytes"] = value
-        return out
 
 
 def scrape(url: str, timeout: float = 30.0) -> Metrics:
@@ -235,16 +234,9 @@ class ServerHandle:
         return request(self.url + path, body, timeout)
 
     def chat(self, content: str, max_tokens: int = 16, **extra) -> dict:
-        status, raw = self.request(
-            CHAT,
-            {
-                "model": self.model,
-                "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                **extra,
-            },
-        )
+        messages = [{"role": "user", "content": content}]
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens}
+        status, raw = self.request(CHAT, body | {"temperature": 0.0, **extra})
         if status != 200:
             raise RuntimeError(f"chat completion failed ({status}): {raw[:500]!r}")
         return json.loads(raw)
