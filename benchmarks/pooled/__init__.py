@@ -12,16 +12,14 @@ runs, in layers:
   (many_short, one_long, multi_turn, chat_server, two_turn, same_tokens),
   with the prompts of :mod:`vllm_hybrid.tools.workloads` and the step counts
   of :mod:`vllm_hybrid.tools.simulate.steps`;
-* :mod:`.worker`: one model in one mode, in its own process;
+* :mod:`.worker`: one model in one mode, in its own process (the overlay
+  reads its switch once per process);
 * :mod:`.driver`: the worker subprocesses (``--jobs``, core pinning);
 * :mod:`.report`: the table of overlay/upstream ratios;
 * :mod:`.cli`: the options.
 
-Each mode runs in its own worker subprocess (the overlay reads its switch
-once per process); what each workload and metric means:
-``docs/benchmarks.md``, "How bench_pooled measures".
-
-Other benchmarks and the tests reuse the names below.
+What each workload and metric means: ``docs/benchmarks.md``, "How
+bench_pooled measures". Other benchmarks and the tests reuse the names below.
 """
 
 from .config import MIB, BenchConfig

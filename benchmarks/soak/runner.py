@@ -320,13 +320,8 @@ def run_mode(
             _soak(cfg, report, handle, ctx, log)
             shutdown = shutdown_report(handle, stop(handle))
             problems = list(shutdown.problems) or "none"
-            report.checks.append(
-                Check(
-                    "clean shutdown",
-                    shutdown.clean,
-                    f"exit code {shutdown.exit_code}; problems {problems}",
-                )
-            )
+            detail = f"exit code {shutdown.exit_code}; problems {problems}"
+            report.checks.append(Check("clean shutdown", shutdown.clean, detail))
     except (RuntimeError, OSError) as err:
         report.error = f"{type(err).__name__}: {err}"[:2000]
     report.seconds = round(time.monotonic() - begin, 1)
