@@ -21,13 +21,7 @@ from typing import Any
 from benchmarks.harness import mode_env
 
 from .config import BENCH_SCRIPT, MODES, RESULT_PREFIX, SERVER_MODE, BenchConfig
-from .report import (
-    Row,
-    comparison_rows,
-    format_table,
-    run_failures,
-    start_error_notes,
-)
+from .report import Row, comparison_rows, format_table, run_failures, start_error_notes
 
 
 @dataclass(frozen=True)
@@ -44,11 +38,8 @@ class WorkerRun:
 
 def parse_result(text: str) -> dict[str, Any] | None:
     """The last ``BENCH_RESULT`` JSON line of a worker's output."""
-    found = None
-    for line in text.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            found = json.loads(line[len(RESULT_PREFIX) :])
-    return found
+    lines = [line for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(lines[-1].removeprefix(RESULT_PREFIX)) if lines else None
 
 
 def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, str]:

@@ -303,13 +303,12 @@ def drive(
             if error is not None:
                 outcome, detail = "rejected", error
                 break
-        preemptions = observed.preemptions - preempted_before
         if geometry is not None:
             samples.append(sample_kv(scheduler, geometry, steps))
         progress = _progress(scheduler) + len(outputs)
         idle = idle + 1 if progress == last_progress else 0
         last_progress = progress
-        if stop_on_preemption and preemptions:
+        if stop_on_preemption and observed.preemptions > preempted_before:
             outcome = "preempted"
         elif idle >= cfg.stall_steps:
             outcome = "stalled"
