@@ -114,23 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def apply_gpu_preset(args: argparse.Namespace) -> None:
-    """``--gpu``: CUDA graphs, 16-token blocks, the model's SSM dtype."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SystemExit("--gpu needs a CUDA device; none is visible here")
-    args.compile = True
-    args.block_size = args.block_size or 16
-    args.one_long_block_size = 16
-    args.mamba_ssm_cache_dtype = "auto"
-
-
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.config_json:
         return BenchConfig(**json.loads(args.config_json))
-    if args.gpu:
-        apply_gpu_preset(args)
+    if args.gpu:  # CUDA graphs, 16-token blocks, the model's SSM dtype
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu needs a CUDA device; none is visible here")
+        args.compile, args.mamba_ssm_cache_dtype = True, "auto"
+        args.block_size, args.one_long_block_size = args.block_size or 16, 16
     cores = os.cpu_count() or 1
     if not 0 <= args.same_tokens_threads <= cores:
         raise SystemExit(

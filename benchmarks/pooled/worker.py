@@ -97,11 +97,7 @@ def engine_specs(
     return specs
 
 
-def _timed(
-    report: WorkerReport,
-    name: str,
-    fn: Callable[[], dict[str, Any]],
-) -> dict[str, Any] | None:
+def _timed(report: WorkerReport, name: str, fn: Callable[[], dict]) -> dict | None:
     """Run one workload piece, recording its result or its exception."""
     start = time.perf_counter()
     try:
@@ -131,10 +127,8 @@ def _with_engine(
             body(engine)
     except Exception as exc:
         if start_error_is_result and name not in report.engines:
-            report.engines[name] = {
-                "spec": asdict(spec),
-                "start_error": f"{type(exc).__name__}: {exc}",
-            }
+            error = f"{type(exc).__name__}: {exc}"
+            report.engines[name] = {"spec": asdict(spec), "start_error": error}
             return
         report.record_error(name, exc)
 

@@ -129,7 +129,7 @@ def rss_sample(pid: int) -> dict[str, int]:
 def same_tokens(start: list, end: list) -> Check:
     """The probes' greedy tokens at the end against those at the start."""
     equal = sum(
-        1 for a, b in zip(start, end, strict=False) if isinstance(a, list) and a == b
+        isinstance(a, list) and a == b for a, b in zip(start, end, strict=False)
     )
     diffs = []
     for i, (a, b) in enumerate(zip(start, end, strict=False)):
@@ -137,12 +137,8 @@ def same_tokens(start: list, end: list) -> Check:
             diffs.append(f"probe {i} differs at token {first_difference(a, b)}")
         elif a != b:
             diffs.append(f"probe {i}: {a if isinstance(a, str) else b}")
-    ok = equal == len(start) == len(end)
-    return Check(
-        "greedy same tokens",
-        ok,
-        f"{equal}/{len(start)} probes" + ("; " + "; ".join(diffs) if diffs else ""),
-    )
+    detail = "; ".join([f"{equal}/{len(start)} probes", *diffs])
+    return Check("greedy same tokens", equal == len(start) == len(end), detail)
 
 
 def _probes(target: Target, specs) -> list[list[int] | str]:
