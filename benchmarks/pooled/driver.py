@@ -146,7 +146,7 @@ def spawn_worker(
     args: argparse.Namespace,
     cfg: BenchConfig,
     log_dir: Path,
-    slots: CoreSlots | None = None,
+    slots: CoreSlots,
 ) -> WorkerRun:
     """Run one worker subprocess to completion, its output in a log file."""
     model, mode = job.model, job.mode
@@ -161,20 +161,11 @@ def spawn_worker(
     cmd = [sys.executable, str(BENCH_SCRIPT), "--worker", *sum(options.items(), ())]
     _say(f"{job.name}: worker started, log {log_path}")
     start = time.perf_counter()
-    with (
-        (slots or CoreSlots(1)).first_core(job.threads) as first_core,
-        open(log_path, "w") as log,
-    ):
-        proc = subprocess.run(
-            cmd,
-            env=worker_env(mode, job.threads, first_core),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            check=False,
-        )
+    with slots.first_core(job.threads) as first_core, open(log_path, "w") as log:
+        env = worker_env(mode, job.threads, first_core)
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     wall = time.perf_counter() - start
-    text = log_path.read_text(errors="replace")
-    report = parse_result(text)
+    report = parse_result(log_path.read_text(errors="replace"))
     _say(f"{job.name}: worker exited {proc.returncode} after {wall:.0f} s")
     return WorkerRun(model, mode, proc.returncode, wall, str(log_path), report)
 
@@ -210,9 +201,7 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
     print(format_table(rows))
     notes = start_error_notes(runs)
     if notes:
-        print("\nEngine start notes:")
-        for note in notes:
-            print(f"  {note}")
+        print("\nEngine start notes:", *notes, sep="\n  ")
     problems = run_failures(runs)
     for run in runs:
         for where, text in ((run.report or {}).get("tracebacks") or {}).items():
@@ -232,8 +221,6 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
         _say(f"JSON written to {args.json}")
     _say(f"total {total:.0f} s, logs in {log_dir}")
     if problems:
-        print("\nFAILURES:")
-        for problem in problems:
-            print(f"  {problem}")
+        print("\nFAILURES:", *problems, sep="\n  ")
         return 1
     return 0

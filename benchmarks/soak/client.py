@@ -128,9 +128,8 @@ def _answer(spec: RequestSpec, target: Target, resp) -> tuple[str, int, str, dic
             for c in event.get("choices") or []:
                 into = merged.setdefault(c["index"], {"index": c["index"], "text": ""})
                 into["text"] += _text(c, "delta")
-                into["finish_reason"] = c.get("finish_reason") or into.get(
-                    "finish_reason"
-                )
+                if c.get("finish_reason"):
+                    into["finish_reason"] = c["finish_reason"]
             usage = event.get("usage") or usage
             if spec.disconnect_after is not None and events >= spec.disconnect_after:
                 return "disconnected", 200, f"closed after {events} events", {}

@@ -136,9 +136,8 @@ class MixBuilder:
         return self._spec(kind, CHAT, {"messages": messages, **body})
 
     def completion(self, kind: str, prompt: list[int], **body) -> RequestSpec:
-        spec = self._spec(kind, COMPLETIONS, {"prompt": prompt, **body})
-        spec.prompt_len = len(prompt)
-        return spec
+        body = {"prompt": prompt, **body}
+        return self._spec(kind, COMPLETIONS, body, prompt_len=len(prompt))
 
     def any(self, kind: str, **body) -> RequestSpec:
         """A chat or completion request of ordinary length."""
