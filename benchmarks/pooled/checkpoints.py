@@ -50,9 +50,7 @@ class CheckpointCounters:
         """Start a new measurement window (e.g. one workload)."""
         self.allocated = self.in_place = self.cached = self.hit_events = 0
         self._steps_at_reset = replace(self.steps.total) if self.steps else StepRecord()
-        self.hit_keys = set()
-        self.cached_positions = []
-        self.hit_positions = []
+        self.hit_keys, self.cached_positions, self.hit_positions = set(), [], []
         self._cuts_at_reset = self._cuts() or 0
 
     def _cuts(self) -> int | None:
@@ -62,10 +60,9 @@ class CheckpointCounters:
         """Counts since the last reset, in whole request states."""
         n = max(1, self.state_groups)
         cuts = self._cuts()
-        now, before = (
-            self.steps.total if self.steps else StepRecord(),
-            self._steps_at_reset,
-        )
+        cuts_since = None if cuts is None else cuts - self._cuts_at_reset
+        now = self.steps.total if self.steps else StepRecord()
+        before = self._steps_at_reset
         prefill = now.prefill_tokens - before.prefill_tokens
         return {
             "state_groups": self.state_groups,
@@ -77,9 +74,7 @@ class CheckpointCounters:
             "state_hit_events": self.hit_events / n,
             "tokens_scheduled": prefill + now.decode_tokens - before.decode_tokens,
             "prefill_tokens_computed": prefill,
-            "prefill_checkpoint_cuts": (
-                None if cuts is None else cuts - self._cuts_at_reset
-            ),
+            "prefill_checkpoint_cuts": cuts_since,
         }
 
 
@@ -212,22 +207,24 @@ def attach(scheduler: Any, steps: StepObserver | None = None) -> CheckpointCount
     return counters
 
 
+#: The counts :func:`per_unit` also gives per request and per 1,000 decoded tokens.
+PER_UNIT = (
+    "state_blocks_allocated",
+    "state_copies",
+    "checkpoints_cached",
+    "checkpoints_hit",
+)
+
+
 def per_unit(snapshot: dict[str, Any], requests: int, output_tokens: int) -> dict:
-    """The checkpoint counts per request and per 1,000 decoded tokens."""
+    """The :data:`PER_UNIT` counts of a snapshot per request and per 1,000
+    decoded tokens."""
     out: dict[str, Any] = {}
-    for key in (
-        "state_blocks_allocated",
-        "state_copies",
-        "checkpoints_cached",
-        "checkpoints_hit",
-    ):
-        value = snapshot.get(key)
-        if value is None:
-            continue
+    for key in PER_UNIT:
+        value = snapshot[key]
         out[f"{key}_per_request"] = value / requests if requests else None
-        out[f"{key}_per_1k_decoded"] = (
-            1000 * value / output_tokens if output_tokens else None
-        )
+        per_1k = 1000 * value / output_tokens if output_tokens else None
+        out[f"{key}_per_1k_decoded"] = per_1k
     return out
 
 
