@@ -11,6 +11,7 @@ come from the simulator's ``StepObserver`` on the same engine.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -104,6 +105,9 @@ def _wrap(obj: Any, name: str, make: Any) -> None:
 def attach(scheduler: Any, steps: StepObserver | None = None) -> CheckpointCounters:
     """Install the counting wrappers on a scheduler's state managers and
     their block pool(s); ``steps`` observes the same scheduler."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    full_signature = inspect.signature(BlockPool.cache_full_blocks)
     managers = _state_managers(scheduler)
     counters = CheckpointCounters(len(managers), steps, scheduler=scheduler)
     state_gids = {gid for gid, _ in managers}
@@ -112,13 +116,9 @@ def attach(scheduler: Any, steps: StepObserver | None = None) -> CheckpointCount
     def allocate(original):
         def counted(request_id, *args, **kwargs):
             blocks = original(request_id, *args, **kwargs)
-            for block in blocks:
-                if block.is_null:
-                    continue
-                if block.ref_cnt == 1:
-                    counters.allocated += 1
-                else:
-                    counters.in_place += 1
+            real = [block for block in blocks if not block.is_null]
+            counters.allocated += sum(block.ref_cnt == 1 for block in real)
+            counters.in_place += sum(block.ref_cnt != 1 for block in real)
             return blocks
 
         return counted
@@ -140,39 +140,26 @@ def attach(scheduler: Any, steps: StepObserver | None = None) -> CheckpointCount
         return make
 
     def cache_full(original):
-        def counted(
-            request,
-            blocks,
-            num_cached_blocks,
-            num_full_blocks,
-            block_size,
-            kv_cache_group_id,
-            **kwargs,
-        ):
-            new = range(num_cached_blocks, num_full_blocks)
+        def counted(*args, **kwargs):
+            # The arguments by name, however the caller passed them (upstream's
+            # signature: pooled mode's pool forwards ``*args``; None is ``self``).
+            call = full_signature.bind(None, *args, **kwargs).arguments
+            gid, blocks = call["kv_cache_group_id"], call["blocks"]
             fresh = [
                 (i, blocks[i])
-                for i in new
-                if kv_cache_group_id in state_gids
+                for i in range(call["num_cached_blocks"], call["num_full_blocks"])
+                if gid in state_gids
                 and not blocks[i].is_null
                 and blocks[i].block_hash is None
             ]
-            result = original(
-                request,
-                blocks,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
-                **kwargs,
-            )
+            result = original(*args, **kwargs)
             for i, block in fresh:
-                if block.block_hash is None:
-                    continue
-                counters.cached += 1
-                if kv_cache_group_id == first_gid:
-                    position = (i + 1) * block_size
-                    counters.cached_positions.append((request.request_id, position))
+                if block.block_hash is not None:
+                    counters.cached += 1
+                    if gid == first_gid:
+                        position = (i + 1) * call["block_size"]
+                        request_id = call["request"].request_id
+                        counters.cached_positions.append((request_id, position))
             return result
 
         return counted
