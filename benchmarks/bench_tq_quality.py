@@ -15,7 +15,6 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,6 @@ import benchmarks.pooled as bp  # noqa: E402
 from benchmarks.harness import tiny_model  # noqa: E402
 from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES  # noqa: E402
 from vllm_hybrid.tools.workloads import random_tokens  # noqa: E402
-
-
-@dataclass(frozen=True)
-class DtypeEngineSpec(bp.EngineSpec):
-    """bench_pooled's engine, with full-vocab logprobs."""
-
-    max_logprobs: int = 20
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        return super().llm_kwargs() | {"max_logprobs": self.max_logprobs}
 
 
 def prompts_for(vocab: list[int], positions: int, length: int, seed: int):
@@ -93,7 +82,7 @@ def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
     results: dict[str, Any] = {}
     reference = None
     for dtype in ("auto", *args.presets):
-        spec = DtypeEngineSpec(
+        spec = bp.EngineSpec(
             model_path=path,
             budget_bytes=args.budget_mib * bp.MIB,
             prefix_caching=False,
@@ -102,10 +91,9 @@ def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
             enforce_eager=True,
             seed=0,
             kv_cache_dtype=dtype,
-            max_logprobs=args.vocab,
         )
         start = time.perf_counter()
-        with bp.open_engine(spec) as engine:
+        with bp.open_engine(spec, max_logprobs=args.vocab) as engine:
             vocab = engine.vocab()
             size = engine.vllm_config.model_config.get_vocab_size()
             prompts = prompts_for(vocab, args.positions, args.prompt_len, 0)

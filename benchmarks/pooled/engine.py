@@ -164,14 +164,15 @@ class Engine:
 
 
 @contextlib.contextmanager
-def open_engine(spec: EngineSpec) -> Iterator[Engine]:
-    """Start an engine and always release it (and vLLM's process state)."""
+def open_engine(spec: EngineSpec, **llm_options: Any) -> Iterator[Engine]:
+    """Start an engine (``llm_options``: more ``vllm.LLM`` arguments) and
+    always release it (and vLLM's process state)."""
     from vllm import LLM
 
     start = time.perf_counter()
     llm = None
     try:
-        llm = LLM(**spec.llm_kwargs())
+        llm = LLM(**spec.llm_kwargs() | llm_options)
         yield Engine(llm, spec, time.perf_counter() - start)
     finally:
         if llm is not None:

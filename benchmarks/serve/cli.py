@@ -39,20 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", choices=KV_CACHE_DTYPES, default=d.dtypes)
     p.add_argument("--rates", nargs="+", type=_rate, help="req/s; inf: all at once")
     p.add_argument("--requests", type=int, help="requests per rate (default 40)")
-    p.add_argument(
-        "--dataset-args",
-        type=shlex.split,
-        help="vllm bench serve dataset options replacing the default load",
-    )
+    load = "vllm bench serve dataset options replacing the default load"
+    p.add_argument("--dataset-args", type=shlex.split, help=load)
     p.add_argument("--kv-cache-mib", type=float, default=d.kv_cache_mib)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="rates 4,inf, 10 requests, 16-32 output tokens: checks the harness",
-    )
+    quick_help = "rates 4,inf, 10 requests, 16-32 output tokens: checks the harness"
+    p.add_argument("--quick", action="store_true", help=quick_help)
     p.add_argument("--compile", action="store_true", help="no --enforce-eager")
     p.add_argument("--model-dir", type=Path, default=d.model_dir)
     p.add_argument("--log-dir", type=Path, default=None)
