@@ -44,16 +44,16 @@ class KVGeometry:
         return max(0, math.floor(free / self.attn_bytes_per_token))
 
 
-def _layer_specs(group: Any) -> Iterator[tuple[str, Any]]:
-    """(layer name, spec) of every layer of a KV cache group."""
+def _layer_specs(kv_cache_config: Any) -> Iterator[tuple[str, Any]]:
+    """(layer name, spec) of every layer of a ``KVCacheConfig``."""
     from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
 
-    spec = group.kv_cache_spec
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        yield from spec.kv_cache_specs.items()
-        return
-    for name in group.layer_names:
-        yield name, spec
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            yield from spec.kv_cache_specs.items()
+        else:
+            yield from ((name, spec) for name in group.layer_names)
 
 
 def kv_geometry(kv_cache_config: Any) -> KVGeometry:
@@ -61,21 +61,16 @@ def kv_geometry(kv_cache_config: Any) -> KVGeometry:
     unpadded (``real_page_size_bytes``)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
-    per_token = 0.0
-    state = 0
-    n_attn = n_state = 0
-    other: list[str] = []
-    for group in kv_cache_config.kv_cache_groups:
-        for name, spec in _layer_specs(group):
-            if isinstance(spec, MambaSpec):
-                state += spec.real_page_size_bytes
-                n_state += 1
-            elif isinstance(spec, AttentionSpec):
-                per_token += spec.real_page_size_bytes / spec.block_size
-                n_attn += 1
-            else:
-                other.append(name)
-    return KVGeometry(per_token, state, n_attn, n_state, tuple(other))
+    layers = list(_layer_specs(kv_cache_config))
+    attention = [spec for _, spec in layers if isinstance(spec, AttentionSpec)]
+    state = [spec for _, spec in layers if isinstance(spec, MambaSpec)]
+    return KVGeometry(
+        sum((spec.real_page_size_bytes / spec.block_size for spec in attention), 0.0),
+        sum(spec.real_page_size_bytes for spec in state),
+        len(attention),
+        len(state),
+        tuple(n for n, s in layers if not isinstance(s, (AttentionSpec, MambaSpec))),
+    )
 
 
 def kv_pools(scheduler: Any) -> list[PoolUsage]:
