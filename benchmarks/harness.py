@@ -16,7 +16,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -250,11 +250,9 @@ def _wait_ready(handle: ServerHandle, timeout: float) -> None:
                 f"server exited with code {handle.process.returncode} before "
                 f"it was ready; log tail:\n{handle.log_text()[-4000:]}"
             )
-        try:
+        with suppress(OSError):  # not listening yet
             if handle.request("/health", timeout=2.0)[0] == 200:
                 return
-        except OSError:
-            pass
         time.sleep(0.5)
     raise TimeoutError(
         f"server not ready after {timeout:.0f}s; log tail:\n{handle.log_text()[-4000:]}"
@@ -379,8 +377,8 @@ def _cause(lines: list[str]) -> str:
     that is not a consequential ``EngineDeadError``, else the first problem."""
     for i, line in enumerate(lines):
         if any(marker in line for marker in CRASH_MARKERS):
-            frames = [x for x in lines[i + 1 : i + 6] if x.startswith("File ")]
-            frames = [x for x in frames if "sysdeps" not in x]
+            frames = lines[i + 1 : i + 6]
+            frames = [x for x in frames if x.startswith("File ") and "sysdeps" not in x]
             return f"{line} {frames[0]}" if frames else line
     for line in (x for x in lines if " ERROR " in x or not x.startswith("(")):
         head = line.split("] ", 1)[-1]
