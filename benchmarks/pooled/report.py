@@ -171,15 +171,14 @@ ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
 
 
 def _workload(report: dict[str, Any] | None, name: str) -> dict[str, Any]:
-    if not report:
-        return {}
-    return report.get("workloads", {}).get(name, {}) or {}
+    return (report or {}).get("workloads", {}).get(name, {}) or {}
 
 
 def _metric(workload: dict[str, Any], key: str) -> Any:
-    if key == "wall_s":
-        return workload.get("wall_s")
-    return workload.get("metrics", {}).get(key)
+    """A workload's metric; its wall time is kept next to the metrics."""
+    return (
+        workload.get(key) if key == "wall_s" else workload.get("metrics", {}).get(key)
+    )
 
 
 #: Per-engine rows: (key of the engine description, label).
@@ -197,9 +196,8 @@ def _engines(report: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _engine_value(engine: dict[str, Any], key: str) -> Any:
-    if key == "kv_layout" and engine.get("start_error"):
-        return "start failed"
-    return engine.get(key)
+    failed = key == "kv_layout" and engine.get("start_error")
+    return "start failed" if failed else engine.get(key)
 
 
 def _engine_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:

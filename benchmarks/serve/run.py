@@ -137,9 +137,8 @@ def run_server(
     cfg: BenchConfig, model: str, mode: str, dtype: str, log_dir: Path, log: Log
 ) -> ServerResult:
     """Never raises for a server problem: the result says what happened."""
-    result = ServerResult(model, mode, dtype)
     log_path = log_dir / f"{model}-{mode}-{dtype}.log"
-    result.log_path = str(log_path)
+    result = ServerResult(model, mode, dtype, log_path=str(log_path))
     log(f"{result.name}: starting server (log {log_path})")
     handle = None
     try:
