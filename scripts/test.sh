@@ -11,8 +11,14 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 ruff check .
 ruff format --check .
+# Two pytest-xdist workers (at most four on larger hosts), one test module
+# per worker at a time so that module-scoped engines are shared; tests/
+# conftest.py gives each worker's engines a core of their own. "-n 0" in
+# the arguments runs everything in this process.
+WORKERS=$(nproc)
+[ "$WORKERS" -gt 4 ] && WORKERS=4
 set +e
-python -m pytest --hypothesis-profile=ci "$@"
+python -m pytest --hypothesis-profile=ci -n "$WORKERS" --dist loadfile "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
@@ -20,7 +26,7 @@ if [ "$rc" -eq 5 ]; then
   rc=0
 fi
 # vLLM's own tests/v1/core, overlay on and off, same outcomes apart from the
-# deviations in docs/upstream-tests.md (about 1.5 min). Skipped when the
+# deviations in docs/upstream-tests.md (about 1 min). Skipped when the
 # arguments select tests (-k, -m, --deselect, a path) or UPSTREAM_TESTS=0.
 selects_tests() {
   local a
