@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from suite_order import longest_first
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -105,36 +106,8 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-#: Test modules that take a minute or more (measured on an idle 2-core host),
-#: longest first. They run first, so that in two workers (README, Tests) no
-#: long module starts when the other worker is nearly done. An order hint
-#: only: a module missing from the list runs after these, as collected.
-LONGEST_FIRST = (
-    "v1/pipeline/test_pipeline_parallel_cpu.py",
-    "v1/spec_decode/test_spec_decode_hybrid_cpu.py",
-    "plugins/test_activation.py",
-    "test_kernel_tier.py",
-    "entrypoints/test_load_edges.py",
-    "benchmarks/test_bench_checkpoints.py",
-    "entrypoints/test_openai_server.py",
-    "models/test_turboquant_engine.py",
-    "entrypoints/test_multi_node.py",
-    "entrypoints/test_soak.py",
-    "gpu/test_modes_agree.py",
-    "plugins/test_first_run.py",
-    "tools/test_simulate_trust.py",
-    "v1/core/pooled/test_skip_layers.py",
-)
-
-
-def _longest_first(items) -> None:
-    root = Path(__file__).resolve().parent
-    rank = {root / name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.fspath), len(rank)))
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_first(items)
+    longest_first(items)
     if not config.getoption("--extended"):
         extended = pytest.mark.skip(reason="extended tier: run with --extended")
         for item in items:

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from conftest import LONGEST_FIRST
+from suite_order import LONGEST_FIRST
 
 TESTS = Path(__file__).resolve().parent
 
