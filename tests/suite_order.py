@@ -31,4 +31,4 @@ def longest_first(items) -> None:
     first, in that order (stable: the rest keep their collection order)."""
     root = Path(__file__).resolve().parent
     rank = {root / name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.fspath), len(rank)))
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))
