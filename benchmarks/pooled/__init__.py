@@ -5,13 +5,11 @@ runs, in layers:
 
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
-* :mod:`.checkpoints`: counters of align-mode state blocks and prefix-cache
-  checkpoints, wrapped around a running engine;
 * :mod:`.engine`: engines and the step-by-step drive loop;
 * :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
-  (many_short, one_long, multi_turn, chat_server, two_turn, same_tokens),
-  with the prompts of :mod:`vllm_hybrid.tools.workloads` and the step counts
-  of :mod:`vllm_hybrid.tools.simulate.steps`;
+  (many_short, one_long, multi_turn, same_tokens), with the prompts of
+  :mod:`vllm_hybrid.tools.workloads` and the step and checkpoint counts of
+  :mod:`vllm_hybrid.tools.simulate`;
 * :mod:`.worker`: one model in one mode, in its own process (the overlay
   reads its switch once per process);
 * :mod:`.driver`: the worker subprocesses (``--jobs``, core pinning);

@@ -15,7 +15,6 @@ from benchmarks.harness import MODELS
 
 from .config import (
     ALL_MODES,
-    DEFAULT_WORKLOADS,
     MIB,
     MODES,
     REPO_ROOT,
@@ -53,9 +52,6 @@ def _layers(text: str) -> tuple[str, ...]:
 #: what each one does: docs/benchmarks.md, "How bench_pooled measures".
 FIELD_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("--seed", int, "seed of all generated prompts"),
-    ("--chat-server-conversations", int, "chat_server: conversations"),
-    ("--chat-server-turns", int, "chat_server: turns per conversation"),
-    ("--chat-server-concurrency", int, "chat_server: turns in flight"),
     ("--block-size", int, "attention block of every engine but one_long's"),
     ("--mamba-block-size", int, "align-mode state interval, prefix caching"),
     ("--kv-cache-dtype", str, "KV cache dtype of every engine"),
@@ -69,7 +65,7 @@ FIELD_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 #: Other options: flag, value type (or argparse action), default, help.
 OTHER_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--models", _csv(None), list(MODELS), "tiny model kinds"),
-    ("--workloads", _csv(WORKLOADS), list(DEFAULT_WORKLOADS), ",".join(WORKLOADS)),
+    ("--workloads", _csv(WORKLOADS), list(WORKLOADS), ",".join(WORKLOADS)),
     ("--modes", _csv(ALL_MODES), list(MODES), "the first is the reference"),
     ("--json", str, None, "also write all results to this JSON file"),
     ("--model-dir", Path, REPO_ROOT / ".tiny-models", "tiny models built/reused"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from benchmarks.harness import MIB, REPO_ROOT
-from vllm_hybrid.tools.simulate.sources import ChatServerShape, MultiTurnShape
+from vllm_hybrid.tools.simulate.sources import MultiTurnShape
 
 RESULT_PREFIX = "BENCH_RESULT "
 #: Modes a run compares when ``--modes`` is not given.
@@ -21,11 +21,8 @@ SERVER_MODE: dict[str, str] = {
     "overlay": "pooled",
 }
 ALL_MODES: tuple[str, ...] = tuple(SERVER_MODE)
-#: Workloads a run does when ``--workloads`` is not given (the acceptance run).
-DEFAULT_WORKLOADS = ("many_short", "one_long", "multi_turn", "same_tokens")
-#: Every workload ``--workloads`` accepts: the default ones, the interleaved
-#: chat server and the two-turn checkpoint trace.
-WORKLOADS: tuple[str, ...] = (*DEFAULT_WORKLOADS, "chat_server", "two_turn")
+#: Every workload ``--workloads`` accepts; all run when it is not given.
+WORKLOADS: tuple[str, ...] = ("many_short", "one_long", "multi_turn", "same_tokens")
 #: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
 NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
 #: The command line entry; workers are this script started with ``--worker``.
@@ -68,23 +65,13 @@ class BenchConfig:
     one_long_output: int = 16
     #: upper bound of the one_long search, besides ``max_model_len``
     one_long_search_cap: int = 16384
-    #: multi_turn and chat_server: the simulator's shapes of the same workloads
+    #: multi_turn: the simulator's shape of the same workload
     multi_turn_conversations: int = MultiTurnShape.conversations
     multi_turn_turns: int = MultiTurnShape.turns
     multi_turn_system_len: int = MultiTurnShape.system_len
     multi_turn_user_len: int = MultiTurnShape.user_len
     multi_turn_output: int = MultiTurnShape.output
     same_tokens_output: int = 24
-    chat_server_conversations: int = ChatServerShape.conversations
-    chat_server_turns: int = ChatServerShape.turns
-    chat_server_system_len: int = ChatServerShape.system_len
-    chat_server_user_min: int = ChatServerShape.user_min
-    chat_server_user_max: int = ChatServerShape.user_max
-    chat_server_output: int = ChatServerShape.output
-    chat_server_concurrency: int = ChatServerShape.concurrency
-    two_turn_prompt_len: int = 1300
-    two_turn_output: int = 24
-    two_turn_user_len: int = 100
     #: 1 makes vLLM's CPU attention independent of batch composition, which a
     #: token-for-token comparison needs; 0: the main workers' threads
     same_tokens_threads: int = 1
@@ -118,8 +105,5 @@ def quick_config(cfg: BenchConfig) -> BenchConfig:
         many_short_requests=8,
         multi_turn_conversations=2,
         multi_turn_turns=2,
-        chat_server_conversations=4,
-        chat_server_turns=2,
-        chat_server_concurrency=2,
         one_long_search_cap=1024,
     )

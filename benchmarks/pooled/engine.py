@@ -6,11 +6,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gaps
+from vllm_hybrid.tools.simulate.probes import (
+    CheckpointCount,
+    count_state_checkpoints,
+)
 from vllm_hybrid.tools.simulate.steps import StepObserver, state_geometry
 
 from .config import BenchConfig
@@ -104,7 +108,7 @@ class Engine:
     llm: Any
     spec: EngineSpec
     start_s: float
-    #: measurement helpers attached to this engine (e.g. checkpoint counters)
+    #: measurement helpers attached to this engine (step observer, probe)
     probes: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -161,6 +165,16 @@ class Engine:
             self.probes["steps"] = observer
             scheduler.schedule = observed
         return observer
+
+    def count_checkpoints(self) -> CheckpointCount | None:
+        """Count state checkpoints entered into the prefix cache with the
+        simulator's probe (attached once), so both tools count them alike;
+        None without prefix caching (no align-mode state groups)."""
+        if not self.spec.prefix_caching:
+            return None
+        if "checkpoints" not in self.probes:
+            self.probes["checkpoints"] = count_state_checkpoints(self.scheduler)
+        return self.probes["checkpoints"]
 
 
 @contextlib.contextmanager
@@ -232,11 +246,6 @@ class DriveResult:
         return top2_gaps(self.outputs[key].outputs[0])
 
 
-#: Called after every step with the requests that finished in it (our key ->
-#: ``RequestOutput``, empty before the first step); returns requests to add.
-Feed = Callable[[dict[str, Any]], Sequence[Submission]]
-
-
 def _progress(scheduler: Any) -> int:
     """A number that grows whenever the engine computes any token."""
     return sum(
@@ -250,10 +259,8 @@ def drive(
     cfg: BenchConfig,
     geometry: KVGeometry | None = None,
     stop_on_preemption: bool = False,
-    feed: Feed | None = None,
 ) -> DriveResult:
-    """Add every request (and, with ``feed``, what it returns before the
-    first step and after each), then step the engine by hand, sampling the
+    """Add every request, then step the engine by hand, sampling the
     scheduler, until all are finished, stalled, out of time or (if asked)
     preempted (docs/benchmarks.md, "How it works"); the rest is aborted."""
     from vllm import SamplingParams
@@ -263,27 +270,22 @@ def drive(
     scheduler = engine.scheduler
     internal: dict[str, str] = {}
 
-    def add(subs: Sequence[Submission]) -> str | None:
-        for sub in subs:
-            # Random weights emit EOS at random: ignore it so lengths are fixed.
-            params = SamplingParams(
-                max_tokens=sub.max_tokens,
-                temperature=0.0,
-                ignore_eos=True,
-                logprobs=sub.logprobs,
+    for sub in submissions:
+        # Random weights emit EOS at random: ignore it so lengths are fixed.
+        params = SamplingParams(
+            max_tokens=sub.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=sub.logprobs,
+        )
+        try:
+            internal[sub.key] = llm_engine.add_request(
+                sub.key, TokensPrompt(prompt_token_ids=sub.prompt), params
             )
-            try:
-                internal[sub.key] = llm_engine.add_request(
-                    sub.key, TokensPrompt(prompt_token_ids=sub.prompt), params
-                )
-            except Exception as exc:  # validation (e.g. longer than max_model_len)
-                _abort(llm_engine, internal.values())
-                return f"{type(exc).__name__}: {exc}"
-        return None
-
-    error = add([*submissions, *(feed({}) if feed else ())])
-    if error is not None:
-        return DriveResult({}, 0, 0.0, [], 0, "rejected", error)
+        except Exception as exc:  # validation (e.g. longer than max_model_len)
+            _abort(llm_engine, internal.values())
+            error = f"{type(exc).__name__}: {exc}"
+            return DriveResult({}, 0, 0.0, [], 0, "rejected", error)
     outputs: dict[str, Any] = {}
     samples: list[KVSample] = []
     observed = engine.steps().total
@@ -294,16 +296,10 @@ def drive(
     last_progress = -1
     outcome, detail = "finished", ""
     while llm_engine.has_unfinished_requests():
-        finished: dict[str, Any] = {}
         for out in llm_engine.step():
             if out.finished:
-                outputs[out.request_id] = finished[out.request_id] = out
+                outputs[out.request_id] = out
         steps += 1
-        if feed is not None:
-            error = add(feed(finished))
-            if error is not None:
-                outcome, detail = "rejected", error
-                break
         if geometry is not None:
             samples.append(sample_kv(scheduler, geometry, steps))
         progress = _progress(scheduler) + len(outputs)

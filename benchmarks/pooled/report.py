@@ -111,50 +111,12 @@ MULTI_TURN_ROWS: tuple[tuple[str, str], ...] = (
     ("output_tok_per_cpu_s", "output tokens/CPU s"),
     ("wall_s", "wall s"),
     ("cpu_s", "CPU s"),
-)
-#: State checkpoint counters (:mod:`.checkpoints`), rows of the workloads
-#: that report them; counts are whole request states.
-CHECKPOINT_ROWS: tuple[tuple[str, str], ...] = (
-    ("state_blocks_allocated", "state blocks allocated"),
-    ("state_blocks_allocated_per_request", "state blocks / request"),
-    ("state_blocks_allocated_per_1k_decoded", "state blocks / 1k decoded"),
-    ("state_in_place", "state edges crossed in place"),
+    # align-mode state counts (``workloads._state_counts``), prefix caching only
     ("state_copies", "state copies"),
-    ("state_copies_per_request", "state copies / request"),
-    ("state_copies_per_1k_decoded", "state copies / 1k decoded"),
     ("checkpoints_cached", "checkpoints cached"),
-    ("checkpoints_cached_per_request", "checkpoints cached / request"),
-    ("checkpoints_cached_per_1k_decoded", "checkpoints cached / 1k decoded"),
-    ("checkpoints_hit", "checkpoints ever hit"),
-    ("checkpoints_hit_per_request", "checkpoints ever hit / request"),
-    ("state_hit_events", "state prefix hits"),
-    ("prefill_checkpoint_cuts", "prefill chunks cut at a checkpoint"),
-)
-MULTI_TURN_ROWS = MULTI_TURN_ROWS + CHECKPOINT_ROWS
-CHAT_SERVER_ROWS: tuple[tuple[str, str], ...] = (
-    ("hit_rate", "prefix hit rate (tokens)"),
-    ("hit_rate_later_turns", "hit rate, turns after the 1st"),
-    ("cached_tokens", "cached tokens"),
-    ("prompt_tokens", "prompt tokens"),
+    ("tokens_scheduled", "tokens scheduled"),
     ("prefill_tokens_computed", "prefill tokens computed"),
-    ("requests", "requests"),
-    ("output_tokens", "decoded tokens"),
-    ("preemptions", "preemptions"),
-    ("steps", "engine steps"),
-    ("output_tok_per_s", "output tokens/s"),
-    ("wall_s", "wall s"),
-    ("cpu_s", "CPU s"),
-    *CHECKPOINT_ROWS,
-)
-TWO_TURN_ROWS: tuple[tuple[str, str], ...] = (
-    ("state_block", "state block (tokens)"),
-    ("shared_prefix", "turn 1 prompt + reply"),
-    ("last_edge_in_shared_prefix", "last block edge in it"),
-    ("turn2_cached_tokens", "turn 2 cached tokens"),
-    ("turn1_checkpoints", "turn 1 checkpoints at"),
-    ("turn2_checkpoints", "turn 2 checkpoints at"),
-    ("turn1_state_blocks_allocated", "turn 1 state blocks allocated"),
-    ("turn1_state_copies", "turn 1 state copies"),
+    ("prefill_checkpoint_cuts", "prefill chunks cut at a checkpoint"),
 )
 ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
     ("longest_prompt", "longest prompt"),
@@ -265,8 +227,6 @@ def comparison_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
     for name, spec in (
         ("many_short", MANY_SHORT_ROWS),
         ("multi_turn", MULTI_TURN_ROWS),
-        ("chat_server", CHAT_SERVER_ROWS),
-        ("two_turn", TWO_TURN_ROWS),
     ):
         wu, wo = _workload(up, name), _workload(ov, name)
         if not (wu or wo):

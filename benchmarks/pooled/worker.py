@@ -21,19 +21,15 @@ from .same_tokens import preempt_budget_bytes, run_same_tokens
 from .workloads import (
     longest_completing,
     one_long_metrics,
-    run_chat_server,
     run_many_short,
     run_multi_turn,
     run_one_long,
-    run_two_turn,
 )
 
 #: Workloads that run on the ``main`` engine, in this order.
 MAIN_ENGINE_WORKLOADS: tuple[tuple[str, Callable[..., dict[str, Any]]], ...] = (
     ("many_short", run_many_short),
     ("multi_turn", run_multi_turn),
-    ("chat_server", run_chat_server),
-    ("two_turn", run_two_turn),
 )
 
 
@@ -136,8 +132,8 @@ def _with_engine(
 def _run_main_engine(
     report: WorkerReport, engine: Engine, cfg: BenchConfig, workloads: set[str]
 ) -> None:
-    """many_short, multi_turn, chat_server, two_turn and same_tokens'
-    prefix-caching pass share it."""
+    """many_short, multi_turn and same_tokens' prefix-caching pass share
+    it."""
     for name, run in MAIN_ENGINE_WORKLOADS:
         if name not in workloads:
             continue

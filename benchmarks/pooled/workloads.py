@@ -1,22 +1,16 @@
-"""The many_short, multi_turn, chat_server, two_turn and one_long workloads
-on an open engine (same_tokens is in :mod:`.same_tokens`)."""
+"""The many_short, multi_turn and one_long workloads on an open engine
+(same_tokens is in :mod:`.same_tokens`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
-from vllm_hybrid.tools.simulate.sources import (
-    ChatServerShape,
-    ChatServerWorkload,
-    MultiTurnShape,
-    MultiTurnWorkload,
-)
+from vllm_hybrid.tools.simulate.sources import MultiTurnShape, MultiTurnWorkload
 
-from .checkpoints import counters_of, per_unit
 from .config import BenchConfig
 from .engine import DriveResult, Engine, Submission, drive
 from .pools import KVGeometry, KVSample, coupled_evictions, kv_geometry
@@ -108,13 +102,42 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
 
 
+def _state_counts(engine: Engine) -> Callable[[], dict[str, Any]]:
+    """What a workload does to align-mode states, counted from this call on
+    by the simulator's code, so ``vllm-hybrid simulate`` counts alike: state
+    copies and scheduled tokens (its step observer), checkpoints entered into
+    the prefix cache (its probe), and pooled mode's prefill chunks cut at a
+    checkpoint (the scheduler's count). Nothing without prefix caching."""
+    checkpoints = engine.count_checkpoints()
+    if checkpoints is None:
+        return dict
+    steps, scheduler = engine.steps(), engine.scheduler
+    before = replace(steps.total)
+    cached_before = checkpoints.checkpoints
+    cuts_before = getattr(scheduler, "prefill_checkpoint_cuts", None)
+
+    def since() -> dict[str, Any]:
+        now = steps.total
+        cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
+        prefill = now.prefill_tokens - before.prefill_tokens
+        return {
+            "state_copies": now.state_copies - before.state_copies,
+            "checkpoints_cached": checkpoints.checkpoints - cached_before,
+            "tokens_scheduled": prefill + now.decode_tokens - before.decode_tokens,
+            "prefill_tokens_computed": prefill,
+            "prefill_checkpoint_cuts": None if cuts is None else cuts - cuts_before,
+        }
+
+    return since
+
+
 def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     """Conversations sharing a system prefix, run turn by turn: the
     simulator's :class:`~vllm_hybrid.tools.simulate.sources.MultiTurnWorkload`
     (same ids and prompts), one drive per turn."""
     engine.reset_prefix_cache()
     evicted_before = coupled_evictions(engine.scheduler)
-    counters = _reset_counters(engine)
+    state_counts = _state_counts(engine)
     shape = _shape(MultiTurnShape, cfg, "multi_turn")
     workload = MultiTurnWorkload(shape, engine.vocab())
     per_turn: list[dict[str, Any]] = []
@@ -152,116 +175,9 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         **_totals(results),
         "requests": len(per_turn) * cfg.multi_turn_conversations,
     }
-    metrics |= _checkpoint_metrics(counters, metrics)
+    metrics |= state_counts()
     wall = sum(r.wall_s for r in results)
     return {"metrics": metrics, "details": {"turns": per_turn}, "wall_s": wall}
-
-
-def _reset_counters(engine: Engine) -> Any:
-    counters = counters_of(engine)
-    if counters is not None:
-        counters.reset()
-    return counters
-
-
-def _checkpoint_metrics(counters: Any, metrics: dict[str, Any]) -> dict:
-    """State checkpoint counts of a workload (see :mod:`.checkpoints`), also
-    per request and per decoded token of its ``metrics``."""
-    if counters is None:
-        return {}
-    snap = counters.snapshot()
-    return snap | per_unit(snap, metrics["requests"], metrics["output_tokens"])
-
-
-def run_chat_server(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Many conversations interleaved, as a chat server sees them: the
-    simulator's :class:`~vllm_hybrid.tools.simulate.sources.ChatServerWorkload`
-    (turns in a seeded order, at most ``chat_server_concurrency`` in flight,
-    each prompt the conversation so far plus new user tokens) on this engine.
-    """
-    engine.reset_prefix_cache()
-    counters = _reset_counters(engine)
-    shape = _shape(ChatServerShape, cfg, "chat_server")
-    workload = ChatServerWorkload(shape, engine.vocab())
-    order = workload.order
-    sent: dict[str, list[int]] = {}
-
-    def feed(finished: dict[str, Any]) -> list[Submission]:
-        for key, out in finished.items():
-            workload.finished(key, [int(t) for t in out.outputs[0].token_ids], 0.0)
-        new = workload.due(0.0)
-        sent.update((r.request_id, r.prompt) for r in new)
-        return [Submission(r.request_id, r.prompt, r.max_tokens) for r in new]
-
-    result = drive(engine, [], cfg, feed=feed)
-    check_finished(result, "chat_server")
-    if len(sent) != len(order):
-        raise RuntimeError(f"chat_server: {len(order) - len(sent)} turns never sent")
-    cached = {k: o.num_cached_tokens or 0 for k, o in result.outputs.items()}
-    prompt_len = {k: len(p) for k, p in sent.items()}
-    later = [k for k in sent if not k.endswith("-turn0")]
-    metrics = {
-        "hit_rate": sum(cached.values()) / sum(prompt_len.values()),
-        "hit_rate_later_turns": (
-            sum(cached[k] for k in later) / sum(prompt_len[k] for k in later)
-            if later
-            else None
-        ),
-        "cached_tokens": sum(cached.values()),
-        "prompt_tokens": sum(prompt_len.values()),
-        "requests": len(sent),
-        **_totals([result]),
-    }
-    metrics |= _checkpoint_metrics(counters, metrics)
-    details = {"order": order, "cached_tokens": cached, "prompt_len": prompt_len}
-    return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
-
-
-def run_two_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """A two-turn chat alone: where are state checkpoints cached, where does
-    the second turn hit?
-
-    Turn 1 is a ``two_turn_prompt_len``-token prompt with
-    ``two_turn_output`` reply tokens; turn 2's prompt is both plus
-    ``two_turn_user_len`` new tokens.
-    """
-    engine.reset_prefix_cache()
-    counters = _reset_counters(engine)
-    if counters is None:
-        raise RuntimeError("two_turn needs prefix caching")
-    first, user = wl.two_turn_prompts(
-        cfg.seed, engine.vocab(), cfg.two_turn_prompt_len, cfg.two_turn_user_len
-    )
-    turns: list[dict[str, Any]] = []
-    prompt = first
-    for turn in (1, 2):
-        counters.reset()
-        key = f"two_turn-{turn}"
-        result = drive(engine, [Submission(key, prompt, cfg.two_turn_output)], cfg)
-        check_finished(result, f"two_turn turn {turn}")
-        turns.append(
-            {
-                "prompt_tokens": len(prompt),
-                "cached_tokens": result.outputs[key].num_cached_tokens or 0,
-                "checkpoint_positions": [p for _, p in counters.cached_positions],
-                "state_hit_positions": [p for _, p in counters.hit_positions],
-                **counters.snapshot(),
-            }
-        )
-        prompt = prompt + result.token_ids(key) + user
-    block = engine.steps().state_block
-    shared = cfg.two_turn_prompt_len + cfg.two_turn_output
-    metrics = {
-        "state_block": block,
-        "shared_prefix": shared,
-        "last_edge_in_shared_prefix": shared // block * block if block else None,
-        "turn1_checkpoints": turns[0]["checkpoint_positions"],
-        "turn2_cached_tokens": turns[1]["cached_tokens"],
-        "turn2_checkpoints": turns[1]["checkpoint_positions"],
-        "turn1_state_copies": turns[0]["state_copies"],
-        "turn1_state_blocks_allocated": turns[0]["state_blocks_allocated"],
-    }
-    return {"metrics": metrics, "details": {"turns": turns}}
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,6 @@ def test_generators_are_pure_and_seeded() -> None:
     assert 40 <= len(user) <= 160
     assert user == workloads.chat_server_user(0, VOCAB, 3, 2, 40, 160)
     assert user != workloads.chat_server_user(0, VOCAB, 3, 1, 40, 160)
-    first, second = workloads.two_turn_prompts(0, VOCAB, 1300, 100)
-    assert (len(first), len(second)) == (1300, 100)
 
 
 def test_chat_server_order_gives_each_conversation_its_turns_in_order() -> None:

@@ -131,12 +131,3 @@ def chat_server_order(
         order.append((conv, seen[conv]))
         seen[conv] += 1
     return order
-
-
-def two_turn_prompts(
-    seed: int, vocab: Sequence[int], prompt_len: int, user_len: int
-) -> tuple[list[int], list[int]]:
-    """two_turn: the first prompt and the user tokens of the second turn."""
-    rng = random.Random(f"two_turn/{seed}")
-    first = random_tokens(rng, vocab, prompt_len)
-    return first, random_tokens(rng, vocab, user_len)
