@@ -156,7 +156,8 @@ class PooledCoordinatorMixin:
     ) -> dict[int, KVCacheBlock]:
         """Running state block per state group, if the request may advance its
         state in place: every state group needs exactly one new block (a state
-        block edge) and owns its running block alone.
+        block edge) and owns its running block alone (every reference to it
+        is one of the request's own slots, :func:`_own_slots`).
 
         At a state block edge align mode hands a running request a fresh
         state block, copies the running state into it and keeps the old block
@@ -179,7 +180,9 @@ class PooledCoordinatorMixin:
             ):
                 return {}
             blocks = manager.req_to_blocks.get(request_id) or []
-            if not blocks or blocks[-1].is_null or blocks[-1].ref_cnt != 1:
+            if not blocks or blocks[-1].is_null:
+                return {}
+            if blocks[-1].ref_cnt != _own_slots(blocks, manager, request_id):
                 return {}
             found[i] = blocks[-1]
         return found
@@ -210,6 +213,21 @@ class PooledCoordinatorMixin:
             finally:
                 pool.lend_in_place(None)
         return tuple(out)
+
+
+def _own_slots(blocks: list[KVCacheBlock], manager: Any, request_id: str) -> int:
+    """Slots of the request's block table that name its running state block.
+
+    Usually one. After the request advanced in place, the slot it advanced
+    from names the same block until upstream retires it, which happens two
+    steps later (the previous step may still be in flight); the block is
+    then still the request's alone, with one reference per slot.
+    """
+    last = blocks[-1]
+    retiring = getattr(manager, "last_state_block_idx", {}).get(request_id)
+    if retiring is not None and retiring < len(blocks) - 1:
+        return 2 if blocks[retiring] is last else 1
+    return 1
 
 
 def arena_of(kv_cache_manager: Any) -> KVArena | None:
