@@ -93,6 +93,27 @@ HELPERS = ("arena_views", "attention_check", "gdn_ops", "mamba2_ops", "align_cop
 #: What module-level CUDA calls raise in a CPU-only torch: such a module can
 #: only be checked on the device.
 NEEDS_GPU = "Torch not compiled with CUDA enabled"
+#: The card the import pass pretends to be: compute capability 8.9 (Ada).
+#: Any capability makes ``w8a8_utils`` ask the compiled ``_C`` ops whether
+#: CUTLASS supports block FP8 while it is imported. Hopper's 9.0 would also
+#: make ``ssd_chunk_scan`` filter its Triton autotune configs by fields that
+#: vLLM's Triton placeholder (a CPU build's ``triton``) does not have, which
+#: only the device can check.
+PRETENDED_CAPABILITY = (8, 9)
+
+
+def pretend_card(platform_cls: type) -> None:
+    """Answer the device queries vLLM makes while modules are imported as a
+    card would, so imports run on to what they do with the answer instead of
+    stopping at "Torch not compiled with CUDA enabled" (that is how the
+    CUTLASS support query above slipped through to a device run)."""
+    import torch
+    from vllm.platforms.interface import DeviceCapability
+
+    capability = DeviceCapability(*PRETENDED_CAPABILITY)
+    answer = classmethod(lambda cls, device_id=0: capability)
+    platform_cls.get_device_capability = answer
+    torch.cuda.get_device_capability = lambda device=None: PRETENDED_CAPABILITY
 
 
 def as_cuda() -> list[dict]:
@@ -104,6 +125,7 @@ def as_cuda() -> list[dict]:
     import vllm.platforms as platforms
     from vllm.platforms.cuda import CudaPlatform
 
+    pretend_card(CudaPlatform)
     platforms._current_platform = CudaPlatform()
     results = [try_import(name) for name in MODULES if name not in HELPERS]
     for result in results:

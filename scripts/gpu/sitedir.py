@@ -74,7 +74,18 @@ DECLARED_OPS = (
     "silu_and_mul_with_clamp",
     "situ_and_mul",
 )
-#: The stand-in that declares :data:`DECLARED_OPS`.
+#: ``_C`` ops that answer whether a compiled CUTLASS kernel supports the card.
+#: vLLM asks some of them while modules are imported on CUDA (``w8a8_utils``
+#: asks for block FP8); with no compiled kernels in the run the stand-in
+#: answers no, so vLLM takes its Triton or PyTorch paths.
+SUPPORT_QUERIES = (
+    "cutlass_group_gemm_supported",
+    "cutlass_scaled_mm_supports_block_fp8",
+    "cutlass_scaled_mm_supports_fp4",
+    "cutlass_scaled_mm_supports_fp8",
+    "mxfp4_experts_quant_supported",
+)
+#: The stand-in that declares :data:`DECLARED_OPS` and :data:`SUPPORT_QUERIES`.
 DECLARING_MODULE = "_C_stable_libtorch"
 
 STANDIN_SOURCE = '''"""Stand-in for vLLM's compiled extension ``vllm.{name}``.
@@ -90,6 +101,7 @@ DECLARING_SOURCE = """
 import torch
 
 DECLARED = {ops!r}
+QUERIES = {queries!r}
 
 
 def _unavailable(name):
@@ -105,6 +117,15 @@ _LIBRARY = torch.library.Library("_C", "FRAGMENT")
 for _name in DECLARED:
     _LIBRARY.define(f"{{_name}}(Tensor(a!) out, Tensor input) -> ()")
     _LIBRARY.impl(_name, _unavailable(_name), "CompositeExplicitAutograd")
+
+
+def _unsupported(cuda_device_capability):
+    return False
+
+
+for _name in QUERIES:
+    _LIBRARY.define(f"{{_name}}(int cuda_device_capability) -> bool")
+    _LIBRARY.impl(_name, _unsupported, "CompositeExplicitAutograd")
 """
 
 
@@ -180,9 +201,10 @@ def write_standins(package: Path) -> list[str]:
         if name == DECLARING_MODULE:
             more = (
                 "\n\nIt declares the ``_C`` ops model layers look up when they are"
-                "\nbuilt on CUDA; each raises when called."
+                "\nbuilt on CUDA, each raising when called, and answers no to the"
+                "\nCUTLASS support queries."
             )
-            body = DECLARING_SOURCE.format(ops=DECLARED_OPS)
+            body = DECLARING_SOURCE.format(ops=DECLARED_OPS, queries=SUPPORT_QUERIES)
         source = STANDIN_SOURCE.format(name=name, more=more) + body
         (package / f"{name.replace('.', '/')}.py").write_text(source)
     return [f"vllm.{name}" for name in STANDIN_MODULES]
