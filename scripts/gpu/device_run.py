@@ -99,11 +99,13 @@ def part_env(mode: str, site: Path, work: Path) -> dict[str, str]:
     return env
 
 
-def run_part(name: str, python: str, env: dict, out: Path, mode: str) -> dict:
+def run_part(
+    name: str, python: str, env: dict, out: Path, mode: str, extra: list[str]
+) -> dict:
     script, device_budget, rehearsal_budget = PARTS[name]
     budget = device_budget if mode == "device" else rehearsal_budget
     command = [python, str(sitedir.HERE / script), "--out", str(out / f"{name}.json")]
-    command += ["--budget", str(budget)]
+    command += ["--budget", str(budget), *extra]
     start = time.monotonic()
     with open(out / "log.txt", "a") as log:
         log.write(f"\n===== part {name} (budget {budget} s) =====\n")
@@ -147,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument(
+        "--tier-select", default="", help="part tier: only tests matching this -k"
+    )
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     unknown = set(parts) - set(PARTS)
@@ -174,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "parts": [],
     }
     for name in parts:
-        summary["parts"].append(run_part(name, python, env, out, args.mode))
+        extra = ["--select", args.tier_select] if name == "tier" else []
+        summary["parts"].append(run_part(name, python, env, out, args.mode, extra))
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(json.dumps(summary["parts"][-1]), flush=True)
     summary["seconds"] = round(time.monotonic() - start, 1)

@@ -27,8 +27,10 @@ from tier_env import ROOT, run_bounded, write_json
 WORKERS = 4
 
 
-def pytest_command(parallel: bool) -> list[str]:
+def pytest_command(parallel: bool, select: str = "") -> list[str]:
     command = [sys.executable, "-m", "pytest", "tests/kernels", "--kernel-tier"]
+    if select:
+        command += ["-k", select]
     command += ["-q", "-rs", "-p", "no:cacheprovider", "--hypothesis-profile=ci"]
     command += ["-p", "tier_report"]
     if parallel:
@@ -53,12 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=float, default=600)
+    parser.add_argument(
+        "--select", default="", help="pytest -k expression: a rerun of some tests"
+    )
     args = parser.parse_args(argv)
     report = Path(args.out).with_suffix(".jsonl.tmp")
     report.unlink(missing_ok=True)
     parallel = importlib.util.find_spec("xdist") is not None
     env = dict(os.environ, TIER_REPORT=str(report))
-    command = pytest_command(parallel)
+    command = pytest_command(parallel, args.select)
     rc, output = run_bounded(command, args.budget - 5, cwd=ROOT, env=env)
     over, tail = rc is None, output[-4000:]
     lines = []

@@ -171,18 +171,25 @@ def page_bytes(pages: torch.Tensor) -> torch.Tensor:
     return pages.contiguous().view(torch.uint8).reshape(pages.shape[0], -1)
 
 
-def reference(setup: Setup, batch: Batch, cached: int | None = None) -> torch.Tensor:
+def reference(
+    setup: Setup, batch: Batch, cached: int | None = None, from_store: bool = False
+) -> torch.Tensor:
     """Causal GQA attention of the batch's queries over what the cache
     holds of the inputs, in float32: what the kernels should compute (guards
     against two runs agreeing on garbage). ``cached``: TurboQuant's long
     continuation reads only that many positions from the cache and attends
-    to the chunk's own K/V as they are."""
+    to the chunk's own K/V as they are. ``from_store`` (TurboQuant): over
+    the bytes the store wrote instead, which separates a store that differs
+    from the modeled format from a read that differs from attention."""
     query = queries(setup.flavor, batch, seed=setup.case.seed + 1).float().cpu()
     lengths = batch.lengths_of(setup.requests)
     starts = [0, *itertools.accumulate(batch.query_lens)]
     rows = []
     for r, (n, q) in enumerate(zip(lengths, batch.query_lens, strict=True)):
-        keys, values = context(setup, r, n, cached)
+        if from_store:
+            keys, values = stored_context(setup, r, n)
+        else:
+            keys, values = context(setup, r, n, cached)
         positions = torch.arange(n - q, n)
         visible = torch.arange(n)[None, :] <= positions[:, None]
         scores = torch.einsum("qhd,thd->hqt", query[starts[r] : starts[r + 1]], keys)
@@ -231,3 +238,54 @@ def stored_kv_matches(setup: Setup) -> bool:
                 if not torch.equal(value, setup.inputs.values[name][r][pos]):
                     return False
     return True
+
+
+def turboquant_stored(setup: Setup, request: int, n: int):
+    """A request's first ``n`` positions as the twin of the read layer holds
+    them, decoded by hand from the k8v4 slot format: ``HEAD_SIZE`` fp8 key
+    bytes, ``HEAD_SIZE / 2`` bytes of 4-bit value levels (low nibble first),
+    then the value vector's fp16 scale and zero. Returns keys, value levels
+    and ``[..., 2]`` scale and zero, in float32."""
+    # the impl's own transpose: [blocks, KV heads, ...] -> [blocks, slots, ...]
+    cache = setup.twins[setup.read_layer].transpose(1, 2).cpu()
+    block_size = cache.shape[1]
+    slots = [setup.requests.slot(request, pos) for pos in range(n)]
+    rows = torch.stack([cache[s // block_size, s % block_size] for s in slots])
+    keys = rows[..., :HEAD_SIZE].contiguous().view(torch.float8_e4m3fn).float()
+    packed = rows[..., HEAD_SIZE : HEAD_SIZE + HEAD_SIZE // 2].long()
+    levels = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).float()
+    tail = HEAD_SIZE + HEAD_SIZE // 2
+    scale_zero = rows[..., tail : tail + 4].contiguous().view(torch.float16).float()
+    return keys, levels, scale_zero
+
+
+def turboquant_model(values: torch.Tensor):
+    """:func:`turboquant_k8v4`'s value levels and fp16 scale and zero."""
+    low = values.amin(-1, keepdim=True)
+    scale = ((values.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8)
+    levels = ((values - low) / scale + 0.5).floor().clamp(0, 15)
+    return levels, torch.cat([scale.half().float(), low.half().float()], -1)
+
+
+def turboquant_store_differences(setup: Setup) -> dict[str, int]:
+    """How many stored key bytes, value levels, and value scales or zeros
+    differ from what :func:`turboquant_k8v4` keeps of the inputs, over every
+    stored position of the read layer."""
+    differ = {"keys": 0, "levels": 0, "scale_zero": 0}
+    for r, n in enumerate(setup.requests.seq_lens):
+        keys, levels, scale_zero = turboquant_stored(setup, r, n)
+        given_k = setup.inputs.keys[setup.read_layer][r][:n].float().cpu()
+        given_v = setup.inputs.values[setup.read_layer][r][:n].float().cpu()
+        model_levels, model_scale_zero = turboquant_model(given_v)
+        differ["keys"] += int((keys != given_k.to(torch.float8_e4m3fn).float()).sum())
+        differ["levels"] += int((levels != model_levels).sum())
+        differ["scale_zero"] += int((scale_zero != model_scale_zero).sum())
+    return differ
+
+
+def stored_context(setup: Setup, request: int, n: int):
+    """Like :func:`context`, from the bytes the store wrote (TurboQuant)."""
+    keys, levels, scale_zero = turboquant_stored(setup, request, n)
+    values = levels * scale_zero[..., :1] + scale_zero[..., 1:]
+    group = setup.flavor.num_q_heads // NUM_KV_HEADS
+    return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
