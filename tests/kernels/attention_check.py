@@ -259,26 +259,41 @@ def turboquant_stored(setup: Setup, request: int, n: int):
     return keys, levels, scale_zero
 
 
+#: How close to a rounding tie (a quotient of k + 1/2) a value's quotient
+#: ``(v - min) / scale`` may be for its 4-bit level to go either way. bf16
+#: inputs make exact ties common (9 to 39 of the tier cases' 10-19k value
+#: elements), and compiled Triton divides in float32 without correct
+#: rounding where the interpreter (numpy) rounds correctly: on an H200 the
+#: store put 15 and 32 of them one level down. A few float32 ulps of a
+#: quotient below 16 are under 1e-5; a wrong byte is off by far more.
+TIE = 1e-5
+
+
 def turboquant_model(values: torch.Tensor):
-    """:func:`turboquant_k8v4`'s value levels and fp16 scale and zero."""
+    """:func:`turboquant_k8v4`'s value levels, fp16 scale and zero, and
+    where a level sits on a rounding tie (see :data:`TIE`)."""
     low = values.amin(-1, keepdim=True)
     scale = ((values.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-8)
-    levels = ((values - low) / scale + 0.5).floor().clamp(0, 15)
-    return levels, torch.cat([scale.half().float(), low.half().float()], -1)
+    quotient = (values - low) / scale
+    levels = (quotient + 0.5).floor().clamp(0, 15)
+    ties = ((quotient - quotient.floor()) - 0.5).abs() < TIE
+    return levels, torch.cat([scale.half().float(), low.half().float()], -1), ties
 
 
 def turboquant_store_differences(setup: Setup) -> dict[str, int]:
     """How many stored key bytes, value levels, and value scales or zeros
     differ from what :func:`turboquant_k8v4` keeps of the inputs, over every
-    stored position of the read layer."""
+    stored position of the read layer; a level one step off on a rounding
+    tie is not a difference (:data:`TIE`)."""
     differ = {"keys": 0, "levels": 0, "scale_zero": 0}
     for r, n in enumerate(setup.requests.seq_lens):
         keys, levels, scale_zero = turboquant_stored(setup, r, n)
         given_k = setup.inputs.keys[setup.read_layer][r][:n].float().cpu()
         given_v = setup.inputs.values[setup.read_layer][r][:n].float().cpu()
-        model_levels, model_scale_zero = turboquant_model(given_v)
+        model_levels, model_scale_zero, ties = turboquant_model(given_v)
+        off = (levels - model_levels).abs()
         differ["keys"] += int((keys != given_k.to(torch.float8_e4m3fn).float()).sum())
-        differ["levels"] += int((levels != model_levels).sum())
+        differ["levels"] += int(((off > 1) | ((off == 1) & ~ties)).sum())
         differ["scale_zero"] += int((scale_zero != model_scale_zero).sum())
     return differ
 

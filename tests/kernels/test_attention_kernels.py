@@ -128,19 +128,20 @@ def test_attention_reads_the_same_pages(stored, read):
     pooled = stored.attend(batch, pooled=True)
     twin = stored.attend(batch, pooled=False)
     assert stored.compare(pooled, twin).problems() == []
-    error = (pooled.float().cpu() - reference(stored, batch)).abs().max().item()
-    if stored.flavor is not BF16:
-        # over the stored bytes: which side a miss of the above comes from
-        read = reference(stored, batch, from_store=True)
-        read_error = (pooled.float().cpu() - read).abs().max().item()
-        assert read_error < TOLERANCE, f"read {read_error:.4f}, modeled {error:.4f}"
+    # TurboQuant: over the bytes its store wrote, which
+    # test_turboquant_store_writes_the_modeled_format checks against the
+    # format (a level at a rounding tie may go either way, and one level of
+    # one value moves a short request's output by up to ~0.4)
+    expected = reference(stored, batch, from_store=stored.flavor is not BF16)
+    error = (pooled.float().cpu() - expected).abs().max().item()
     assert error < TOLERANCE, error
 
 
 def test_turboquant_store_writes_the_modeled_format(stored):
     """The bytes TurboQuant's store wrote are what the reference models:
-    fp8 e4m3 keys rounded to nearest, 4-bit value levels, fp16 scale and
-    zero (counts of differing elements over every stored position)."""
+    fp8 e4m3 keys rounded to nearest, 4-bit value levels (either one at a
+    rounding tie), fp16 scale and zero (counts of differing elements over
+    every stored position)."""
     if stored.flavor is BF16:
         pytest.skip("bf16 is checked bytewise by the store test")
     assert turboquant_store_differences(stored) == {
