@@ -169,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "mode": args.mode,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        # the device's copy of the tree may have no .git: then the commit the
-        # bundle was packed at (pack right before a device call)
-        "commit": commit() or manifest["commit"],
+        # on the device, the commit the bundle was packed at (pack right
+        # before a device call): the device's copy of .git may be missing or
+        # be the session's starting checkout, whatever the tree holds now
+        "commit": manifest["commit"] if args.mode == "device" else commit(),
         "bundle_commit": manifest["commit"],
         "setup_seconds": round(time.monotonic() - start, 1),
         "site": facts,

@@ -33,12 +33,19 @@ def table(header: list[str], rows: list[list]) -> list[str]:
     return lines
 
 
+def run_commit(summary: dict) -> str:
+    """The commit a device run ran: the bundle's (packed right before the
+    call). Runs before 2026-11-27's second call wrote the device copy's
+    ``.git`` HEAD as ``commit``, which was the session's starting checkout."""
+    return summary.get("bundle_commit") or summary["commit"]
+
+
 def run_section(summary: dict, imports: dict | None) -> list[str]:
     env = (imports or {}).get("environment", {})
     card = env.get("device") or (summary.get("gpu") or {}).get("nvidia_smi", "?")
     lines = [
         f"Run of {summary['date']} ({summary['mode']}),"
-        f" commit {summary['commit'][:10]}, {card};"
+        f" commit {run_commit(summary)[:10]}, {card};"
         f" Python {env.get('python', '?')}, torch {env.get('torch', '?')},"
         f" Triton {env.get('triton', '?')}, platform {env.get('platform', '?')}.",
         "",
