@@ -4,7 +4,7 @@ Counts (running requests, prefix hits, preemptions, copies) come from the
 engine's own decisions; time does not exist in a simulation, so every
 time-derived figure is **modeled** by this cost model, and labelled so.
 
-One step takes ``overhead + max(compute, memory) + communication``:
+One step takes ``overhead + max(compute, memory) + copies + communication``:
 
 * compute: ``2 x active parameters`` FLOPs per token scheduled (prefill and
   decode alike; the LM head included), plus attention (``4 x query heads x
@@ -16,14 +16,23 @@ One step takes ``overhead + max(compute, memory) + communication``:
 * memory: weights read once per step (all dense weights; each expert with
   the probability that one of the step's tokens routes to it), the KV cache
   read by decode tokens and written by every token, every scheduled
-  request's recurrent state read and written, and state copies (read and
-  write); at ``memory_efficiency`` of the GPU's bandwidth;
+  request's recurrent state read and written; at ``memory_efficiency`` of
+  the GPU's bandwidth;
+* copies: align mode's state copies, read and written by their own kernel
+  before the forward (so not overlapped with it), at ``copy_efficiency`` of
+  the bandwidth, which an H200 measured (:class:`Efficiency`);
 * communication (TP > 1): two all-reduces of the hidden state per layer and
   token, over the GPU's link;
 * overhead: a fixed per-step cost (scheduling, launches).
 
-All figures are per GPU. Constants are public data sheet figures
-(:data:`GPU_PROFILES`) until a GPU measures them.
+All figures are per GPU. The GPUs' constants are public data sheet figures
+(:data:`GPU_PROFILES`); the shares of them an engine reaches
+(:class:`Efficiency`) are estimates, except the copies' share, measured on an
+H200 (docs/cuda.md, "Real GPU"). There the model's state traffic also
+matched the measured gated-DeltaNet decode step of Qwen3.6-35B-A3B at batch
+256 (30 layers, float32 state: 8.58 ms measured, 8.59 ms modeled); at batch
+64 the eager step took 3.44 ms against 2.15 ms modeled, kernel launches that
+CUDA graphs and the per-step overhead stand for.
 """
 
 from __future__ import annotations
@@ -73,6 +82,11 @@ class Efficiency:
 
     compute: float = 0.5
     memory: float = 0.8
+    #: Align mode's ``batch_memcpy`` of whole state pages, read plus write:
+    #: 2,330 / 2,550 GB/s for 64 / 256 Qwen3.6-35B-A3B float32 states
+    #: (61.41 MiB each) on an H200, 0.49 / 0.53 of its 4.8 TB/s (2026-11-27,
+    #: benchmarks/results/gpu-20261127/copies.json); taken for every GPU.
+    copy: float = 0.5
     link: float = 0.7
     step_overhead_s: float = 0.002
 
@@ -233,15 +247,15 @@ class CostModel:
             self.weights_read(tokens)
             + m.kv_bytes_per_token * (record.decode_context + tokens)
             + 2 * m.state_bytes * record.requests
-            + 2 * copy_bytes
         )
         memory = memory_bytes / (gpu.hbm_tb_s * 1e12 * eff.memory)
+        copies = 2 * copy_bytes / (gpu.hbm_tb_s * 1e12 * eff.copy)
         comm = 0.0
         if m.tp > 1:
             layers = m.attention_layers + m.state_layers
             volume = 2 * layers * tokens * m.hidden * 2 * (m.tp - 1) / m.tp
             comm = volume / (gpu.link_gb_s * 1e9 * eff.link)
-        return eff.step_overhead_s + max(compute, memory) + comm
+        return eff.step_overhead_s + max(compute, memory) + copies + comm
 
     def weights_read(self, tokens: int) -> float:
         """Weight bytes one step reads on one GPU: dense weights whole, each
