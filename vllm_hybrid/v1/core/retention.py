@@ -40,7 +40,10 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request
 
 from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
-from vllm_hybrid.v1.core.pooled.prefill_checkpoints import prefill_checkpoints
+from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    is_prefill_anchor,
+    prefill_checkpoints,
+)
 
 #: Whether each manager class is upstream's MambaManager (an ABC subclass,
 #: so ``isinstance`` is slow, and it is asked for every group at every step).
@@ -106,12 +109,16 @@ class TurnEndRetentionMixin:
     retention_interval: int | None
     eagle_group_ids: Any
 
-    def _init_turn_ends(self, retain: bool, prefill_interval: int = 0) -> None:
+    def _init_turn_ends(
+        self, retain: bool, prefill_interval: int = 0, prefill_anchor: int = 0
+    ) -> None:
         #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
         self.retain_turn_ends = retain
         #: Tokens between prefill checkpoints, 0 for none (pooled mode only:
         #: see :mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`).
         self.prefill_checkpoint_interval = prefill_interval
+        #: Tokens between the prefill checkpoints ranked as anchors (0: none).
+        self.prefill_checkpoint_anchor = prefill_anchor
         self.turn_end_counts = TurnEndCounts()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -278,7 +285,10 @@ class TurnEndRetentionMixin:
                 held.append((group_id, checkpoint))
                 continue
             pool = self.single_type_managers[group_id].block_pool
-            rank_entry(pool, block, Entry.PREFILL)
+            anchor = is_prefill_anchor(
+                checkpoint.num_tokens, self.prefill_checkpoint_anchor
+            )
+            rank_entry(pool, block, Entry.PREFILL_ANCHOR if anchor else Entry.PREFILL)
         return held
 
     def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:

@@ -128,7 +128,11 @@ class Driver:
     scheduler drives it."""
 
     def __init__(
-        self, arena_blocks: int = 16, max_num_seqs: int = 1, prefill_interval: int = 0
+        self,
+        arena_blocks: int = 16,
+        max_num_seqs: int = 1,
+        prefill_interval: int = 0,
+        prefill_anchor: int = 0,
     ) -> None:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
@@ -136,6 +140,7 @@ class Driver:
         # the engine's defaults: states kept only where they can serve a hit
         plan.prefix_cache_retention_interval = 0
         plan.prefill_checkpoint_interval = prefill_interval
+        plan.prefill_checkpoint_anchor = prefill_anchor
         self.manager = kv_cache_manager.KVCacheManager(
             plan,
             max_model_len=MAX_LEN,

@@ -21,7 +21,9 @@ from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    is_prefill_anchor,
     next_prefill_checkpoint,
+    prefill_checkpoint_anchor,
     prefill_checkpoint_interval,
     prefill_checkpoints,
     state_page_tokens,
@@ -66,6 +68,25 @@ def test_the_interval_is_the_state_page_in_tokens_or_the_budget_term():
     assert prefill_checkpoint_interval(plan, 4096, 0) == 0
     # no checkpoints without align mode
     assert prefill_checkpoint_interval(_qwen3_6_plan(32, 512, "none"), 4096, None) == 0
+
+
+def test_anchors_are_where_the_checkpoints_weigh_what_their_prefix_weighs():
+    """The 6 GDN layers' state block (12,877,824 B) weighs 3,144 tokens of
+    the 2 attention layers' KV (4,096 B per token): the nearest whole number
+    of 1,056-token intervals is 3, so every third checkpoint is an anchor."""
+    plan = _qwen3_6_plan(32, 512)
+    assert plan.layout.state_block_bytes == 12_877_824
+    assert prefill_checkpoint_anchor(plan, 1056) == 3168
+    assert prefill_checkpoint_anchor(plan, 1024) == 3072
+    assert prefill_checkpoint_anchor(plan, 8192) == 8192  # at least one interval
+    assert prefill_checkpoint_anchor(plan, 0) == 0
+    assert [is_prefill_anchor(n, 3168) for n in (1056, 2112, 3168, 6336)] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert not is_prefill_anchor(3168, 0)
 
 
 @pytest.mark.parametrize(
@@ -129,17 +150,24 @@ def test_the_scheduler_ends_a_chunk_at_the_next_checkpoint():
     assert off.prefill_checkpoint_cuts == 0
 
 
-@pytest.mark.parametrize("interval", [2 * BLOCK, 0])
-def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval):
+@pytest.mark.parametrize(
+    ("interval", "anchor"), [(2 * BLOCK, 0), (2 * BLOCK, 4 * BLOCK), (0, 0)]
+)
+def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval, anchor):
     """A 100-token prompt in chunks ending at 32, 64 and 96 (16-token
     blocks): with prefill checkpoints every 32 tokens the states at 32 and 64
-    stay cached next to the prompt's own at 96, first in the eviction order,
-    and a request sharing its first 70 tokens hits 64; without them it hits
-    nothing."""
+    stay cached next to the prompt's own at 96, first in the eviction order
+    (an anchor, 64 with anchors every 64 tokens, in LRU order), and a request sharing
+    its first 70 tokens hits 64; without them it hits nothing."""
     monkeypatch.setattr(
         kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
     )
-    driver = Driver(arena_blocks=40, max_num_seqs=2, prefill_interval=interval)
+    driver = Driver(
+        arena_blocks=40,
+        max_num_seqs=2,
+        prefill_interval=interval,
+        prefill_anchor=anchor,
+    )
     rng = random.Random(3)
     tokens = [rng.randrange(200, 900) for _ in range(100)]
     first = driver.request("first", tokens)
@@ -152,8 +180,12 @@ def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval):
     driver.manager.free(first)
     state = driver.arena.state_pool
     assert len(state.cached_keys()) == (3 if interval else 1)
-    # prefill checkpoints are evicted before the prompt's own checkpoint
+    # prefill checkpoints are evicted before the prompt's own checkpoint; an
+    # anchor keeps its LRU place (freed when the request moved past it,
+    # before the prompt's own at the request's end)
     expected = [at[64], at[32], at[96]] if interval else [at[96]]
+    if anchor:
+        expected = [at[32], at[64], at[96]]
     assert state.free_block_queue.cached_ids() == expected
     counts = driver.coordinator.turn_end_counts
     assert counts.prefill_cached == (2 if interval else 0)

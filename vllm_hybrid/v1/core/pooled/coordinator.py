@@ -252,6 +252,7 @@ class PooledHybridKVCacheCoordinator(
         self._init_turn_ends(
             self.kv_cache_config.retain_turn_ends,
             self.kv_cache_config.prefill_checkpoint_interval,
+            self.kv_cache_config.prefill_checkpoint_anchor,
         )
 
 

@@ -32,6 +32,7 @@ from vllm_hybrid.v1.core.pooled.planner import (
     pooled_capacity,
 )
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    prefill_checkpoint_anchor,
     prefill_checkpoint_interval,
 )
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
@@ -228,6 +229,9 @@ def plan_pooled_configs(
         # align mode (prefix caching on) only: the rule says 0 otherwise
         config.prefill_checkpoint_interval = prefill_checkpoint_interval(
             config, budget.max_model_len, options.prefill_checkpoint_interval
+        )
+        config.prefill_checkpoint_anchor = prefill_checkpoint_anchor(
+            config, config.prefill_checkpoint_interval
         )
     logger.info(describe_plan(configs[0]))
     if pipeline:

@@ -27,6 +27,20 @@ The interval (:func:`prefill_checkpoint_interval`) is the larger of
   arena;
 
 rounded up to the state block (checkpoint positions are state block edges).
+
+Anchors (:func:`prefill_checkpoint_anchor`). A freed prefill checkpoint is
+speculative and goes to the head of its pool's eviction order, so it only
+uses memory no other entry wants. Every few of them, at multiples of the
+*anchor step*, is kept as an ordinary LRU entry instead. The step is the
+prefix whose attention KV (all attention layers) weighs one state block,
+rounded to a whole number of intervals: the density at which a cached
+prefix's checkpoints take as many bytes in the state pool as the prefix
+itself in the token pool. Qwen3.6-35B-A3B has 30 GDN and 10 attention
+layers, so that is every third checkpoint. When states are the scarce side (a
+large budget and cheap attention, as turboquant_k8v4 at 141 GB) the anchors
+survive where the checkpoints between them are evicted. Checkpoints every
+state page stay where there is room. The positions and the first-reuse
+guarantee above do not change.
 """
 
 from __future__ import annotations
@@ -79,6 +93,23 @@ def prefill_checkpoint_interval(
         requested = max(state_page_tokens(config), budget)
     interval = cdiv(requested, block) * block
     return interval if 0 < interval < max_model_len else 0
+
+
+def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int:
+    """Tokens between the prefill checkpoints kept in plain LRU order (a
+    multiple of ``interval``); 0 when there are no prefill checkpoints."""
+    if interval <= 0:
+        return 0
+    token = config.pool_by_kind(PoolKind.TOKEN)
+    token_spec = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
+    per_token = token.block_bytes / token_spec.block_size
+    balanced = config.layout.state_block_bytes / max(per_token, 1.0)
+    return max(1, round(balanced / interval)) * interval
+
+
+def is_prefill_anchor(num_tokens: int, anchor: int) -> bool:
+    """Whether the prefill checkpoint at ``num_tokens`` is an anchor."""
+    return anchor > 0 and num_tokens % anchor == 0
 
 
 def prompt_checkpoint(num_prompt_tokens: int, block: int) -> int:

@@ -276,6 +276,9 @@ class PooledKVCacheConfig(KVCacheConfig):
     #: Tokens between the states kept during a prefill (0: none); see
     #: :mod:`.prefill_checkpoints`.
     prefill_checkpoint_interval: int = 0
+    #: Tokens between the prefill checkpoints kept in plain LRU order (0:
+    #: none); see :mod:`.prefill_checkpoints`.
+    prefill_checkpoint_anchor: int = 0
 
     @property
     def layout(self) -> ArenaLayout:
