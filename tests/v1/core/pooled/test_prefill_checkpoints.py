@@ -78,7 +78,10 @@ def test_anchors_are_where_the_checkpoints_weigh_what_their_prefix_weighs():
     assert plan.layout.state_block_bytes == 12_877_824
     assert prefill_checkpoint_anchor(plan, 1056) == 3168
     assert prefill_checkpoint_anchor(plan, 1024) == 3072
-    assert prefill_checkpoint_anchor(plan, 8192) == 8192  # at least one interval
+    # an anchor at every checkpoint (or none within reach) is no anchor
+    assert prefill_checkpoint_anchor(plan, 2112) == 0  # 1.49 intervals
+    assert prefill_checkpoint_anchor(plan, 1568) == 3136  # 2.01 intervals
+    assert prefill_checkpoint_anchor(plan, 8192) == 0
     assert prefill_checkpoint_anchor(plan, 0) == 0
     assert [is_prefill_anchor(n, 3168) for n in (1056, 2112, 3168, 6336)] == [
         False,

@@ -36,7 +36,8 @@ prefix whose attention KV (all attention layers) weighs one state block,
 rounded to a whole number of intervals: the density at which a cached
 prefix's checkpoints take as many bytes in the state pool as the prefix
 itself in the token pool. Qwen3.6-35B-A3B has 30 GDN and 10 attention
-layers, so that is every third checkpoint. When states are the scarce side (a
+layers, so that is every third checkpoint; under two intervals there are
+no anchors. When states are the scarce side (a
 large budget and cheap attention, as turboquant_k8v4 at 141 GB) the anchors
 survive where the checkpoints between them are evicted. Checkpoints every
 state page stay where there is room. The positions and the first-reuse
@@ -95,16 +96,24 @@ def prefill_checkpoint_interval(
     return interval if 0 < interval < max_model_len else 0
 
 
+#: Fewest intervals between anchors. At one, every prefill checkpoint would
+#: be an ordinary entry: a long prompt's checkpoints then pushed a repeated
+#: prompt's own checkpoints out (see :data:`~.eviction.PLACES`).
+MIN_ANCHOR_INTERVALS = 2
+
+
 def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int:
     """Tokens between the prefill checkpoints kept in plain LRU order (a
-    multiple of ``interval``); 0 when there are no prefill checkpoints."""
+    multiple of ``interval``); 0 for none: no prefill checkpoints, or a
+    balanced density under :data:`MIN_ANCHOR_INTERVALS` intervals."""
     if interval <= 0:
         return 0
     token = config.pool_by_kind(PoolKind.TOKEN)
     token_spec = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
     per_token = token.block_bytes / token_spec.block_size
     balanced = config.layout.state_block_bytes / max(per_token, 1.0)
-    return max(1, round(balanced / interval)) * interval
+    intervals = round(balanced / interval)
+    return intervals * interval if intervals >= MIN_ANCHOR_INTERVALS else 0
 
 
 def is_prefill_anchor(num_tokens: int, anchor: int) -> bool:
