@@ -82,9 +82,11 @@ class PooledSchedulerMixin:
         #: prefill chunks this scheduler cut short at a prefill checkpoint
         self.prefill_checkpoint_cuts = 0
         if self.prefill_checkpoint_interval:
+            anchor = getattr(self.kv_cache_config, "prefill_checkpoint_anchor", 0)
             logger.info(
-                "vllm-hybrid pooled KV mode: prefill checkpoints every %d tokens",
+                "vllm-hybrid pooled KV mode: prefill checkpoints every %d tokens%s",
                 self.prefill_checkpoint_interval,
+                f", kept in LRU order every {anchor}" if anchor else "",
             )
         block = state_checkpoint_block(
             self.kv_cache_config, self.cache_config.mamba_cache_mode
