@@ -217,8 +217,7 @@ def turboquant_k8v4(keys: torch.Tensor, values: torch.Tensor):
     (token, head) value vector on 16 uniform levels between its min and max,
     scale and zero stored as fp16."""
     levels, scale_zero, _ = turboquant_model(values)
-    dequantized = levels * scale_zero[..., :1] + scale_zero[..., 1:]
-    return keys.to(torch.float8_e4m3fn).float(), dequantized
+    return keys.to(torch.float8_e4m3fn).float(), dequantize(levels, scale_zero)
 
 
 def stored_kv_matches(setup: Setup) -> bool:
@@ -278,6 +277,11 @@ def turboquant_model(values: torch.Tensor):
     return levels, torch.cat([scale.half().float(), low.half().float()], -1), ties
 
 
+def dequantize(levels: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """k8v4 values from their 4-bit levels and ``[..., 2]`` scale and zero."""
+    return levels * scale_zero[..., :1] + scale_zero[..., 1:]
+
+
 def turboquant_store_differences(setup: Setup) -> dict[str, int]:
     """How many stored key bytes, value levels, and value scales or zeros
     differ from what :func:`turboquant_k8v4` keeps of the inputs, over every
@@ -299,6 +303,6 @@ def turboquant_store_differences(setup: Setup) -> dict[str, int]:
 def stored_context(setup: Setup, request: int, n: int):
     """Like :func:`context`, from the bytes the store wrote (TurboQuant)."""
     keys, levels, scale_zero = turboquant_stored(setup, request, n)
-    values = levels * scale_zero[..., :1] + scale_zero[..., 1:]
+    values = dequantize(levels, scale_zero)
     group = setup.flavor.num_q_heads // NUM_KV_HEADS
     return keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)

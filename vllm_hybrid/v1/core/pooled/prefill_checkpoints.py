@@ -56,16 +56,21 @@ from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 ARENA_SHARE_INVERSE = 4
 
 
+def token_pool_bytes_per_token(config: PooledKVCacheConfig) -> float:
+    """Bytes one token takes in the token pool: every attention layer's KV."""
+    token = config.pool_by_kind(PoolKind.TOKEN)
+    token_spec = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
+    return token.block_bytes / token_spec.block_size
+
+
 def state_page_tokens(config: PooledKVCacheConfig) -> int:
     """Tokens of attention KV, per attention layer, that one state layer's
     page weighs: the block upstream's single pool inflates attention to."""
     token = config.pool_by_kind(PoolKind.TOKEN)
     state = config.pool_by_kind(PoolKind.STATE)
-    token_group = config.kv_cache_groups[token.group_ids[0]]
+    token_layers = len(config.kv_cache_groups[token.group_ids[0]].layer_names)
     state_group = config.kv_cache_groups[state.group_ids[0]]
-    per_token_layer = token.block_bytes / (
-        token_group.kv_cache_spec.block_size * len(token_group.layer_names)
-    )
+    per_token_layer = token_pool_bytes_per_token(config) / token_layers
     per_state_layer = state.block_bytes / len(state_group.layer_names)
     return cdiv(int(per_state_layer), max(1, int(per_token_layer)))
 
@@ -108,9 +113,7 @@ def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int
     balanced density under :data:`MIN_ANCHOR_INTERVALS` intervals."""
     if interval <= 0:
         return 0
-    token = config.pool_by_kind(PoolKind.TOKEN)
-    token_spec = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
-    per_token = token.block_bytes / token_spec.block_size
+    per_token = token_pool_bytes_per_token(config)
     balanced = config.layout.state_block_bytes / max(per_token, 1.0)
     intervals = round(balanced / interval)
     return intervals * interval if intervals >= MIN_ANCHOR_INTERVALS else 0
