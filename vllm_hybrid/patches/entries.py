@@ -259,6 +259,34 @@ PATCHES: list[PatchEntry] = [
             "--attention-backend) or upstream ships a CPU TurboQuant backend."
         ),
     ),
+    # -- align mode's state copies (V1 model runner) -------------------------
+    PatchEntry(
+        target="vllm.v1.worker.mamba_utils:collect_mamba_copy_meta",
+        replacement="vllm_hybrid.v1.worker.mamba_copies:collect_mamba_copy_meta",
+        bindings=(),
+        why=(
+            "Pooled mode lets a decoding request cross a state block edge in "
+            "place: both block columns name one block. The V1 runner's "
+            "preprocess_mamba still queues that copy (it compares columns, not "
+            "block ids): the whole recurrent state (61 MiB for "
+            "Qwen3.6-35B-A3B) written onto itself, plus about 0.35 ms of host "
+            "time per copied request to build the list (H200, "
+            "benchmarks/results/gpu-20261127/copies.json). No hook decides "
+            "which copies the runner makes."
+        ),
+        how=(
+            "Module attribute replaced; its only caller (preprocess_mamba) "
+            "looks it up at call time. A copy with no accepted-token shift "
+            "whose source and destination block ids are equal in every state "
+            "group is skipped (it moves no byte); every other call goes to "
+            "upstream's function unchanged."
+        ),
+        upstream_status=(
+            "none (upstream never names one block in two columns without a "
+            "shift, so the case does not arise there)"
+        ),
+        removal="When preprocess_mamba skips copies of a block onto itself.",
+    ),
     # -- speculative decoding on hybrids without Triton (CPU) ---------------
     *(
         PatchEntry(
