@@ -21,6 +21,7 @@ from vllm_hybrid.tools.simulate.clock import (
     GPU_PROFILES,
     CostModel,
     ModelCosts,
+    Runner,
     profile_for_memory,
 )
 from vllm_hybrid.tools.simulate.report import (
@@ -313,9 +314,18 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     h200 = CostModel(_qwen36_costs(), GPU_PROFILES["h200"])
     assert h200.step_seconds(StepRecord(requests=64, decode_tokens=64), 0.0) < batch
     # state copies run before the forward, at the share of the bandwidth an
-    # H200 measured for them (half of 3.35 TB/s here)
-    copies = clock.step_seconds(StepRecord(requests=64, decode_tokens=64), 64e9)
-    assert copies - batch == pytest.approx(2 * 64e9 / 1.675e12, rel=1e-6)
+    # H200 measured for them: Model Runner V2's fused pre-copy at 0.82 of
+    # 3.35 TB/s here, no host time
+    copies = clock.step_seconds(StepRecord(requests=64, decode_tokens=64), 64e9, 1000)
+    assert copies - batch == pytest.approx(2 * 64e9 / (0.82 * 3.35e12), rel=1e-6)
+    # the V1 runner: batch_memcpy at half of it, plus 0.35 ms of host time to
+    # collect each copied request's copy list
+    v1 = CostModel(_qwen36_costs(), GPU_PROFILES["h100"], runner=Runner.V1)
+    copies = v1.step_seconds(StepRecord(requests=64, decode_tokens=64), 64e9, 1000)
+    assert copies - batch == pytest.approx(2 * 64e9 / 1.675e12 + 0.35, rel=1e-6)
+    # on an H200 the V2 pre-copy of one 61.4 MiB state takes what it measured
+    one_state = h200.copy_seconds(64_389_120, 1)
+    assert one_state == pytest.approx(32.6e-6, rel=0.02)
 
 
 def test_tensor_parallel_splits_work_and_adds_all_reduce() -> None:

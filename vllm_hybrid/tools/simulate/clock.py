@@ -18,9 +18,12 @@ One step takes ``overhead + max(compute, memory) + copies + communication``:
   read by decode tokens and written by every token, every scheduled
   request's recurrent state read and written; at ``memory_efficiency`` of
   the GPU's bandwidth;
-* copies: align mode's state copies, read and written by their own kernel
-  before the forward (so not overlapped with it), at ``copy_efficiency`` of
-  the bandwidth, which an H200 measured (:class:`Efficiency`);
+* copies: align mode's state copies, read and written before the forward
+  (so not overlapped with it), priced per model runner (:class:`Runner`):
+  the V1 runner builds a copy list on the host (a fixed time per copied
+  request) and runs ``batch_memcpy`` at ``copy`` of the bandwidth; Model
+  Runner V2 runs one fused pre-copy kernel at ``fused_copy`` of it, with no
+  host list. An H200 measured all three (:class:`Efficiency`);
 * communication (TP > 1): two all-reduces of the hidden state per layer and
   token, over the GPU's link;
 * overhead: a fixed per-step cost (scheduling, launches).
@@ -38,6 +41,7 @@ CUDA graphs and the per-step overhead stand for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from vllm_hybrid.tools.simulate.steps import StepRecord
@@ -87,6 +91,14 @@ class Efficiency:
     #: (61.41 MiB each) on an H200, 0.49 / 0.53 of its 4.8 TB/s (2026-11-27,
     #: benchmarks/results/gpu-20261127/copies.json); taken for every GPU.
     copy: float = 0.5
+    #: Model Runner V2's fused align pre-copy, read plus write: 3,947 /
+    #: 3,961 GB/s for 64 / 256 of the same states (0.0326 / 0.0325 ms per
+    #: request), 0.82 of the H200's bandwidth (same run).
+    fused_copy: float = 0.82
+    #: V1 runner: host time to collect one copied request's copy list (one
+    #: entry per state tensor of every state layer): 23.3 / 88.1 ms for 64 /
+    #: 256 requests, 0.36 / 0.34 ms each (same run, ``host_collect_ms``).
+    host_copy_list_s: float = 0.00035
     link: float = 0.7
     step_overhead_s: float = 0.002
 
@@ -221,6 +233,15 @@ def _state_layer(text: Any, hidden: int) -> tuple[int, float]:
     return params, 6.0 * inner * d_state
 
 
+class Runner(Enum):
+    """The model runner an engine runs on a GPU; it decides what a state
+    copy costs (module docstring). vLLM 0.32 runs Model Runner V2 on CUDA
+    unless a feature it lacks is on; pooled mode is such a feature."""
+
+    V1 = "v1"
+    V2 = "v2"
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Step time of one model on one GPU profile (module docstring)."""
@@ -228,9 +249,13 @@ class CostModel:
     model: ModelCosts
     gpu: GpuProfile
     efficiency: Efficiency = Efficiency()
+    runner: Runner = Runner.V2
 
-    def step_seconds(self, record: StepRecord, copy_bytes: float) -> float:
-        """Modeled seconds of one step; ``copy_bytes`` moved by its copies."""
+    def step_seconds(
+        self, record: StepRecord, copy_bytes: float, copied_requests: int = 0
+    ) -> float:
+        """Modeled seconds of one step; its copies moved ``copy_bytes`` for
+        ``copied_requests`` requests."""
         m, gpu, eff = self.model, self.gpu, self.efficiency
         tokens = record.prefill_tokens + record.decode_tokens
         if tokens <= 0:
@@ -249,13 +274,21 @@ class CostModel:
             + 2 * m.state_bytes * record.requests
         )
         memory = memory_bytes / (gpu.hbm_tb_s * 1e12 * eff.memory)
-        copies = 2 * copy_bytes / (gpu.hbm_tb_s * 1e12 * eff.copy)
+        copies = self.copy_seconds(copy_bytes, copied_requests)
         comm = 0.0
         if m.tp > 1:
             layers = m.attention_layers + m.state_layers
             volume = 2 * layers * tokens * m.hidden * 2 * (m.tp - 1) / m.tp
             comm = volume / (gpu.link_gb_s * 1e9 * eff.link)
         return eff.step_overhead_s + max(compute, memory) + copies + comm
+
+    def copy_seconds(self, copy_bytes: float, copied_requests: int) -> float:
+        """Modeled seconds of one step's state copies on this runner."""
+        eff = self.efficiency
+        if self.runner is Runner.V2:
+            return 2 * copy_bytes / (self.gpu.hbm_tb_s * 1e12 * eff.fused_copy)
+        kernel = 2 * copy_bytes / (self.gpu.hbm_tb_s * 1e12 * eff.copy)
+        return kernel + eff.host_copy_list_s * copied_requests
 
     def weights_read(self, tokens: int) -> float:
         """Weight bytes one step reads on one GPU: dense weights whole, each

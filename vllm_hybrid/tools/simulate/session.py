@@ -25,6 +25,7 @@ from vllm_hybrid.tools.simulate.clock import (
     GPU_PROFILES,
     CostModel,
     ModelCosts,
+    Runner,
     profile_for_memory,
 )
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
@@ -161,7 +162,15 @@ def cost_model(engine: SimEngine, spec: SimulationSpec) -> CostModel:
         if spec.gpu_profile
         else profile_for_memory(spec.request.gpu_memory_gib)
     )
-    return CostModel(costs, gpu)
+    return CostModel(costs, gpu, runner=runner_of(engine))
+
+
+def runner_of(engine: SimEngine) -> Runner:
+    """The model runner the engine would run on CUDA: V1 for pooled mode
+    (listed among Model Runner V2's unsupported features), V2 otherwise."""
+    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+
+    return Runner.V1 if arena_of(engine.scheduler.kv_cache_manager) else Runner.V2
 
 
 def geometry_summary(engine: SimEngine) -> dict[str, Any]:
@@ -287,7 +296,9 @@ def run_variant(
         workload = make_workload(spec.workload, engine.vocab_size())
 
         def seconds(record: StepRecord) -> float:
-            return clock.step_seconds(record, _copy_bytes(record, clock, cow_bytes))
+            return clock.step_seconds(
+                record, _copy_bytes(record, clock, cow_bytes), _copied(record)
+            )
 
         progress = _progress_bar(spec, variant, workload, line)
         driver = Driver(
@@ -314,8 +325,15 @@ def run_variant(
     return summary
 
 
+def _copied(record: StepRecord) -> int:
+    """Requests whose state a step copies: self copies (a request that
+    crossed its edge in place) move nothing and the runner skips them
+    (:mod:`vllm_hybrid.v1.worker.mamba_copies`)."""
+    return record.state_copies - record.state_self_copies
+
+
 def _copy_bytes(record: StepRecord, clock: CostModel, cow_bytes: int) -> float:
-    return record.state_copies * clock.model.state_bytes + record.cow_copies * cow_bytes
+    return _copied(record) * clock.model.state_bytes + record.cow_copies * cow_bytes
 
 
 def _cow_block_bytes(engine: SimEngine) -> int:
