@@ -68,6 +68,10 @@ MAX_PAGE_GROWTH_VAR = "VLLM_HYBRID_MAX_PAGE_GROWTH"
 STATS_DIR_VAR = "VLLM_HYBRID_STATS_DIR"
 #: Build time only (setup.py skips the native kernel); harmless when set later.
 SKIP_NATIVE_VAR = "VLLM_HYBRID_SKIP_NATIVE"
+#: Which state block edges a decoding request keeps a state at in pooled
+#: mode: ``budget_end`` (the default), ``every`` or ``none``
+#: (:class:`vllm_hybrid.v1.core.pooled.eviction.DecodeEdges`); for A/B runs.
+DECODE_EDGES_VAR = "VLLM_HYBRID_DECODE_EDGES"
 
 
 def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -90,6 +94,7 @@ OVERLAY_ENV_VARS = (
     MAX_PAGE_GROWTH_VAR,
     STATS_DIR_VAR,
     SKIP_NATIVE_VAR,
+    DECODE_EDGES_VAR,
 )
 
 

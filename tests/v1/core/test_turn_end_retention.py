@@ -79,11 +79,18 @@ def test_follow_up_hits_the_last_edge_the_answer_reached(runs, pooled):
     block = run["state_block"]
     assert run["hit"] == _edge(COMPUTED, block)
     assert run["hit"] > _edge(PROMPT - 1, block)
-    # Per state group, one decode checkpoint cached per edge crossed, all but
-    # the last evicted again; nothing is left tracked once requests finished.
-    edges = _edge(COMPUTED, block) // block - _edge(PROMPT, block) // block
     groups = run["state_groups"]
-    assert run["counts"] == (edges * groups, (edges - 1) * groups)
+    if pooled:
+        # Per state group, one decode checkpoint: the last edge the reply's
+        # budget reaches, copied there; every other edge crossed in place
+        assert run["counts"] == (groups, 0)
+    else:
+        # The single pool copies at every edge of its block anyway: one
+        # decode checkpoint cached per edge crossed, all but the last
+        # evicted again.
+        edges = _edge(COMPUTED, block) // block - _edge(PROMPT, block) // block
+        assert run["counts"] == (edges * groups, (edges - 1) * groups)
+    # nothing is left tracked once requests finished
     assert run["tracked"] == 0
 
 

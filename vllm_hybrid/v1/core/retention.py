@@ -39,7 +39,13 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import Request
 
-from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
+from vllm_hybrid import envs
+from vllm_hybrid.v1.core.pooled.eviction import (
+    DECODE_EDGES,
+    DecodeEdges,
+    Entry,
+    rank_entry,
+)
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
     is_prefill_anchor,
     prefill_checkpoints,
@@ -110,10 +116,21 @@ class TurnEndRetentionMixin:
     eagle_group_ids: Any
 
     def _init_turn_ends(
-        self, retain: bool, prefill_interval: int = 0, prefill_anchor: int = 0
+        self,
+        retain: bool,
+        prefill_interval: int = 0,
+        prefill_anchor: int = 0,
+        decode_edges: DecodeEdges = DecodeEdges.EVERY,
     ) -> None:
         #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
         self.retain_turn_ends = retain
+        #: Decode edges that keep a state (pooled mode: see
+        #: :class:`~vllm_hybrid.v1.core.pooled.eviction.DecodeEdges`; the
+        #: single pool copies at every edge anyway and keeps the latest).
+        self.decode_edges = decode_edges if retain else DecodeEdges.NONE
+        #: Requests seen by :meth:`cache_blocks`, until freed: what
+        #: :meth:`keeps_decode_edge` reads (prompt length, token budget).
+        self._requests: dict[str, Request] = {}
         #: Tokens between prefill checkpoints, 0 for none (pooled mode only:
         #: see :mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`).
         self.prefill_checkpoint_interval = prefill_interval
@@ -125,8 +142,12 @@ class TurnEndRetentionMixin:
         """Upstream's caching, with the decode position and the prefill
         checkpoints as more reachable boundaries of align-mode state groups
         (upstream's method itself when neither is kept)."""
+        self._requests[request.request_id] = request
         if not self.retain_turn_ends and not self.prefill_checkpoint_interval:
             super().cache_blocks(request, num_computed_tokens)
+            for manager in self.single_type_managers:
+                if _align_mode(manager):
+                    _drop_in_place_key(manager, request.request_id)
             return
         boundaries = replay_boundaries(
             request.num_prompt_tokens,
@@ -139,7 +160,9 @@ class TurnEndRetentionMixin:
             num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
             # asked once per group: the checks below run at every step
             align = _align_mode(manager)
-            decoding = align and self._keeps_turn_end(request, num_tokens)
+            decoding = align and self._keeps_turn_end(
+                request, num_tokens, manager.block_size
+            )
             prefill = self._prefill_boundaries(manager, request) if align else range(0)
             manager.cache_blocks(
                 request,
@@ -151,6 +174,8 @@ class TurnEndRetentionMixin:
                     *((num_tokens,) if decoding else ()),
                 ),
             )
+            if align:
+                _drop_in_place_key(manager, request.request_id)
             if decoding:
                 self._supersede(
                     group_id,
@@ -197,14 +222,52 @@ class TurnEndRetentionMixin:
             manager.block_size,
         )
 
-    def _keeps_turn_end(self, request: Request, num_tokens: int) -> bool:
+    def _keeps_turn_end(self, request: Request, num_tokens: int, block: int) -> bool:
         """Whether an align-mode state group caches ``num_tokens`` as a
-        decode checkpoint."""
-        return (
-            self.retain_turn_ends
-            and self.retention_interval is not None
-            and num_tokens > request.num_prompt_tokens
-        )
+        decode checkpoint (``block``: the group's state block)."""
+        if (
+            not self.retain_turn_ends
+            or self.retention_interval is None
+            or num_tokens <= request.num_prompt_tokens
+        ):
+            return False
+        edges = self.decode_edges
+        if edges is DecodeEdges.EVERY:
+            return True
+        if edges is DecodeEdges.NONE:
+            return False
+        return num_tokens // block * block == budget_end_edge(request, block)
+
+    def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
+        """Whether a request crossing the state block edge ``edge`` (tokens;
+        ``block``: the state block) must keep the state there in a block of
+        its own. False only for an edge no policy keeps, which the request
+        may then cross in place (the pooled coordinator).
+
+        Kept: every edge with :attr:`decode_edges` ``EVERY`` (vLLM's align
+        mode), under dense retention or on the retention interval;
+        in the prompt, the edges caching keeps (its replay boundaries, a
+        shared-prefix junction, prefill checkpoints); past it, the turn end
+        :attr:`decode_edges` names.
+        """
+        request = self._requests.get(request_id)
+        if request is None or self.decode_edges is DecodeEdges.EVERY:
+            return True
+        if self.retention_interval is None or self._interval_keeps(edge):
+            return True
+        prompt = request.num_prompt_tokens
+        if edge > prompt:
+            return self._keeps_turn_end(request, edge + 1, block)
+        boundaries = [
+            *replay_boundaries(
+                prompt, self.scheduler_block_size, use_eagle=bool(self.eagle_group_ids)
+            ),
+            request.shared_prefix_boundary or 0,
+        ]
+        if any(b // block * block == edge for b in boundaries if b):
+            return True
+        positions = prefill_checkpoints(prompt, self.prefill_checkpoint_interval, block)
+        return edge in positions
 
     def _supersede(
         self,
@@ -263,6 +326,7 @@ class TurnEndRetentionMixin:
             noted[:] = self._rank_prefill(noted)
 
     def free(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
         latest = self.turn_end_counts.by_request.pop(request_id, None)
         noted = self.turn_end_counts.prefill_by_request.pop(request_id, None)
         super().free(request_id)
@@ -314,9 +378,58 @@ class TurnEndRetentionMixin:
             self.turn_end_counts.ranked_first += 1
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._requests.pop(request_id, None)
         self.turn_end_counts.by_request.pop(request_id, None)
         self.turn_end_counts.prefill_by_request.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
+
+
+def budget_end_edge(request: Request, block: int) -> int:
+    """The last state block edge a request reaches before its token budget
+    ends it: the last multiple of ``block`` up to the tokens it computes (all
+    but its last sampled token).
+
+    Below that count the request crosses the edge while decoding, and the
+    crossing copies the state into a fresh block. On it (the reply ends on
+    an edge) the state is there when the last step ends, in the running
+    block, and is cached without a copy.
+    """
+    return (request.num_prompt_tokens + request.max_tokens - 1) // block * block
+
+
+def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
+    """Pooled mode's :class:`DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES`` when
+    set, else :data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_EDGES`."""
+    value = envs.raw(envs.DECODE_EDGES_VAR, environ)
+    if value is None:
+        return DECODE_EDGES
+    try:
+        return DecodeEdges(value.lower())
+    except ValueError:
+        known = ", ".join(e.value for e in DecodeEdges)
+        raise ValueError(
+            f"{envs.DECODE_EDGES_VAR}={value!r} is not understood: one of {known}"
+        ) from None
+
+
+def _drop_in_place_key(manager: Any, request_id: str) -> None:
+    """Take the cache key off a state block the request just advanced in
+    place, if caching gave it one.
+
+    A request that crosses an edge in place names its running block in the
+    column it leaves and in the one it enters (until upstream retires the
+    first). Caching the column it leaves would file the running block under
+    that edge's key while this step moves its content on: a later hit would
+    start from a state past the edge. The pooled coordinator advances in
+    place only where no policy keeps the edge (:meth:`keeps_decode_edge`),
+    and short of memory where one does; either way the key goes.
+    """
+    blocks = manager.req_to_blocks.get(request_id)
+    if not blocks or len(blocks) < 2:
+        return
+    running = blocks[-1]
+    if running is blocks[-2] and running.block_hash is not None:
+        manager.block_pool._maybe_evict_cached_block(running)
 
 
 #: Attribute carrying ``hybrid_kv.retain_turn_ends`` on a single-pool

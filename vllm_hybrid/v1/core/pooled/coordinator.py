@@ -28,7 +28,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.boundary import Admission
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
-from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
+from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin, decode_edges_policy
 
 logger = init_logger(__name__)
 
@@ -72,8 +72,9 @@ class PooledCoordinatorMixin:
         self._couple_prefix_caches()
         #: requests that advance their state in place this step (per group)
         self._in_place: dict[str, dict[int, KVCacheBlock]] = {}
-        #: how often a request crossed a state block edge in place
-        self.short_memory_counts = {"state_in_place": 0}
+        #: how often a request crossed a state block edge in place: short of
+        #: memory at an edge a policy keeps, or at an edge none keeps
+        self.short_memory_counts = {"state_in_place": 0, "edges_in_place": 0}
         if hasattr(self, "verify_and_split_kv_cache_groups"):
             self.verify_and_split_kv_cache_groups()
 
@@ -138,6 +139,16 @@ class PooledCoordinatorMixin:
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
         in_place = self._in_place_blocks(request_id, needs)
+        if in_place and self._unkept_edge(request_id, total_computed_tokens):
+            # an edge nobody keeps: advance in place, no copy
+            admission = self.arena.boundary.admit(
+                need_token, need_state - len(in_place), keep=hits
+            )
+            if admission is Admission.REFUSED:
+                return self.block_pool.get_num_free_blocks() + 1
+            self._in_place[request_id] = in_place
+            self.short_memory_counts["edges_in_place"] += 1
+            return need_token
         admission = self.arena.boundary.admit(
             need_token, need_state, keep=hits, in_place=len(in_place)
         )
@@ -148,6 +159,31 @@ class PooledCoordinatorMixin:
             self._in_place[request_id] = in_place
             self.short_memory_counts["state_in_place"] += 1
         return need_token
+
+    # -- advancing the state in place ------------------------------------------
+
+    def _unkept_edge(self, request_id: str, total_computed_tokens: int) -> bool:
+        """Whether the request is crossing a state block edge that no
+        checkpoint policy keeps (``keeps_edge`` of the retention mixin;
+        without prefix caching there is none).
+
+        The request has computed exactly ``total_computed_tokens``, an edge:
+        its running block holds the state there. A fresh block would receive
+        a copy of it and the block left behind would hold a state nobody
+        caches: a decode edge before the turn end, or a prefill chunk that
+        ended on no checkpoint.
+        """
+        keeps = getattr(self, "keeps_edge", None)
+        if keeps is None:
+            return False
+        block = next(
+            m.block_size
+            for m, kind in zip(self.single_type_managers, self._group_kind, strict=True)
+            if kind is PoolKind.STATE
+        )
+        if total_computed_tokens % block:
+            return False
+        return not keeps(request_id, total_computed_tokens, block)
 
     # -- short of memory: one state block per request -------------------------
 
@@ -253,6 +289,7 @@ class PooledHybridKVCacheCoordinator(
             self.kv_cache_config.retain_turn_ends,
             self.kv_cache_config.prefill_checkpoint_interval,
             self.kv_cache_config.prefill_checkpoint_anchor,
+            decode_edges_policy(),
         )
 
 

@@ -136,6 +136,40 @@ class AdmissionAttempt:
     in_place: bool = False
 
 
+class DecodeEdges(Enum):
+    """Which state block edges a decoding request keeps a state at.
+
+    Align mode keeps a state at an edge by copying the running state into a
+    fresh block when the request crosses it (the block it leaves holds the
+    state at the edge). A crossing nobody keeps is advanced in place instead:
+    the request's running block moves on to the next column, no copy, no new
+    block. In the prompt the edges caching keeps (its replay boundary,
+    prefill checkpoints, shared-prefix junctions) are kept whatever this
+    says; a prefill chunk that ends on another edge is crossed in place
+    unless this is ``EVERY``.
+    """
+
+    #: Every edge, the prompt's included (vLLM's align mode): one copy of the
+    #: whole state per state block of output, each superseded by the next.
+    EVERY = "every"
+    #: Only the last edge the request's token budget (``max_tokens``) lets it
+    #: reach: one copy per request, the turn end a follow-up resumes from
+    #: when the reply ran to its budget. A reply that stops earlier (end of
+    #: sequence, a stop string) keeps no turn end; a follow-up then resumes
+    #: from the prompt's own checkpoint, as with upstream's defaults.
+    BUDGET_END = "budget_end"
+    #: None: decode never copies.
+    NONE = "none"
+
+
+#: Decode edges pooled mode keeps (``VLLM_HYBRID_DECODE_EDGES`` overrides it
+#: for A/B runs). Measured on the simulator (docs/simulation.md, "What a
+#: decode step copies"): ``EVERY`` made 12x upstream's state copies on the
+#: Mooncake trace, almost all superseded 16 tokens later; ``BUDGET_END``
+#: keeps every turn-end hit of replies that run to their budget at one copy
+#: per request.
+DECODE_EDGES = DecodeEdges.BUDGET_END
+
 #: The ways to serve a request, tried in this order.
 ADMISSION: tuple[AdmissionAttempt, ...] = (
     AdmissionAttempt(Reach.SPARE_PROTECTED),
