@@ -72,6 +72,10 @@ SKIP_NATIVE_VAR = "VLLM_HYBRID_SKIP_NATIVE"
 #: mode: ``budget_end`` (the default), ``every`` or ``none``
 #: (:class:`vllm_hybrid.v1.core.pooled.eviction.DecodeEdges`); for A/B runs.
 DECODE_EDGES_VAR = "VLLM_HYBRID_DECODE_EDGES"
+#: Admission's growth reserve of pooled mode in state pages of tokens (0:
+#: none; :data:`vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`
+#: when unset); for A/B runs.
+ADMISSION_GROWTH_VAR = "VLLM_HYBRID_ADMISSION_GROWTH"
 
 
 def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -95,6 +99,7 @@ OVERLAY_ENV_VARS = (
     STATS_DIR_VAR,
     SKIP_NATIVE_VAR,
     DECODE_EDGES_VAR,
+    ADMISSION_GROWTH_VAR,
 )
 
 

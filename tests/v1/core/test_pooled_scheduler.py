@@ -108,3 +108,39 @@ def test_upstream_scheduler_reads_the_block_only_for_the_mamba_split():
     the copy must be revisited."""
     assert _block_size_reads(Scheduler) == {"_mamba_block_aligned_split": 1}
     assert _block_size_reads(AsyncScheduler) == {}
+
+
+def test_growth_reserve_counts_each_running_requests_next_tokens():
+    """Admission's watermark: every running request's next ``horizon``
+    tokens in token blocks, or what its budget has left if less."""
+    from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+
+    def running(prompt: int, max_tokens: int, computed: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            num_prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            num_computed_tokens=computed,
+        )
+
+    scheduler = SimpleNamespace(
+        _growth=(1056, 16, 1),
+        running=[
+            running(5000, 400, 1000),  # mid-prefill: the horizon, 66 blocks
+            running(5000, 400, 5390),  # 9 tokens left: one block
+            running(5000, 400, 5399),  # done growing
+        ],
+    )
+    assert PooledSchedulerMixin.growth_reserve(scheduler) == 66 + 1
+    scheduler._growth = (1056, 16, 2)  # two token groups
+    assert PooledSchedulerMixin.growth_reserve(scheduler) == 2 * 67
+
+
+def test_growth_reserve_setting():
+    from vllm_hybrid import envs
+    from vllm_hybrid.v1.core.pooled.eviction import ADMISSION_GROWTH_STATE_PAGES
+    from vllm_hybrid.v1.core.sched.scheduler import admission_growth_state_pages
+
+    assert admission_growth_state_pages({}) == ADMISSION_GROWTH_STATE_PAGES == 1.0
+    assert admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "0.5"}) == 0.5
+    with pytest.raises(ValueError, match="VLLM_HYBRID_ADMISSION_GROWTH='-1'"):
+        admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "-1"})

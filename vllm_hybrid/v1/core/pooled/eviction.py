@@ -170,6 +170,16 @@ class DecodeEdges(Enum):
 #: per request.
 DECODE_EDGES = DecodeEdges.BUDGET_END
 
+#: Admission's growth reserve, in state pages of tokens (the block upstream's
+#: single pool inflates attention to; 0 turns the reserve off). A waiting
+#: request is admitted only while the token pool keeps, beyond its blocks,
+#: room for every running request to grow that many tokens (or to its token
+#: budget, if nearer): upstream's large block reserves as much implicitly,
+#: pooled mode's 16-token blocks reserve nothing, so without it more
+#: requests started than could grow and were preempted (see
+#: ``PooledSchedulerMixin``).
+ADMISSION_GROWTH_STATE_PAGES = 1.0
+
 #: The ways to serve a request, tried in this order.
 ADMISSION: tuple[AdmissionAttempt, ...] = (
     AdmissionAttempt(Reach.SPARE_PROTECTED),

@@ -25,12 +25,19 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-from vllm_hybrid.v1.core.pooled.prefill_checkpoints import next_prefill_checkpoint
+from vllm_hybrid.v1.core.pooled.eviction import ADMISSION_GROWTH_STATE_PAGES
+from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    next_prefill_checkpoint,
+    state_page_tokens,
+)
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import PoolStatsPublisher
 
 logger = init_logger(__name__)
@@ -81,6 +88,9 @@ class PooledSchedulerMixin:
         )
         #: prefill chunks this scheduler cut short at a prefill checkpoint
         self.prefill_checkpoint_cuts = 0
+        #: (tokens each running request may grow, token block, token groups)
+        #: of admission's growth reserve; None: no reserve
+        self._growth = growth_reserve_geometry(self.kv_cache_config)
         if self.prefill_checkpoint_interval:
             anchor = getattr(self.kv_cache_config, "prefill_checkpoint_anchor", 0)
             logger.info(
@@ -135,12 +145,67 @@ class PooledSchedulerMixin:
             return stop - start
         return num_new_tokens
 
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._growth is not None:
+            # upstream's watermark: free token blocks a waiting or preempted
+            # request must leave after its own, while others run
+            self.kv_cache_manager.watermark_blocks = self.growth_reserve()
+        return super().schedule(*args, **kwargs)
+
+    def growth_reserve(self) -> int:
+        """Token-pool blocks the running requests may grow into before a
+        waiting request is admitted: each running request's next
+        ``horizon`` tokens, or what its token budget has left if less."""
+        assert self._growth is not None
+        horizon, block, groups = self._growth
+        blocks = 0
+        for request in self.running:
+            end = request.num_prompt_tokens + request.max_tokens - 1
+            grow = min(end - request.num_computed_tokens, horizon)
+            if grow > 0:
+                blocks += cdiv(grow, block)
+        return blocks * groups
+
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)
         arena = arena_of(self.kv_cache_manager)
         if stats is not None and arena is not None:
             self._pool_stats.publish(arena.usage())
         return stats
+
+
+def growth_reserve_geometry(kv_cache_config: Any) -> tuple[int, int, int] | None:
+    """(horizon in tokens, token block, token groups) of admission's growth
+    reserve for a pooled plan with a state pool; None otherwise or when
+    :data:`~vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`
+    is 0."""
+    if not isinstance(kv_cache_config, PooledKVCacheConfig):
+        return None
+    pages = admission_growth_state_pages()
+    if pages <= 0 or not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
+        return None
+    token = kv_cache_config.pool_by_kind(PoolKind.TOKEN)
+    block = kv_cache_config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
+    horizon = int(pages * state_page_tokens(kv_cache_config))
+    return horizon, block.block_size, len(token.group_ids)
+
+
+def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:
+    """``VLLM_HYBRID_ADMISSION_GROWTH`` when set, else
+    :data:`~vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`."""
+    value = envs.raw(envs.ADMISSION_GROWTH_VAR, environ)
+    if value is None:
+        return ADMISSION_GROWTH_STATE_PAGES
+    try:
+        pages = float(value)
+    except ValueError:
+        pages = -1.0
+    if pages < 0:
+        raise ValueError(
+            f"{envs.ADMISSION_GROWTH_VAR}={value!r} is not understood: state "
+            "pages of growth to reserve, a number >= 0"
+        )
+    return pages
 
 
 class PooledScheduler(PooledSchedulerMixin, Scheduler):
