@@ -1,0 +1,130 @@
+"""The before/after table of docs/simulation.md's "What a decode step
+copies": ``vllm-hybrid simulate`` for Qwen3.6-35B-A3B-FP8, upstream against
+pooled mode under decode edge policies (``VLLM_HYBRID_DECODE_EDGES``) and
+admission growth reserves (``VLLM_HYBRID_ADMISSION_GROWTH``, state pages).
+
+Usage::
+
+    python scripts/decode_copies_table.py OUT_DIR [--requests N]
+        [--workloads mooncake,chat_server] [--cases 80-tq,48-bf16,...]
+        [--variants every:0,budget_end:0,none:0,budget_end:1]
+
+A variant is ``POLICY:PAGES``. ``every:0`` is pooled mode before edges could
+be crossed in place (a copy at every state block edge) and before the
+growth reserve; ``budget_end:1`` is the default.
+Each run keeps its JSON in ``OUT_DIR`` and is not run again when it is there.
+The Markdown table goes to standard output, one per workload; ratios are to
+upstream of the same case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from simulation_tables import CASES, CHAT_SHAPE, MODEL
+
+from vllm_hybrid import envs
+from vllm_hybrid.tools.simulate.cli import main as simulate
+from vllm_hybrid.tools.simulate.report import best_runs, flat_figures
+from vllm_hybrid.v1.core.pooled.eviction import DecodeEdges
+
+HEADER = (
+    "| case | engine | state copies | copied, GB | preemptions | prefill tokens "
+    "| hit rate | TPOT p50 / p99, ms (modeled) | TTFT p50 / p99, s (modeled) |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _names(text: str) -> list[str]:
+    return [p for p in text.split(",") if p]
+
+
+def run(out: Path, workload: str, case: str, engine: str, variant: str, args) -> dict:
+    """One engine's summary (its best run), simulated unless cached."""
+    policy, pages = variant.split(":")
+    tag = engine if engine == "upstream" else f"{engine}-{policy}-g{pages}"
+    path = out / f"{workload}-{case}-{tag}.json"
+    if not path.is_file():
+        argv = [MODEL, *CASES[case], "--workload", workload, "--json", str(path)]
+        argv += ["--engines", engine, "--jobs", "1", "--no-progress"]
+        if workload == "mooncake" and args.requests:
+            argv += ["--requests", str(args.requests)]
+        if workload == "chat_server":
+            argv += ["--shape", json.dumps(CHAT_SHAPE)]
+        print(f"[decode copies] {workload} {case} {tag}", file=sys.stderr, flush=True)
+        os.environ[envs.DECODE_EDGES_VAR] = policy
+        os.environ[envs.ADMISSION_GROWTH_VAR] = pages
+        simulate(argv)
+    return best_runs(json.loads(path.read_text())["engines"])[engine]
+
+
+def _pair(a: float | None, b: float | None, scale: float, fmt: str) -> str:
+    if a is None or b is None:
+        return "-"
+    return f"{fmt.format(a * scale)} / {fmt.format(b * scale)}"
+
+
+def _ratio(value: float | None, reference: float | None, digits: int = 2) -> str:
+    if not value or not reference:
+        return ""
+    return f" ({value / reference:.{digits}f}x)"
+
+
+def row(case: str, label: str, summary: dict, reference: dict | None) -> str:
+    if "error" in summary:
+        return f"| {case} | {label} | failed | | | | | | |"
+    figures = flat_figures(summary)
+    c, m = figures["counted"], figures["modeled"]
+    ref_c = flat_figures(reference)["counted"] if reference else {}
+    ref_m = flat_figures(reference)["modeled"] if reference else {}
+    tpot = _pair(m.get("tpot_p50_ms"), m.get("tpot_p99_ms"), 1, "{:.1f}")
+    ttft = _pair(m.get("ttft_p50"), m.get("ttft_p99"), 1, "{:.2f}")
+    if reference is not None:
+        tpot += _ratio(m.get("tpot_p99_ms"), ref_m.get("tpot_p99_ms"))
+        ttft += _ratio(m.get("ttft_p99"), ref_m.get("ttft_p99"))
+    prefill = f"{c['prefill_tokens']:,}" + _ratio(
+        c["prefill_tokens"], ref_c.get("prefill_tokens"), 3
+    )
+    return (
+        f"| {case} | {label} | {c['copies_moved']:,} | {c['copy_gb']:,.0f} "
+        f"| {c['preemptions']:,} | {prefill} | {c['hit_rate'] or 0:.3f} "
+        f"| {tpot} | {ttft} |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--workloads", type=_names, default=["mooncake"])
+    parser.add_argument("--cases", type=_names, default=["80-tq", "48-bf16"])
+    parser.add_argument(
+        "--variants",
+        type=_names,
+        default=[*(f"{e.value}:0" for e in DecodeEdges), "budget_end:1"],
+    )
+    args = parser.parse_args()
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for workload in args.workloads:
+        rows = []
+        for case in args.cases:
+            upstream = run(args.out, workload, case, "upstream", "every:0", args)
+            rows.append(row(case, "upstream", upstream, None))
+            for variant in args.variants:
+                pooled = run(args.out, workload, case, "pooled", variant, args)
+                policy, pages = variant.split(":")
+                label = f"pooled, {policy}, reserve {pages}"
+                rows.append(row(case, label, pooled, upstream))
+        print(f"\n{workload}\n\n{HEADER}\n" + "\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
