@@ -121,7 +121,10 @@ def _state_counts(engine: Engine) -> Callable[[], dict[str, Any]]:
         cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
         prefill = now.prefill_tokens - before.prefill_tokens
         return {
-            "state_copies": now.state_copies - before.state_copies,
+            # a copy of a block onto itself (an edge crossed in place) moves
+            # nothing and the runner skips it
+            "state_copies": (now.state_copies - now.state_self_copies)
+            - (before.state_copies - before.state_self_copies),
             "checkpoints_cached": checkpoints.checkpoints - cached_before,
             "tokens_scheduled": prefill + now.decode_tokens - before.decode_tokens,
             "prefill_tokens_computed": prefill,

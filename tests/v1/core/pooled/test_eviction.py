@@ -250,7 +250,10 @@ def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(driver
     long = driver.request("long", _one_off(8 * BLOCK + 1, 7))
     assert driver.admit(long) == 0
     assert driver.step(long)
-    assert driver.coordinator.short_memory_counts == {"state_in_place": 1}
+    assert driver.coordinator.short_memory_counts == {
+        "state_in_place": 1,
+        "edges_in_place": 0,
+    }
     assert driver.arena.state_capacity == 2  # the boundary did not move
     driver.manager.free(long)
     assert driver.hits_shared() == 64
@@ -268,7 +271,10 @@ def test_a_new_request_evicts_a_protected_entry_when_nothing_else_serves(driver)
     assert driver.admit(first) == 0  # 8 token blocks, state block 14
     second = driver.request("second", _one_off(BLOCK, 8))
     assert driver.admit(second) == 0  # token block 13, state block 15
-    assert driver.coordinator.short_memory_counts == {"state_in_place": 0}
+    assert driver.coordinator.short_memory_counts == {
+        "state_in_place": 0,
+        "edges_in_place": 0,
+    }
     assert driver.arena.state_pool.free_block_queue.protected_ids() == []
     for request in (first, second):
         driver.manager.free(request)
