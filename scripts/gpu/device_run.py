@@ -97,10 +97,13 @@ def byte_compile(python: str, site: Path) -> float:
     engine's processes would otherwise compile the modules they import, the
     first engine's server and engine core at the same time."""
     start = time.monotonic()
-    subprocess.run(
+    done = subprocess.run(
         [python, "-m", "compileall", "-q", "-j", "0", str(site / "vllm")],
         capture_output=True,
+        text=True,
     )
+    if done.returncode:
+        print(f"byte-compiling the tree: exit {done.returncode}: {done.stderr[-300:]}")
     return round(time.monotonic() - start, 1)
 
 
