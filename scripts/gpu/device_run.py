@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(DEFAULT_PARTS))
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument(
+        "--budgets", default="", help="PART=SECONDS,... replacing parts' budgets"
+    )
+    parser.add_argument(
         "--tier-select", default="", help="part tier: only tests matching this -k"
     )
     args = parser.parse_args(argv)
@@ -209,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": gpu_facts() if args.mode == "device" else None,
         "parts": [],
     }
+    for spec in filter(None, args.budgets.split(",")):
+        name, seconds = spec.split("=")
+        script, device_budget, rehearsal_budget, fixed = PARTS[name]
+        PARTS[name] = (script, float(seconds), float(seconds), fixed)
     for name in parts:
         extra = ["--select", args.tier_select] if name == "tier" else []
         summary["parts"].append(run_part(name, python, env, out, args.mode, extra))
