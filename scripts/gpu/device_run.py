@@ -122,6 +122,11 @@ def part_env(mode: str, site: Path, work: Path) -> dict[str, str]:
         # the timings reuse what the tier compiled and tuned
         TRITON_CACHE_DIR=str(work / "triton-cache"),
         TRITON_CACHE_AUTOTUNING="1",
+        # vLLM's samplers (V1 and V2) import FlashInfer to ask whether its
+        # top-k/top-p sampler suits the card unless this is off; the GPU
+        # machine has no FlashInfer (every engine of the second device run
+        # stopped there)
+        VLLM_USE_FLASHINFER_SAMPLER="0",
     )
     env.pop("PYTHONHOME", None)
     if mode == "rehearse":

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -360,6 +361,22 @@ def flagship_bench(requests: int, rate: float):
     return work
 
 
+#: Experts kept when the card's memory (as PyTorch sees it) cannot hold the
+#: preset's 256 experts per layer (1.6 GB each at bf16): the lent card showed
+#: 8.21 GiB (2026-11-27). Each token still goes to 8 experts of the preset's
+#: width, so the per-token MoE work is the same; only weights shrink.
+SMALL_CARD_EXPERTS = 32
+SMALL_CARD_GIB = 40
+
+
+def card_gib() -> float:
+    """The card's memory as PyTorch reports it, asked in a child process so
+    that this driver holds no CUDA context the servers would lose."""
+    code = "import torch; print(torch.cuda.mem_get_info()[1] / 2**30)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return float(done.stdout.strip() or 0)
+
+
 def part_flagship(
     budget: float,
     work: Path,
@@ -371,6 +388,9 @@ def part_flagship(
     from vllm_hybrid.tools.shaped_models import build_shaped_model
 
     start, cuda = time.monotonic(), on_cuda()
+    gib = card_gib() if cuda else None
+    if gib is not None and gib < SMALL_CARD_GIB:
+        overrides.setdefault("num_experts", SMALL_CARD_EXPERTS)
     model = build_shaped_model(
         work / "flagship-shaped", FLAGSHIP_PRESET, FLAGSHIP_LAYERS, **overrides
     )
@@ -401,6 +421,8 @@ def part_flagship(
         "load": list(FLAGSHIP_LOAD)
         + [f"--num-prompts={requests}", f"--request-rate={rate}"],
         "device": "cuda" if cuda else "cpu",
+        "card_gib": gib,
+        "overrides": overrides,
         "engines": engines,
     }
     report["ratios"] = ratios(engines)

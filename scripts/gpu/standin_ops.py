@@ -11,7 +11,10 @@ compiled ops with no Python path:
   padded per expert to the Triton MoE kernel's block);
 * ``_moe_C::moe_sum`` (the top-k expert outputs of a token added up);
 * ``_C::silu_and_mul`` and its kin, which the MoE activation calls
-  directly.
+  directly;
+* ``_C::get_cuda_view_from_cpu_tensor``, with which Model Runner V2 reads
+  pinned host buffers from the GPU (unified addressing); it needs the GPU
+  machine's CuPy for the device pointer, so only a GPU run can check it.
 
 :func:`register` gives each a PyTorch implementation under the op's own
 schema, registered for every device (``CompositeExplicitAutograd``), so the
@@ -170,6 +173,27 @@ def moe_sum(
     output.copy_(values.sum(dim=1).to(output.dtype))
 
 
+def get_cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as the pinned ``cpu_tensor``:
+    pinned host memory is mapped into the GPU's address space, and CuPy
+    hands out its device pointer (PyTorch has no public call for it)."""
+    if cpu_tensor.numel() == 0:
+        return torch.empty(cpu_tensor.shape, dtype=cpu_tensor.dtype, device="cuda")
+    if not cpu_tensor.is_pinned():
+        raise ValueError("get_cuda_view_from_cpu_tensor needs pinned memory")
+    import cupy
+
+    span = 1 + sum(
+        (n - 1) * s for n, s in zip(cpu_tensor.shape, cpu_tensor.stride(), strict=True)
+    )
+    nbytes = span * cpu_tensor.element_size()
+    pointer = cupy.cuda.runtime.hostGetDevicePointer(cpu_tensor.data_ptr(), 0)
+    memory = cupy.cuda.UnownedMemory(pointer, nbytes, cpu_tensor)
+    raw = cupy.ndarray((nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(memory, 0))
+    view = torch.as_tensor(raw, device="cuda").view(cpu_tensor.dtype)
+    return view.as_strided(cpu_tensor.shape, cpu_tensor.stride())
+
+
 MOE_OPS = {
     "topk_softmax": topk_softmax,
     "moe_align_block_size": moe_align_block_size,
@@ -188,6 +212,14 @@ def register(c_library=None) -> list[str]:
     for name in ACTIVATIONS if c_library is not None else ():
         c_library.impl(name, gated(name), "CompositeExplicitAutograd")
         names.append(f"_C::{name}")
+    if c_library is not None:
+        c_library.define("get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor")
+        c_library.impl(
+            "get_cuda_view_from_cpu_tensor",
+            get_cuda_view_from_cpu_tensor,
+            "CompositeExplicitAutograd",
+        )
+        names.append("_C::get_cuda_view_from_cpu_tensor")
     moe = torch.library.Library("_moe_C", "FRAGMENT")
     _LIBRARIES.append(moe)
     for name, schema in MOE_SCHEMAS.items():

@@ -197,6 +197,7 @@ def test_stand_in_declares_the_ops_layers_look_up_and_each_raises(rehearsal):
         "_C::mul_and_silu",
         "_C::gelu_and_mul",
         "_C::gelu_tanh_and_mul",
+        "_C::get_cuda_view_from_cpu_tensor",
         "_moe_C::topk_softmax",
         "_moe_C::moe_align_block_size",
         "_moe_C::moe_sum",
