@@ -27,12 +27,15 @@ recurrent kernel upstream calls.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from vllm_hybrid.patches.registry import upstream_of
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 
 def _gdn_module() -> Any:
@@ -77,7 +80,7 @@ def spec_conv_(
 
 def spec_forward(
     layer: Any,
-    attn_metadata_i: Any,
+    attn_metadata_i: GDNAttentionMetadata,
     mixed_qkv_spec: torch.Tensor,
     b_spec: torch.Tensor,
     a_spec: torch.Tensor,
