@@ -161,6 +161,10 @@ def run_engine(
         report["cause"] = read_log(text).cause[:400]
         report["tail"] = text.splitlines()[-25:]
     report["seconds"] = round(time.monotonic() - start, 1)
+    # each engine's report beside its log as soon as it ends: a part stopped
+    # at its budget still leaves the engines it finished (the device call
+    # brings the log folder back)
+    write_json(log_dir / f"{name}.json", report)
     print(
         json.dumps(
             {
