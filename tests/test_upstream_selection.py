@@ -5,6 +5,7 @@ run" table of docs/upstream-tests.md)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -50,7 +51,8 @@ def test_every_plugin_entry_has_its_row_and_nothing_else():
 
 
 def _fetched() -> Path:
-    src = ROOT / ".upstream-tests" / f"vllm-{SUPPORTED_VLLM_VERSION}"
+    cache = Path(os.environ.get("UPSTREAM_TESTS_DIR") or ROOT / ".upstream-tests")
+    src = cache / f"vllm-{SUPPORTED_VLLM_VERSION}"
     if not (src / ".complete").exists():
         pytest.skip(
             f"vLLM's tests are not fetched to {src} "
