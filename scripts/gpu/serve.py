@@ -75,6 +75,8 @@ NATIVE_IR_OPS = '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}'
 SYSTEM = " ".join(["You answer questions about memory pools in short sentences."] * 24)
 QUESTIONS = ("What does an arena hold?", "And what moves its boundary?")
 CHAT_TOKENS = 16
+#: Seconds below which an engine is not started (it could not get ready).
+MIN_SHARE = 30
 FLAGSHIP_PRESET = "qwen3.5-35b-a3b"
 FLAGSHIP_LAYERS = 8
 #: The flagship's load: 4 shared 1,536-token prefixes (a system prompt and
@@ -295,12 +297,8 @@ def part_serve(budget: float, work: Path, log_dir: Path) -> dict:
         # the first engine compiles and tunes the Triton kernels the others
         # find in the shared cache: it gets the larger share
         share = min(max(left * 0.45, left - 120), 170) if i == 0 else left / (3 - i)
-        if share < 30:
-            engines[mode] = {
-                "engine": mode,
-                "ok": False,
-                "skipped": f"{left:.0f} s left",
-            }
+        if share < MIN_SHARE:
+            engines[mode] = {"engine": mode, "ok": False, "skipped": f"{left:.0f} s"}
             continue
         extra, env = MODES[mode][1], mode_env(mode)
         engines[mode] = run_engine(
@@ -402,12 +400,8 @@ def part_flagship(
     for i, mode in enumerate(("pooled", "upstream")):
         left = budget - (time.monotonic() - start) - 10
         share = left * 0.6 if i == 0 else left
-        if share < 30:
-            engines[mode] = {
-                "engine": mode,
-                "ok": False,
-                "skipped": f"{left:.0f} s left",
-            }
+        if share < MIN_SHARE:
+            engines[mode] = {"engine": mode, "ok": False, "skipped": f"{left:.0f} s"}
             continue
         env = mode_env(mode)
         engines[mode] = run_engine(
