@@ -35,7 +35,6 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from benchmarks.harness import (  # noqa: E402
     scrape,
     serve,
 )
+from vllm_hybrid.tools.verify import MODES  # noqa: E402
 
 #: Start-up stages, each reached at the first log line holding its marker.
 STAGES = (
@@ -64,12 +64,6 @@ STAGES = (
 )
 #: vLLM's log time stamp: ``INFO 11-27 12:18:31 [file.py:12] ...``.
 STAMP = re.compile(r"(?:INFO|WARNING|ERROR|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d)")
-#: Mode -> (VLLM_HYBRID_KV, extra server arguments).
-MODES = {
-    "pooled": ("1", []),
-    "single_pool": ("1", ['--additional-config={"hybrid_kv": {"pooled": false}}']),
-    "upstream": ("0", []),
-}
 NATIVE_IR_OPS = '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}'
 #: Tiny chat: the system prompt the two turns share, and the turns.
 SYSTEM = " ".join(["You answer questions about memory pools in short sentences."] * 24)
@@ -187,6 +181,15 @@ def runner(log_text: str) -> str:
     return "V2 (vLLM's CUDA default)" if on_cuda() else "V1 (CPU)"
 
 
+def mode_args(mode: str) -> list[str]:
+    """The server options of ``mode``: ``vllm-hybrid verify``'s engine
+    arguments for it (the single pool's ``additional_config``), as flags."""
+    return [
+        f"--{key.replace('_', '-')}={json.dumps(value)}"
+        for key, value in MODES[mode][1].items()
+    ]
+
+
 def mode_env(mode: str) -> dict[str, str]:
     """The server's environment: the mode's switch; for upstream, the V1
     runner when ``GPU_RUN_UPSTREAM_V1=1`` (a rerun where V2 could not run
@@ -300,9 +303,14 @@ def part_serve(budget: float, work: Path, log_dir: Path) -> dict:
         if share < MIN_SHARE:
             engines[mode] = {"engine": mode, "ok": False, "skipped": f"{left:.0f} s"}
             continue
-        extra, env = MODES[mode][1], mode_env(mode)
         engines[mode] = run_engine(
-            mode, model, tiny_args(cuda) + extra, env, share, log_dir, chat_turns
+            mode,
+            model,
+            tiny_args(cuda) + mode_args(mode),
+            mode_env(mode),
+            share,
+            log_dir,
+            chat_turns,
         )
     report = {
         "model": "tiny qwen3_5",
@@ -356,7 +364,7 @@ def flagship_bench(requests: int, rate: float):
 
     def work(handle) -> dict:
         with open(os.devnull, "w") as out:
-            bench(warmup(replace(cfg)), handle.url, handle.model, math.inf, out)
+            bench(warmup(cfg), handle.url, handle.model, math.inf, out)
             run = bench(cfg, handle.url, handle.model, rate, out)
         return {"rate": run.rate, "values": run.values, "errors": run.errors}
 
