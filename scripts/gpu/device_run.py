@@ -10,9 +10,17 @@ killing the part's whole process group when it runs over:
 * ``timings``: pooled views against upstream's contiguous layout (``timings.py``);
 * ``copies``: align mode's state copies at Qwen3.6-35B-A3B's state page
   (``copies.py``);
-* ``engines``: the stretch, ``vllm-hybrid verify``'s tiny engines on CUDA
-  with the Python-only tree (``engines.py``).
+* ``serve``: the tiny ``qwen3_5`` with TurboQuant through vLLM's OpenAI
+  server, pooled, single pool and upstream, one engine at a time: equal
+  tokens, the follow-up's prefix hit, where each start-up went
+  (``serve.py``);
+* ``flagship``: Qwen3.6-35B-A3B's per-layer shapes, depth cut, dummy
+  weights, pooled and upstream under ``vllm bench serve`` (``serve.py``);
+* ``engines``: ``vllm-hybrid verify``'s tiny engines through the offline
+  API (``engines.py``; the first run's stretch, superseded by ``serve``).
 
+By default a device call runs ``serve`` and ``flagship`` (the engines come
+first: they are what no run has measured yet); ``--parts`` picks others.
 Each part writes ``<part>.json`` under the output folder; ``summary.json``
 holds the environment and every part's exit code, time and whether it ran
 over; ``log.txt`` every part's output. That is 7 files, inside what a device
@@ -41,17 +49,22 @@ from pathlib import Path
 import sitedir
 from bundle import BUNDLE, DEVICE, REHEARSAL, TREE_NAME, commit, is_pure
 
-#: part -> (script, budget on the device in s, budget in the rehearsal in s).
-#: Device budgets add up to 450 s: with a 1-2 minute machine start the call
-#: fits a 480 s timeout and leaves room for a rerun of some parts
-#: (``--parts``) within the 15 minutes of device time.
+#: part -> (script, budget on the device in s, budget in the rehearsal in
+#: s, extra arguments). The engine parts' device budgets come from the first
+#: device run (about 43 s of imports per engine when three started at once)
+#: and this checkout's CPU rehearsal of serve.py: the first engine gets at
+#: least 150 s; with a 1-2 minute machine start the default parts fit a 540 s
+#: call and leave a rerun within the 15 minutes of device time.
 PARTS = {
-    "imports": ("imports.py", 40, 300),
-    "tier": ("tier.py", 160, 1500),
-    "timings": ("timings.py", 110, 900),
-    "copies": ("copies.py", 50, 600),
-    "engines": ("engines.py", 90, 400),
+    "imports": ("imports.py", 40, 300, []),
+    "serve": ("serve.py", 280, 400, ["--what", "serve"]),
+    "flagship": ("serve.py", 230, 300, ["--what", "flagship"]),
+    "tier": ("tier.py", 160, 1500, []),
+    "timings": ("timings.py", 110, 900, []),
+    "copies": ("copies.py", 50, 600, []),
+    "engines": ("engines.py", 90, 400, []),
 }
+DEFAULT_PARTS = ("serve", "flagship")
 #: Seconds a part may run past its budget to write its JSON before its
 #: process group is killed (the parts bound their own work by the budget).
 GRACE = 15
@@ -73,8 +86,25 @@ def build_site(mode: str, work: Path) -> tuple[Path, str, dict]:
     facts["installer"] = sitedir.install_wheels(wheels, site)
     facts["wheels"] = [w.name for w in wheels]
     facts["stand_ins"] = sitedir.write_standins(package)
+    facts["tree_edits"] = sitedir.apply_edits(package)
     sitedir.write_metadata(site)
+    facts["byte_compile_s"] = byte_compile(python, site)
     return site, python, facts
+
+
+def byte_compile(python: str, site: Path) -> float:
+    """Compile the run's vLLM tree once, in parallel, before any part: each
+    engine's processes would otherwise compile the modules they import, the
+    first engine's server and engine core at the same time."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [python, "-m", "compileall", "-q", "-j", "0", str(site / "vllm")],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        print(f"byte-compiling the tree: exit {done.returncode}: {done.stderr[-300:]}")
+    return round(time.monotonic() - start, 1)
 
 
 def part_env(mode: str, site: Path, work: Path) -> dict[str, str]:
@@ -92,6 +122,11 @@ def part_env(mode: str, site: Path, work: Path) -> dict[str, str]:
         # the timings reuse what the tier compiled and tuned
         TRITON_CACHE_DIR=str(work / "triton-cache"),
         TRITON_CACHE_AUTOTUNING="1",
+        # vLLM's samplers (V1 and V2) import FlashInfer to ask whether its
+        # top-k/top-p sampler suits the card unless this is off; the GPU
+        # machine has no FlashInfer (every engine of the second device run
+        # stopped there)
+        VLLM_USE_FLASHINFER_SAMPLER="0",
     )
     env.pop("PYTHONHOME", None)
     if mode == "rehearse":
@@ -100,12 +135,21 @@ def part_env(mode: str, site: Path, work: Path) -> dict[str, str]:
 
 
 def run_part(
-    name: str, python: str, env: dict, out: Path, mode: str, extra: list[str]
+    name: str,
+    python: str,
+    env: dict,
+    out: Path,
+    mode: str,
+    extra: list[str],
+    budget: float | None = None,
 ) -> dict:
-    script, device_budget, rehearsal_budget = PARTS[name]
-    budget = device_budget if mode == "device" else rehearsal_budget
+    """One part in its own process group; ``budget`` replaces the part's
+    own budget for ``mode`` when given (``--budgets``)."""
+    script, device_budget, rehearsal_budget, fixed = PARTS[name]
+    if budget is None:
+        budget = device_budget if mode == "device" else rehearsal_budget
     command = [python, str(sitedir.HERE / script), "--out", str(out / f"{name}.json")]
-    command += ["--budget", str(budget), *extra]
+    command += ["--budget", str(budget), *fixed, *extra]
     start = time.monotonic()
     with open(out / "log.txt", "a") as log:
         log.write(f"\n===== part {name} (budget {budget} s) =====\n")
@@ -147,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("device", "rehearse"), required=True)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS))
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument(
+        "--budgets", default="", help="PART=SECONDS,... replacing parts' budgets"
+    )
     parser.add_argument(
         "--tier-select", default="", help="part tier: only tests matching this -k"
     )
@@ -179,9 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": gpu_facts() if args.mode == "device" else None,
         "parts": [],
     }
+    budgets = {
+        name: float(seconds)
+        for name, seconds in (s.split("=") for s in args.budgets.split(",") if s)
+    }
     for name in parts:
         extra = ["--select", args.tier_select] if name == "tier" else []
-        summary["parts"].append(run_part(name, python, env, out, args.mode, extra))
+        summary["parts"].append(
+            run_part(name, python, env, out, args.mode, extra, budgets.get(name))
+        )
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(json.dumps(summary["parts"][-1]), flush=True)
     summary["seconds"] = round(time.monotonic() - start, 1)

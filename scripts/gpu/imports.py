@@ -56,6 +56,16 @@ MODULES = (
     "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner",
     "vllm.model_executor.models.qwen3_next",
+    # the served engines (part serve and flagship)
+    "vllm.entrypoints.openai.api_server",
+    "vllm.benchmarks.serve",
+    "vllm.v1.worker.gpu.model_runner",
+    "vllm.model_executor.layers.fused_moe.fused_moe",
+    "vllm_hybrid.tools.shaped_models",
+    "vllm_hybrid.cli",
+    "benchmarks.harness",
+    "benchmarks.serve.run",
+    "serve",
 )
 
 

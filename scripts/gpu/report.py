@@ -213,6 +213,36 @@ def engines_section(engines: dict | None) -> list[str]:
     return lines
 
 
+def served_section(name: str, part: dict | None) -> list[str]:
+    """Parts ``serve`` and ``flagship``: each engine's outcome, where its
+    start-up went, and the checks or ratios."""
+    if part is None:
+        return [f"Served engines ({name}): no result."]
+    rows = []
+    for engine in part["engines"].values():
+        stages = ", ".join(
+            f"{k} {v:g} s" for k, v in engine.get("stages_s", {}).items()
+        )
+        if "skipped" in engine:
+            outcome = f"skipped ({engine['skipped']})"
+        elif engine["ok"]:
+            outcome = f"served, ready in {engine['ready_s']:g} s"
+        else:
+            outcome = (
+                f"stopped {engine['stopped_in']}: {engine['cause'].split('] ', 1)[-1]}"
+            )
+        rows.append([engine["engine"], outcome, stages or "-"])
+    lines = [f"Served engines ({name}, {part['model']}):", ""]
+    lines += table(["engine", "outcome", "start-up stages reached"], rows)
+    for check, value in (part.get("checks") or {}).items():
+        lines.append(
+            f"- {check}: {value if isinstance(value, str) else '; '.join(value)}"
+        )
+    if part.get("ratios"):
+        lines.append(f"- pooled / upstream: {json.dumps(part['ratios'])}")
+    return lines
+
+
 def problems(folder: Path) -> list[str]:
     summary = load(folder, "summary")
     found = [f"part {p['part']} exit {p['rc']}" for p in summary["parts"] if p["rc"]]
@@ -225,13 +255,18 @@ def problems(folder: Path) -> list[str]:
 
 def render(folder: Path) -> str:
     summary = load(folder, "summary")
-    sections = [
-        run_section(summary, load(folder, "imports")),
-        tier_section(load(folder, "tier")),
-        timings_section(load(folder, "timings")),
-        copies_section(load(folder, "copies")),
-        engines_section(load(folder, "engines")),
-    ]
+    ran = {p["part"] for p in summary["parts"]}
+    sections = [run_section(summary, load(folder, "imports"))]
+    parts = {
+        "tier": lambda: tier_section(load(folder, "tier")),
+        "timings": lambda: timings_section(load(folder, "timings")),
+        "copies": lambda: copies_section(load(folder, "copies")),
+        "engines": lambda: engines_section(load(folder, "engines")),
+        "serve": lambda: served_section("serve", load(folder, "serve")),
+        "flagship": lambda: served_section("flagship", load(folder, "flagship")),
+    }
+    # only the parts this run ran (a rerun runs some of them)
+    sections += [render_part() for name, render_part in parts.items() if name in ran]
     return "\n\n".join("\n".join(s) for s in sections) + "\n"
 
 

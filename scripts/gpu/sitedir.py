@@ -114,9 +114,13 @@ def _unavailable(name):
 
 
 _LIBRARY = torch.library.Library("_C", "FRAGMENT")
+from vllm import _standin_ops  # noqa: E402
+
 for _name in DECLARED:
     _LIBRARY.define(f"{{_name}}(Tensor(a!) out, Tensor input) -> ()")
-    _LIBRARY.impl(_name, _unavailable(_name), "CompositeExplicitAutograd")
+    if _name not in _standin_ops.ACTIVATIONS:
+        _LIBRARY.impl(_name, _unavailable(_name), "CompositeExplicitAutograd")
+IMPLEMENTED = _standin_ops.register(_LIBRARY)
 
 
 def _unsupported(cuda_device_capability):
@@ -186,16 +190,72 @@ def link_vllm_tree(source: Path, site: Path) -> Path:
     for folder in ("", *sorted(real)):
         dest = package / folder.replace(".", "/")
         dest.mkdir(parents=True, exist_ok=True)
-        for entry in (source / folder.replace(".", "/")).iterdir():
-            nested = f"{folder}.{entry.name}".lstrip(".")
-            skip = entry.suffix == ".so" or entry.name == "__pycache__"
-            if not skip and nested not in real:
-                (dest / entry.name).symlink_to(entry)
+        link_entries(
+            source / folder.replace(".", "/"),
+            dest,
+            skip=lambda entry, folder=folder: (
+                entry.suffix == ".so" or f"{folder}.{entry.name}".lstrip(".") in real
+            ),
+        )
     return package
 
 
+def link_entries(source: Path, dest: Path, skip=lambda entry: False) -> None:
+    """Link every entry of ``source`` into the folder ``dest``, caches and
+    what ``skip`` names left out."""
+    for entry in source.iterdir():
+        if entry.name != "__pycache__" and not skip(entry):
+            (dest / entry.name).symlink_to(entry)
+
+
+#: Edits to the run's copy of vLLM's tree: (file, line as shipped, line in
+#: the run, why). Each shipped line must occur exactly once.
+RUN_EDITS = (
+    (
+        "v1/attention/backends/turboquant_attn.py",
+        "_HAS_FLASH_ATTN = is_flash_attn_varlen_func_available()",
+        "_HAS_FLASH_ATTN = False  # stand-in run: no compiled flash attention",
+        # on CUDA the TurboQuant backend takes flash attention for prefills as
+        # given; without its compiled extension the backend's own PyTorch
+        # path (scaled_dot_product_attention per request) runs instead
+        "TurboQuant prefill without vLLM's compiled flash attention",
+    ),
+)
+
+
+def _own_file(package: Path, relative: str) -> Path:
+    """``package / relative`` with every folder on the way a real folder of
+    the run's tree: in a linked tree (:func:`link_vllm_tree`) a linked folder
+    becomes a folder of links, so an edit never writes into the source."""
+    folder = package
+    for part in Path(relative).parent.parts:
+        folder = folder / part
+        if folder.is_symlink():
+            source = folder.resolve()
+            folder.unlink()
+            folder.mkdir()
+            link_entries(source, folder)
+    return folder / Path(relative).name
+
+
+def apply_edits(package: Path) -> list[str]:
+    """:data:`RUN_EDITS` on the run's tree; returns what each edit is for."""
+    done = []
+    for relative, shipped, replacement, why in RUN_EDITS:
+        path = _own_file(package, relative)
+        text = path.read_text()
+        if text.count(shipped) != 1:
+            raise RuntimeError(f"{relative}: expected one line {shipped!r}")
+        path.unlink()
+        path.write_text(text.replace(shipped, replacement))
+        done.append(f"{relative}: {why}")
+    return done
+
+
 def write_standins(package: Path) -> list[str]:
-    """The stand-in modules, next to vLLM's own in the run's tree."""
+    """The stand-in modules, next to vLLM's own in the run's tree, and the
+    PyTorch forms of the compiled ops they implement (``standin_ops``)."""
+    shutil.copyfile(HERE / "standin_ops.py", package / "_standin_ops.py")
     for name in STANDIN_MODULES:
         more, body = "", ""
         if name == DECLARING_MODULE:

@@ -177,14 +177,49 @@ def test_stand_in_declares_the_ops_layers_look_up_and_each_raises(rehearsal):
         "print(sum(hasattr(torch.ops._C, n) for n in s.DECLARED))\n"
         "print(sorted({getattr(torch.ops._C, n)(90) for n in s.QUERIES}))\n"
         "print(hasattr(torch.ops._C, 'rms_norm'))\n"
-        "torch.ops._C.silu_and_mul(torch.empty(2), torch.empty(4))\n"
+        "print(','.join(s.IMPLEMENTED))\n"
+        "x = torch.tensor([[0.0, 1.0, 2.0, 3.0]]); out = torch.empty(1, 2)\n"
+        "torch.ops._C.silu_and_mul(out, x); print(out.tolist())\n"
+        "torch.ops._C.gelu_fast(torch.empty(2), torch.empty(4))\n"
     )
     proc = run(python, env, "-c", script)
-    declared, answers, other = proc.stdout.split()
+    declared, answers, other, implemented, silu = proc.stdout.split("\n")[:5]
     assert int(declared) == len(sitedir.DECLARED_OPS) == 14
     # CUTLASS support queries (asked at import on CUDA) all answer no
     assert len(sitedir.SUPPORT_QUERIES) == 5
     assert answers == "[False]"
     # everything else stays undeclared, so vLLM's hasattr checks see no op
     assert other == "False"
-    assert "NotImplementedError: _C::silu_and_mul is a stand-in" in proc.stderr
+    # the ops a served MoE model calls run their PyTorch forms (standin_ops):
+    # silu(0) * 2 = 0, silu(1) * 3 = 2.193...
+    assert implemented.split(",") == [
+        "_C::silu_and_mul",
+        "_C::mul_and_silu",
+        "_C::gelu_and_mul",
+        "_C::gelu_tanh_and_mul",
+        "_C::get_cuda_view_from_cpu_tensor",
+        "_moe_C::topk_softmax",
+        "_moe_C::moe_align_block_size",
+        "_moe_C::moe_sum",
+    ]
+    assert silu.startswith("[[0.0, 2.19317")
+    # the others still raise, naming themselves
+    assert "NotImplementedError: _C::gelu_fast is a stand-in" in proc.stderr
+
+
+def test_run_edits_change_the_runs_tree_and_never_the_source(rehearsal):
+    _, _, _, package = rehearsal
+    relative = sitedir.RUN_EDITS[0][0]
+    source = PURELIB / "vllm" / relative
+    before = source.read_text()
+    assert sitedir.apply_edits(package) == [
+        "v1/attention/backends/turboquant_attn.py: TurboQuant prefill without "
+        "vLLM's compiled flash attention"
+    ]
+    edited = (package / relative).read_text()
+    assert "_HAS_FLASH_ATTN = False" in edited
+    assert not (package / relative).is_symlink()
+    assert source.read_text() == before
+    # a second application finds no shipped line left and says so
+    with pytest.raises(RuntimeError, match="expected one line"):
+        sitedir.apply_edits(package)
