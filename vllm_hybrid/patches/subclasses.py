@@ -116,7 +116,7 @@ SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
         base="vllm.v1.core.sched.scheduler:Scheduler",
         subclass="vllm_hybrid.v1.core.sched.scheduler:PooledScheduler",
-        overrides=("make_stats", "_mamba_block_aligned_split"),
+        overrides=("make_stats", "_mamba_block_aligned_split", "schedule"),
         why=(
             "Align mode ends prefill chunks on cache_config.block_size edges, "
             "which upstream makes the state block; pooled mode keeps attention "
@@ -142,7 +142,7 @@ SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
         base="vllm.v1.core.sched.async_scheduler:AsyncScheduler",
         subclass="vllm_hybrid.v1.core.sched.async_scheduler:PooledAsyncScheduler",
-        overrides=("make_stats", "_mamba_block_aligned_split"),
+        overrides=("make_stats", "_mamba_block_aligned_split", "schedule"),
         why="As PooledScheduler, for engines with async scheduling.",
         how="The same mixin as PooledScheduler.",
         upstream_status="none",

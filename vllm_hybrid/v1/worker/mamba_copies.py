@@ -18,9 +18,12 @@ and the same block in both columns of every state group.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.patches.registry import upstream_of
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 def is_self_copy(
@@ -39,7 +42,7 @@ def is_self_copy(
 
 def collect_mamba_copy_meta(
     copy_bufs: Any,
-    kv_cache_config: Any,
+    kv_cache_config: KVCacheConfig,
     mamba_state_copy_funcs: Any,
     mamba_group_ids: Any,
     src_block_idx: int,
