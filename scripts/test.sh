@@ -11,6 +11,13 @@ bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 ruff check .
 ruff format --check .
+# vLLM's tests are fetched before the suite, so that
+# tests/test_upstream_selection.py can check the registry's selection of them
+# against a fresh scan (it skips when they are missing; a failed fetch is
+# reported by the step at the end).
+if [ "${UPSTREAM_TESTS:-1}" != 0 ]; then
+  bash scripts/upstream_tests.sh fetch || true
+fi
 # Two pytest-xdist workers (at most four on larger hosts), one test module
 # per worker at a time so that module-scoped engines are shared; tests/
 # conftest.py gives each worker's engines a core of their own. "-n 0" in
@@ -25,9 +32,10 @@ if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests (exit 5): nothing to run is not a failure here" >&2
   rc=0
 fi
-# vLLM's own tests/v1/core, overlay on and off, same outcomes apart from the
-# deviations in docs/upstream-tests.md (about 1 min). Skipped when the
-# arguments select tests (-k, -m, --deselect, a path) or UPSTREAM_TESTS=0.
+# vLLM's own tests/v1/core and the tests the patch registry selects, overlay
+# on and off, same outcomes apart from the deviations in
+# docs/upstream-tests.md (about 1.5 min). Skipped when the arguments select
+# tests (-k, -m, --deselect, a path) or UPSTREAM_TESTS=0.
 selects_tests() {
   local a
   for a in "$@"; do

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Run vLLM's own tests/v1/core with the overlay on and again off
-# (VLLM_HYBRID_KV=0) and fail if any test's outcome differs, apart from the
+# Run vLLM's own tests/v1/core, and the tests of vLLM that touch a symbol the
+# patch registry replaces (tests_upstream/selection.json, less the "Not run"
+# rows of docs/upstream-tests.md), with the overlay on and again off
+# (VLLM_HYBRID_KV=0), and fail if any test's outcome differs, apart from the
 # deviations listed in docs/upstream-tests.md.
 #
 #   bash scripts/upstream_tests.sh [PYTEST_ARGS]  fetch (if needed), run both modes, compare
@@ -51,7 +53,8 @@ fetch() {
   rm -rf "$tmp"
 }
 
-# run_mode on|off: vLLM's tests/v1/core in one pytest process.
+# run_mode on|off: vLLM's tests/v1/core and the selection in one pytest
+# process (one import of vLLM; the selection runs after tests/v1/core).
 run_mode() {
   local mode=$1 switch rc start
   if [ "$mode" = on ]; then switch=(env -u VLLM_HYBRID_KV); else switch=(env VLLM_HYBRID_KV=0); fi
@@ -59,7 +62,8 @@ run_mode() {
   set +e
   (cd "$SRC" && "${switch[@]}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
     PYTHONPATH="$ROOT/tests_upstream:$DEPS${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout --foreground -k 30 "$RUN_TIMEOUT" "$PY" -m pytest tests/v1/core -q -p no:cacheprovider \
+    timeout --foreground -k 30 "$RUN_TIMEOUT" "$PY" -m pytest tests/v1/core "${SELECTED[@]}" \
+    -q -p no:cacheprovider \
     -p upstream_overlay --overlay="$mode" --outcomes-json="$RESULTS/$mode.json" \
     "${PYTEST_ARGS[@]}" >"$RESULTS/$mode.log" 2>&1)
   rc=$?
@@ -80,6 +84,12 @@ run_mode() {
 fetch
 [ "${1:-}" = fetch ] && exit 0
 PYTEST_ARGS=("$@")
+# The registry's selection outside tests/v1/core; fails on a "Not run" row
+# that matches no selected test. (tests/test_upstream_selection.py checks
+# the selection against the registry and a fresh scan of the fetched tests.)
+SELECTED=()
+SELECTED_LIST=$("$PY" "$ROOT/tests_upstream/select_tests.py" run-list "$ROOT/docs/upstream-tests.md")
+[ -z "$SELECTED_LIST" ] || mapfile -t SELECTED <<<"$SELECTED_LIST"
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 # Both modes run side by side, and both to the end even when one fails, so

@@ -1,5 +1,8 @@
 """Compare the per-test outcomes of vLLM's tests with the overlay on and off.
 
+The tests are vLLM's ``tests/v1/core`` and the tests the patch registry
+selects (``select_tests.py``), run in one pytest process per mode.
+
 Reads the two records ``upstream_overlay`` writes (``--outcomes-json``) and
 the deviations table of ``docs/upstream-tests.md``, prints the counts of both
 runs and every test whose outcome differs, and exits non-zero when
@@ -59,13 +62,23 @@ def parse_deviations(text: str) -> list[Deviation]:
     return rows
 
 
-def counts(record: dict) -> dict[str, int]:
-    tests = record["tests"]
+#: The parts of a run counted apart: vLLM's tests/v1/core, which runs whole,
+#: and the tests selected by the patch registry (tests_upstream/select_tests.py).
+PARTS = (
+    ("tests/v1/core", lambda nodeid: nodeid.startswith("tests/v1/core/")),
+    ("registry selection", lambda nodeid: not nodeid.startswith("tests/v1/core/")),
+)
+
+
+def counts(record: dict, part=None) -> dict[str, int]:
+    """Outcome counts of a run, or of the tests of one of :data:`PARTS`."""
+    tests = {k: v for k, v in record["tests"].items() if part is None or part(k)}
     c = Counter(t["outcome"] for t in tests.values())
     out = {"collected": len(tests)}
     out.update({o: c.get(o, 0) for o in OUTCOMES})
     out["needing hub models"] = sum(t["needs_hub"] for t in tests.values())
-    out["collection errors"] = len(record.get("collection_errors", {}))
+    if part is None:
+        out["collection errors"] = len(record.get("collection_errors", {}))
     return out
 
 
@@ -104,7 +117,14 @@ def compare(on: dict, off: dict, deviations: list[Deviation]) -> tuple[str, bool
     rows = [("", "overlay on", "overlay off")]
     rows += [(k, str(c_on[k]), str(c_off[k])) for k in c_on]
     rows.append(("duration (s)", str(on["duration_s"]), str(off["duration_s"])))
-    lines += ["Outcomes of vLLM's tests/v1/core:", _table(rows), ""]
+    lines += ["Outcomes of vLLM's tests:", _table(rows), ""]
+    for name, part in PARTS:
+        p_on, p_off = counts(on, part), counts(off, part)
+        rows = [(f"  {name}", "on", "off")]
+        rows += [
+            (f"  {k}", str(p_on[k]), str(p_off[k])) for k in p_on if p_on[k] or p_off[k]
+        ]
+        lines += [_table(rows), ""]
 
     restored = on.get("overlay_restored_after", {})
     if restored:

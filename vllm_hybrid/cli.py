@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int | None:
     apply_all(CLI_PATCHES)
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    from vllm_hybrid.config.engine_args import OverlayConfigError
+    from vllm_hybrid.v1.engine.engine_args import OverlayConfigError
 
     sys.argv = ["vllm-hybrid", *args]
     try:

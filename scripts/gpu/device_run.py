@@ -135,10 +135,19 @@ def part_env(mode: str, site: Path, work: Path) -> dict[str, str]:
 
 
 def run_part(
-    name: str, python: str, env: dict, out: Path, mode: str, extra: list[str]
+    name: str,
+    python: str,
+    env: dict,
+    out: Path,
+    mode: str,
+    extra: list[str],
+    budget: float | None = None,
 ) -> dict:
+    """One part in its own process group; ``budget`` replaces the part's
+    own budget for ``mode`` when given (``--budgets``)."""
     script, device_budget, rehearsal_budget, fixed = PARTS[name]
-    budget = device_budget if mode == "device" else rehearsal_budget
+    if budget is None:
+        budget = device_budget if mode == "device" else rehearsal_budget
     command = [python, str(sitedir.HERE / script), "--out", str(out / f"{name}.json")]
     command += ["--budget", str(budget), *fixed, *extra]
     start = time.monotonic()
@@ -217,13 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": gpu_facts() if args.mode == "device" else None,
         "parts": [],
     }
-    for spec in filter(None, args.budgets.split(",")):
-        name, seconds = spec.split("=")
-        script, device_budget, rehearsal_budget, fixed = PARTS[name]
-        PARTS[name] = (script, float(seconds), float(seconds), fixed)
+    budgets = {
+        name: float(seconds)
+        for name, seconds in (s.split("=") for s in args.budgets.split(",") if s)
+    }
     for name in parts:
         extra = ["--select", args.tier_select] if name == "tier" else []
-        summary["parts"].append(run_part(name, python, env, out, args.mode, extra))
+        summary["parts"].append(
+            run_part(name, python, env, out, args.mode, extra, budgets.get(name))
+        )
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(json.dumps(summary["parts"][-1]), flush=True)
     summary["seconds"] = round(time.monotonic() - start, 1)

@@ -35,7 +35,6 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from benchmarks.harness import (  # noqa: E402
     scrape,
     serve,
 )
+from vllm_hybrid.tools.verify import MODES  # noqa: E402
 
 #: Start-up stages, each reached at the first log line holding its marker.
 STAGES = (
@@ -64,17 +64,13 @@ STAGES = (
 )
 #: vLLM's log time stamp: ``INFO 11-27 12:18:31 [file.py:12] ...``.
 STAMP = re.compile(r"(?:INFO|WARNING|ERROR|DEBUG) (\d\d-\d\d \d\d:\d\d:\d\d)")
-#: Mode -> (VLLM_HYBRID_KV, extra server arguments).
-MODES = {
-    "pooled": ("1", []),
-    "single_pool": ("1", ['--additional-config={"hybrid_kv": {"pooled": false}}']),
-    "upstream": ("0", []),
-}
 NATIVE_IR_OPS = '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}'
 #: Tiny chat: the system prompt the two turns share, and the turns.
 SYSTEM = " ".join(["You answer questions about memory pools in short sentences."] * 24)
 QUESTIONS = ("What does an arena hold?", "And what moves its boundary?")
 CHAT_TOKENS = 16
+#: Seconds below which an engine is not started (it could not get ready).
+MIN_SHARE = 30
 FLAGSHIP_PRESET = "qwen3.5-35b-a3b"
 FLAGSHIP_LAYERS = 8
 #: The flagship's load: 4 shared 1,536-token prefixes (a system prompt and
@@ -161,6 +157,10 @@ def run_engine(
         report["cause"] = read_log(text).cause[:400]
         report["tail"] = text.splitlines()[-25:]
     report["seconds"] = round(time.monotonic() - start, 1)
+    # each engine's report beside its log as soon as it ends: a part stopped
+    # at its budget still leaves the engines it finished (the device call
+    # brings the log folder back)
+    write_json(log_dir / f"{name}.json", report)
     print(
         json.dumps(
             {
@@ -179,6 +179,15 @@ def runner(log_text: str) -> str:
         if "using the V1 model runner" in line:
             return "V1: " + line.split("] ", 1)[-1][:200]
     return "V2 (vLLM's CUDA default)" if on_cuda() else "V1 (CPU)"
+
+
+def mode_args(mode: str) -> list[str]:
+    """The server options of ``mode``: ``vllm-hybrid verify``'s engine
+    arguments for it (the single pool's ``additional_config``), as flags."""
+    return [
+        f"--{key.replace('_', '-')}={json.dumps(value)}"
+        for key, value in MODES[mode][1].items()
+    ]
 
 
 def mode_env(mode: str) -> dict[str, str]:
@@ -291,16 +300,17 @@ def part_serve(budget: float, work: Path, log_dir: Path) -> dict:
         # the first engine compiles and tunes the Triton kernels the others
         # find in the shared cache: it gets the larger share
         share = min(max(left * 0.45, left - 120), 170) if i == 0 else left / (3 - i)
-        if share < 30:
-            engines[mode] = {
-                "engine": mode,
-                "ok": False,
-                "skipped": f"{left:.0f} s left",
-            }
+        if share < MIN_SHARE:
+            engines[mode] = {"engine": mode, "ok": False, "skipped": f"{left:.0f} s"}
             continue
-        extra, env = MODES[mode][1], mode_env(mode)
         engines[mode] = run_engine(
-            mode, model, tiny_args(cuda) + extra, env, share, log_dir, chat_turns
+            mode,
+            model,
+            tiny_args(cuda) + mode_args(mode),
+            mode_env(mode),
+            share,
+            log_dir,
+            chat_turns,
         )
     report = {
         "model": "tiny qwen3_5",
@@ -354,7 +364,7 @@ def flagship_bench(requests: int, rate: float):
 
     def work(handle) -> dict:
         with open(os.devnull, "w") as out:
-            bench(warmup(replace(cfg)), handle.url, handle.model, math.inf, out)
+            bench(warmup(cfg), handle.url, handle.model, math.inf, out)
             run = bench(cfg, handle.url, handle.model, rate, out)
         return {"rate": run.rate, "values": run.values, "errors": run.errors}
 
@@ -398,12 +408,8 @@ def part_flagship(
     for i, mode in enumerate(("pooled", "upstream")):
         left = budget - (time.monotonic() - start) - 10
         share = left * 0.6 if i == 0 else left
-        if share < 30:
-            engines[mode] = {
-                "engine": mode,
-                "ok": False,
-                "skipped": f"{left:.0f} s left",
-            }
+        if share < MIN_SHARE:
+            engines[mode] = {"engine": mode, "ok": False, "skipped": f"{left:.0f} s"}
             continue
         env = mode_env(mode)
         engines[mode] = run_engine(

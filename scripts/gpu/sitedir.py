@@ -190,12 +190,22 @@ def link_vllm_tree(source: Path, site: Path) -> Path:
     for folder in ("", *sorted(real)):
         dest = package / folder.replace(".", "/")
         dest.mkdir(parents=True, exist_ok=True)
-        for entry in (source / folder.replace(".", "/")).iterdir():
-            nested = f"{folder}.{entry.name}".lstrip(".")
-            skip = entry.suffix == ".so" or entry.name == "__pycache__"
-            if not skip and nested not in real:
-                (dest / entry.name).symlink_to(entry)
+        link_entries(
+            source / folder.replace(".", "/"),
+            dest,
+            skip=lambda entry, folder=folder: (
+                entry.suffix == ".so" or f"{folder}.{entry.name}".lstrip(".") in real
+            ),
+        )
     return package
+
+
+def link_entries(source: Path, dest: Path, skip=lambda entry: False) -> None:
+    """Link every entry of ``source`` into the folder ``dest``, caches and
+    what ``skip`` names left out."""
+    for entry in source.iterdir():
+        if entry.name != "__pycache__" and not skip(entry):
+            (dest / entry.name).symlink_to(entry)
 
 
 #: Edits to the run's copy of vLLM's tree: (file, line as shipped, line in
@@ -224,9 +234,7 @@ def _own_file(package: Path, relative: str) -> Path:
             source = folder.resolve()
             folder.unlink()
             folder.mkdir()
-            for entry in source.iterdir():
-                if entry.name != "__pycache__":
-                    (folder / entry.name).symlink_to(entry)
+            link_entries(source, folder)
     return folder / Path(relative).name
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -212,10 +213,15 @@ def test_tables_show_runs_ratios_and_servers_that_did_not_run():
 def test_quick_run_of_both_modes(tmp_path):
     """``--quick`` on ``qwen3_5`` with bf16 in both modes: every request
     completes with all its tokens, the servers' counters and peaks are
-    there, the JSON has the pooled/upstream ratio rows."""
+    there, the JSON has the pooled/upstream ratio rows.
+
+    The KV budget is raised to 256 MiB so that all ten requests of a rate fit
+    at once with room to spare: no preemption can then happen, and a
+    preemption count other than 0 is a scheduling or counting bug."""
     out = tmp_path / "serve.json"
     cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "serve"), "--quick"]
     cmd += ["--models", "qwen3_5", "--dtypes", "auto", "--json", str(out)]
+    cmd += ["--kv-cache-mib", "256"]
     cmd += ["--log-dir", str(tmp_path / "logs")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -223,9 +229,16 @@ def test_quick_run_of_both_modes(tmp_path):
     assert doc["ok"] is True
     servers = {(s["mode"], s["dtype"]): s for s in doc["servers"]}
     assert set(servers) == {("pooled", "auto"), ("upstream", "auto")}
+    # the longest request of --quick: the 576-token prefix, 144 * 1.75 tokens
+    # of its own and 24 * 1.34 output tokens (vLLM rounds both up)
+    longest = 576 + 252 + 33
     for s in servers.values():
         assert s["status"] == "ok", s["reason"]
         assert s["clean_shutdown"] is True
+        # "KV cache size: N tokens": twice the ten longest requests, so their
+        # state blocks fit beside them too
+        capacity = re.search(r"KV cache size: ([\d,]+) tokens", s["capacity"])
+        assert int(capacity.group(1).replace(",", "")) >= 2 * 10 * longest
         assert [r["rate"] for r in s["runs"]] == ["4", "inf"]
         for r in s["runs"]:
             v = r["values"]
@@ -235,7 +248,7 @@ def test_quick_run_of_both_modes(tmp_path):
             assert 0 < v["p50_tpot_ms"] <= v["p99_tpot_ms"]
             # every prompt after the first of a rate starts with its prefix
             assert 0 < v["prefix_hit_rate"] < 1
-            assert v["peak_running"] >= 1 and v["preemptions"] >= 0
+            assert 1 <= v["peak_running"] <= 10 and v["preemptions"] == 0
         pooled = s["mode"] == "pooled"
         assert ("peak_state_used_bytes" in s["runs"][0]["values"]) is pooled
     ratios = {(r["comparison"], r["rate"]) for r in doc["ratios"]}

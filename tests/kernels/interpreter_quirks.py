@@ -61,6 +61,21 @@ def apply() -> None:
     _patch_builtin_aliases()
     _accept_integer_masks()
     _compute_bf16_in_float32()
+    _no_rocm_probe()
+
+
+def _no_rocm_probe() -> None:
+    """Answer upstream's FlyDSL question (a ROCm gfx950 kernel) with no.
+
+    TurboQuant's attention constructor asks it by importing
+    ``vllm.platforms.rocm``, which imports ``vllm._C``; where vLLM's CPU wheel
+    has already loaded its AVX-512 build (``_C_AVX512``), that second library
+    registers the same ops again and the process aborts. No run here has
+    ROCm, so the answer is known.
+    """
+    from vllm.v1.attention.ops import flydsl_turboquant_decode
+
+    flydsl_turboquant_decode._FLYDSL_AVAILABLE = False
 
 
 def _block_volume(config) -> int:

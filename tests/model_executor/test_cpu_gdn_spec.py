@@ -75,3 +75,61 @@ def test_batch_of_requests_each_in_its_own_slot():
         want = F.conv1d(seq, weight.unsqueeze(1), None, groups=DIM)[0].T
         assert torch.allclose(out[rows], want, atol=1e-6)
     assert torch.equal(buf[1], before[1])
+
+
+@pytest.mark.parametrize(
+    ("state_len", "lengths", "to_upstream"),
+    [
+        # no room for the conv history: a stand-in buffer, upstream's answer
+        (0, [4, 4], True),
+        (WIDTH - 2, [1, 3], True),
+        # a full set of drafts (1 + NUM_SPEC tokens) each: upstream's layout
+        (STATE_LEN, [4, 4], True),
+        # fewer drafts: the overlay lays the buffer out itself
+        (STATE_LEN, [2, 4], False),
+    ],
+)
+def test_which_batches_go_to_upstreams_function(
+    monkeypatch, state_len, lengths, to_upstream
+):
+    from types import SimpleNamespace
+
+    from vllm_hybrid.model_executor.layers.mamba.ops.cpu import gdn_spec
+
+    calls = []
+
+    def upstream(*args):
+        calls.append(args)
+        return "upstream's output"
+
+    monkeypatch.setattr(gdn_spec, "upstream_of", lambda module, name: upstream)
+    monkeypatch.setattr(gdn_spec, "spec_conv_", lambda *a: calls.append("own") or x)
+    monkeypatch.setattr(gdn_spec, "_gdn_module", lambda: fake_gdn)
+    fake_gdn = SimpleNamespace(
+        _unpacked_conv_weight=lambda layer: None,
+        ops=SimpleNamespace(
+            fused_sigmoid_gating_delta_rule_update_spec_cpu=lambda **kw: "own output"
+        ),
+    )
+    layer = SimpleNamespace(
+        conv1d=SimpleNamespace(bias=None),
+        A_log=None,
+        dt_bias=None,
+        activation="silu",
+        rearrange_mixed_qkv=lambda x: (x.unsqueeze(0),) * 3,
+    )
+    x = torch.zeros(sum(lengths), 1)
+    metadata = SimpleNamespace(
+        num_spec_decodes=2,
+        spec_query_start_loc=torch.tensor([0, lengths[0], sum(lengths)]),
+        spec_state_indices_tensor=torch.tensor([[0, 1], [4, 5]]),
+        num_accepted_tokens=torch.tensor([1, 4]),
+    )
+    args = (layer, metadata, x, None, None, None, None, WIDTH, state_len)
+    out = gdn_spec.spec_forward(*args)
+    if to_upstream:
+        assert out == "upstream's output"
+        assert calls == [args]
+    else:
+        assert out == "own output"
+        assert calls == ["own"]

@@ -63,3 +63,10 @@ def test_upstream_takes_the_v1_runner_only_when_asked(monkeypatch):
     monkeypatch.setenv("GPU_RUN_UPSTREAM_V1", "1")
     assert serve.mode_env("upstream")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in serve.mode_env("pooled")
+
+
+def test_modes_are_verifys_as_server_flags():
+    assert serve.mode_args("pooled") == serve.mode_args("upstream") == []
+    assert serve.mode_args("single_pool") == [
+        '--additional-config={"hybrid_kv": {"pooled": false}}'
+    ]

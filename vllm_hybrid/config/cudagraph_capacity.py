@@ -63,8 +63,11 @@ class FullGraphStates:
     state_blocks: int
     #: State blocks one running request holds at least.
     blocks_per_request: int
-    state_block_bytes: int
-    arena_bytes: int
+    #: Bytes of a state block and of the whole KV cache; None where the
+    #: caller's KV cache config carries no tensors to measure (messages then
+    #: leave the byte figures out).
+    state_block_bytes: int | None
+    arena_bytes: int | None
     #: What holds the states: "arena" (pooled) or "shared pool".
     holder: str = "arena"
 
@@ -83,17 +86,34 @@ class FullGraphStates:
         return None if self.fits else self.max_states
 
     @property
-    def needed_arena_bytes(self) -> int:
-        """KV cache that holds ``graph_rows`` requests' states.
+    def _sized(self) -> bool:
+        return self.arena_bytes is not None and self.state_block_bytes is not None
+
+    def _bytes_for(self, requests: int) -> int | None:
+        """KV cache that holds ``requests`` requests' states (None: sizes
+        unknown).
 
         Exact for the arena: whole state blocks added to it add as many ids
         to the state pool and leave the null region and the token pool's
         minimum (hence the lowest state floor) where they are.
         """
-        missing = self.graph_rows * self.blocks_per_request - self.state_blocks
+        if not self._sized:
+            return None
+        missing = requests * self.blocks_per_request - self.state_blocks
         return self.arena_bytes + max(0, missing) * self.state_block_bytes
 
+    @property
+    def needed_arena_bytes(self) -> int | None:
+        """KV cache that holds ``graph_rows`` requests' states."""
+        return self._bytes_for(self.graph_rows)
+
     def _where(self) -> str:
+        if not self._sized:
+            return (
+                f"the KV cache {self.holder} holds at most {self.max_states} "
+                f"requests' states at once ({self.state_blocks} state blocks, "
+                f"{self.blocks_per_request} per running request)"
+            )
         return (
             f"the KV cache {self.holder} of {self.arena_bytes / GiB:.2f} GiB holds "
             f"at most {self.max_states} requests' states at once "
@@ -102,9 +122,21 @@ class FullGraphStates:
             f"per running request)"
         )
 
+    @staticmethod
+    def _memory_option(needed: int | None) -> str:
+        if needed is None:
+            return (
+                "a larger KV cache (--kv-cache-memory-bytes or "
+                "--gpu-memory-utilization)"
+            )
+        return (
+            f"--kv-cache-memory-bytes {needed} ({needed / GiB:.2f} GiB, or "
+            f"--gpu-memory-utilization to match)"
+        )
+
     def cap_message(self, piecewise: bool) -> str:
         """The one line an engine logs when its full graphs are capped."""
-        cap, needed = self.max_states, self.needed_arena_bytes
+        cap = self.max_states
         rest = (
             "run the piecewise graphs (captured as before)"
             if piecewise
@@ -115,22 +147,23 @@ class FullGraphStates:
             f"{self.graph_rows}: capture size {self.graph_tokens}, max_num_seqs "
             f"{self.max_num_seqs}), because {self._where()}; no more run at "
             f"once, and larger batches {rest}. --max-num-seqs {cap} matches "
-            f"the scheduler to it; --kv-cache-memory-bytes {needed} "
-            f"({needed / GiB:.2f} GiB, or --gpu-memory-utilization to match) "
+            f"the scheduler to it; {self._memory_option(self.needed_arena_bytes)} "
             f"gives all {self.graph_rows} sequences a full graph."
         )
 
     def message(self) -> str:
         """Why a KV cache that holds no request's state cannot start."""
-        needed = self.arena_bytes + (
-            self.blocks_per_request * self.state_block_bytes
-            - self.state_blocks * self.state_block_bytes
+        needed = self._bytes_for(1)
+        raise_it = (
+            "Give the KV cache more memory (--kv-cache-memory-bytes or "
+            "--gpu-memory-utilization)"
+            if needed is None
+            else f"Raise --kv-cache-memory-bytes to at least {needed} "
+            f"({needed / GiB:.2f} GiB; or --gpu-memory-utilization to match)"
         )
         return (
             f"vllm-hybrid: full CUDA graphs need at least one request's "
-            f"recurrent state, but {self._where()}. Raise "
-            f"--kv-cache-memory-bytes to at least {needed} ({needed / GiB:.2f} "
-            f"GiB; or --gpu-memory-utilization to match), or run without "
+            f"recurrent state, but {self._where()}. {raise_it}, or run without "
             f"CUDA graphs (--enforce-eager)."
         )
 
@@ -190,8 +223,14 @@ def single_pool_graph_states(
     query_len: int = 1,
 ) -> FullGraphStates:
     """The largest full graph of ``mode`` against upstream's shared pool:
-    each state layer's view has ``num_blocks`` blocks."""
-    size = {tensor.size for tensor in config.kv_cache_tensors}.pop()
+    each state layer's view has ``num_blocks`` blocks.
+
+    Like upstream's check, this reads only ``num_blocks`` of ``config``; the
+    tensor sizes, when ``config`` has them, only add byte figures to the
+    messages, so a config without them (a test's stand-in, a plugin's
+    profiling call) gets the same cap."""
+    sizes = [t.size for t in getattr(config, "kv_cache_tensors", None) or ()]
+    size = max(sizes) if sizes else None
     tokens, rows = largest_full_graph(mode, capture_sizes, max_num_seqs, query_len)
     return FullGraphStates(
         max_num_seqs=max_num_seqs,
@@ -200,7 +239,7 @@ def single_pool_graph_states(
         decode_query_len=query_len,
         state_blocks=config.num_blocks,
         blocks_per_request=1,
-        state_block_bytes=size // max(1, config.num_blocks),
+        state_block_bytes=None if size is None else size // max(1, config.num_blocks),
         arena_bytes=size,
         holder="shared pool",
     )

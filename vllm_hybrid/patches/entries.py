@@ -214,7 +214,10 @@ PATCHES: list[PatchEntry] = [
         target=(
             "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
         ),
-        replacement="vllm_hybrid.config.vllm:get_v2_model_runner_unsupported_features",
+        replacement=(
+            "vllm_hybrid.v1.engine.model_runner_choice:"
+            "get_v2_model_runner_unsupported_features"
+        ),
         bindings=(),
         why=(
             "Pooled mode's worker side is the V1 model runner, which the CPU "
@@ -367,7 +370,7 @@ PATCHES: list[PatchEntry] = [
     # -- options checked before any engine process starts --------------------
     PatchEntry(
         target="vllm.engine.arg_utils:EngineArgs.create_engine_config",
-        replacement="vllm_hybrid.config.engine_args:create_engine_config",
+        replacement="vllm_hybrid.v1.engine.engine_args:create_engine_config",
         bindings=(),
         why=(
             "The engine reads --additional-config hybrid_kv in the engine core "

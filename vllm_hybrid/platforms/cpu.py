@@ -9,7 +9,7 @@ leaves every other choice to upstream.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.attention.backend import AttentionType
 
@@ -17,6 +17,10 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.ops.tq_dtypes import is_turboquant_dtype
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.attention.backends.cpu_turboquant_attn import BACKEND_NAME
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
 
 logger = init_logger(__name__)
 
@@ -50,7 +54,7 @@ def register_backend() -> None:
         register_backend(BACKEND_NAME, BACKEND_PATH)
 
 
-def takes_turboquant(attn_selector_config: Any) -> bool:
+def takes_turboquant(attn_selector_config: AttentionSelectorConfig) -> bool:
     """Whether a layer with this selector config runs on CPU_TURBOQUANT."""
     cfg = attn_selector_config
     head = cfg.head_size
@@ -68,8 +72,8 @@ def takes_turboquant(attn_selector_config: Any) -> bool:
 
 def _get_attn_backend_cls(
     cls,
-    selected_backend: Any,
-    attn_selector_config: Any,
+    selected_backend: AttentionBackendEnum | None,
+    attn_selector_config: AttentionSelectorConfig,
     num_heads: int | None = None,
 ) -> str:
     requested = getattr(selected_backend, "name", None)

@@ -9,17 +9,23 @@ the user's) block size and state pages keep their exact size.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.worker.pooled_views import check_kernel_blocks
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionBackend
+
 logger = init_logger(__name__)
 
 
-def _align_hybrid_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+def _align_hybrid_block_size(
+    cls, vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
+) -> None:
     decision = pooled_mode_decision(vllm_config)
     if not decision.enabled:
         upstream_of(__name__, "align_hybrid_block_size").__func__(
@@ -70,7 +76,7 @@ def checkpoint_interval(block_size: int, requested: int | None) -> int:
     return requested
 
 
-def early_interval_error(vllm_config: Any) -> str | None:
+def early_interval_error(vllm_config: VllmConfig) -> str | None:
     """The :func:`checkpoint_interval` error for ``vllm_config``, found where
     the engine's configuration is made, or None.
 
@@ -98,7 +104,9 @@ def early_interval_error(vllm_config: Any) -> str | None:
     return None
 
 
-def _align_heterogeneous_kv_block_size(cls, vllm_config: Any, backend_cls: Any) -> None:
+def _align_heterogeneous_kv_block_size(
+    cls, vllm_config: VllmConfig, backend_cls: type[AttentionBackend]
+) -> None:
     """Upstream raises the attention block until a quantized page covers a
     native-dtype skip layer's page and pads the skip pages to it (one pool,
     one page). Pooled mode puts each layer's own page into the token block,

@@ -51,8 +51,8 @@ SHAPE_FIELDS = (
     "mamba_ssm_dtype",
     "full_attention_interval",
 )
-#: What an overridden field may be set to on the command line of a
-#: rehearsal (smaller experts or hidden size on CPU).
+#: Fields a caller may override (a CPU rehearsal's smaller hidden size and
+#: experts, a small card's fewer experts).
 OVERRIDABLE = ("hidden_size", "num_experts", "num_experts_per_tok")
 
 

@@ -31,9 +31,12 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.inproc import engine_core, top2_gaps
+
+if TYPE_CHECKING:
+    from vllm import LLM
 
 #: Top-2 log-probability gap below which two engines may pick different
 #: greedy tokens without either being wrong (bf16 rounding of a near-tie).
@@ -92,7 +95,7 @@ def engine_kwargs(
 # -- one engine (worker process) ------------------------------------------
 
 
-def _greedy(llm: Any) -> dict[str, list]:
+def _greedy(llm: LLM) -> dict[str, list]:
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -107,7 +110,7 @@ def _greedy(llm: Any) -> dict[str, list]:
     return {"tokens": tokens, "gaps": gaps}
 
 
-def _plan_facts(llm: Any) -> dict[str, Any]:
+def _plan_facts(llm: LLM) -> dict[str, Any]:
     from vllm_hybrid.v1.core.pooled.spec import (
         VIEW_ALIGNMENT_BYTES,
         PooledKVCacheConfig,

@@ -1,13 +1,27 @@
 """Turn-end retention's bookkeeping without an engine: which earlier decode
-checkpoint is evicted when a later one is cached (retention.py)."""
+checkpoint is evicted when a later one is cached (retention.py), and which
+configs get the retaining coordinator at all."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 
-from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
+from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm_hybrid.v1.core.retention import (
+    RETAIN_ATTRIBUTE,
+    TurnEndRetentionMixin,
+    has_align_state_groups,
+    mark_turn_end_retention,
+)
 
 BLOCK = 32
 
@@ -175,3 +189,58 @@ def test_a_checkpoint_that_changed_is_not_ranked():
     coord.free("r")
     assert manager.block_pool.free_block_queue.order == [1, 5]
     assert coord.turn_end_counts.ranked_first == 0
+
+
+# -- which configs keep turn ends
+
+
+def _hybrid_config(mode: str, attention: bool = True) -> KVCacheConfig:
+    """32 blocks of 16 tokens: one attention group (unless left out) and one
+    state group in ``mode``."""
+    attn = FullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
+    state = MambaSpec(
+        block_size=16,
+        shapes=((64,),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+    )
+    groups = [KVCacheGroupSpec(["attn"], attn)] if attention else []
+    groups.append(KVCacheGroupSpec(["state"], state))
+    return KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+@pytest.mark.parametrize(
+    ("mode", "attention", "retained", "coordinator"),
+    [
+        ("align", True, True, "TurnEndHybridKVCacheCoordinator"),
+        ("all", True, False, "HybridKVCacheCoordinator"),
+        ("none", True, False, "HybridKVCacheCoordinator"),
+        ("align", False, False, "UnitaryKVCacheCoordinator"),
+    ],
+)
+def test_only_align_mode_state_groups_beside_attention_keep_turn_ends(
+    mode, attention, retained, coordinator
+):
+    """Only a state group in align mode leaves decode checkpoints behind:
+    a state kept at every edge (``all``), none kept (``none``) or a model of
+    state layers alone get upstream's coordinator, untouched."""
+    config = _hybrid_config(mode, attention)
+    assert has_align_state_groups(config) is retained
+    mark_turn_end_retention(config, True)
+    assert getattr(config, RETAIN_ATTRIBUTE, None) is (True if retained else None)
+    # max_model_len 256, 256 tokens in flight, no EAGLE, caching on, no
+    # events, one DCP/PCP rank, 16-token scheduler and hash blocks
+    built = get_kv_cache_coordinator(config, 256, 256, False, True, False, 1, 1, 16, 16)
+    assert type(built).__name__ == coordinator
+    assert len(built.single_type_managers) == (2 if attention else 1)
+    assert built.block_pool.num_gpu_blocks == 32
+
+
+def test_the_option_off_gives_upstreams_coordinator_in_align_mode():
+    config = _hybrid_config("align")
+    mark_turn_end_retention(config, False)
+    assert getattr(config, RETAIN_ATTRIBUTE) is False
+    built = get_kv_cache_coordinator(config, 256, 256, False, True, False, 1, 1, 16, 16)
+    assert type(built).__name__ == "HybridKVCacheCoordinator"

@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.config import (
     as_cuda_config,
@@ -33,6 +33,10 @@ from vllm_hybrid.tools.plan.cuda_defaults import serve_defaults, set_cuda_graph_
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.precheck import check_before_vllm
 from vllm_hybrid.tools.plan.request import PlanError, PlanRequest, model_dir
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 @dataclass
@@ -94,7 +98,7 @@ class Plan:
         return data
 
 
-def _group_rows(kv_cache_config: Any) -> list[dict[str, Any]]:
+def _group_rows(kv_cache_config: KVCacheConfig) -> list[dict[str, Any]]:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     rows = []
@@ -111,7 +115,7 @@ def _group_rows(kv_cache_config: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _with_len(vllm_config: Any, length: int) -> Any:
+def _with_len(vllm_config: VllmConfig, length: int) -> VllmConfig:
     """A shallow copy of ``vllm_config`` whose max_model_len is ``length``."""
     config = copy.copy(vllm_config)
     model_config = copy.copy(vllm_config.model_config)
@@ -137,7 +141,7 @@ def _fill_state_padding(plan: ModePlan, specs: dict[str, Any]) -> None:
     plan.state_padding_pct = 100 * (padded - real) / real
 
 
-def shared_block_bytes(kv_cache_config: Any) -> int:
+def shared_block_bytes(kv_cache_config: KVCacheConfig) -> int:
     """Bytes one block id of upstream's shared pool stands for.
 
     Every ``KVCacheTensor`` of a config places its layers in the same backing
@@ -156,7 +160,7 @@ def shared_block_bytes(kv_cache_config: Any) -> int:
 
 
 def plan_upstream(
-    request: PlanRequest, vllm_config: Any, prompt_lens: Sequence[int]
+    request: PlanRequest, vllm_config: VllmConfig, prompt_lens: Sequence[int]
 ) -> ModePlan:
     """vLLM 0.32's single shared pool, as its engine would start."""
     import vllm.v1.core.kv_cache_utils as kvu
@@ -222,7 +226,7 @@ def plan_upstream(
 
 def plan_pooled(
     request: PlanRequest,
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     prompt_lens: Sequence[int],
     upstream_plan: ModePlan,
 ) -> ModePlan:
@@ -299,7 +303,7 @@ def plan_pooled(
 
 
 def _graph_figures(
-    vllm_config: Any, kv_cache_config: Any, *, upstream: bool
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, upstream: bool
 ) -> dict[str, Any] | None:
     """The largest full CUDA graph against the states ``kv_cache_config``
     holds, as the engine sizes it (upstream: whether it refuses instead)."""

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.request import (
@@ -24,6 +24,10 @@ from vllm_hybrid.tools.plan.request import (
     PlanRequest,
     checkpoint_architecture,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
 
 #: Qwen3.5 classes live in a module that imports torchvision (for the vision
 #: tower); where that import fails, Qwen3-Next's class stands in: its state
@@ -79,7 +83,9 @@ def checkpoint_hooks(
             MODELS_CONFIG_MAP[computed_as] = saved
 
 
-def engine_config(request: PlanRequest, directory: Path) -> tuple[Any, list[str]]:
+def engine_config(
+    request: PlanRequest, directory: Path
+) -> tuple[VllmConfig, list[str]]:
     """vLLM's ``VllmConfig`` for the request on this host, and notes."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -121,8 +127,8 @@ def engine_config(request: PlanRequest, directory: Path) -> tuple[Any, list[str]
 
 
 def as_cuda_config(
-    vllm_config: Any, request: PlanRequest, architecture: str | None = None
-) -> Any:
+    vllm_config: VllmConfig, request: PlanRequest, architecture: str | None = None
+) -> VllmConfig:
     """The config a CUDA host would hold after vLLM's config hooks.
 
     On this host vLLM ran the CPU platform's ``check_and_update_config``
@@ -168,7 +174,7 @@ def as_cuda_config(
 # ---------------------------------------------------------------------------
 
 
-def kv_torch_dtype(vllm_config: Any) -> Any:
+def kv_torch_dtype(vllm_config: VllmConfig) -> torch.dtype:
     """The torch dtype of the attention KV cache."""
     from vllm_hybrid.v1.worker.pooled_views import kv_cache_torch_dtype
 
@@ -199,7 +205,7 @@ class LayerKinds:
     state: int
 
 
-def layer_kinds(vllm_config: Any) -> LayerKinds:
+def layer_kinds(vllm_config: VllmConfig) -> LayerKinds:
     """Attention and state layer counts of this rank's model."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -238,7 +244,7 @@ _ATTENTION_TYPES = frozenset({"attention", "full_attention"})
 _STATE_TYPES = frozenset({"mamba", "linear_attention"})
 
 
-def _kinds_from_type_list(vllm_config: Any) -> tuple[int, int] | None:
+def _kinds_from_type_list(vllm_config: VllmConfig) -> tuple[int, int] | None:
     """Attention and state layers of this rank from the config's layer type
     list, or None without one.
 
@@ -264,7 +270,7 @@ def _kinds_from_type_list(vllm_config: Any) -> tuple[int, int] | None:
     )
 
 
-def layer_specs(vllm_config: Any, backend: type) -> dict[str, Any]:
+def layer_specs(vllm_config: VllmConfig, backend: type) -> dict[str, Any]:
     """``{layer name: KVCacheSpec}`` as the model's layers would build them."""
     from vllm.model_executor.models import ModelRegistry
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -297,7 +303,9 @@ def layer_specs(vllm_config: Any, backend: type) -> dict[str, Any]:
     return specs
 
 
-def resolve_layout(vllm_config: Any, backend: type, specs: dict[str, Any]) -> None:
+def resolve_layout(
+    vllm_config: VllmConfig, backend: type, specs: dict[str, Any]
+) -> None:
     """Resolve the KV cache layout as the engine core does before planning."""
     from vllm.v1.attention.backends.utils import (
         get_supported_kv_cache_layouts,

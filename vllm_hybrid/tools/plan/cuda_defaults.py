@@ -15,9 +15,12 @@ sizes against its states (:mod:`vllm_hybrid.config.cudagraph_capacity`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.config import current_platform_as, platform_class
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 GiB = 2**30
 
@@ -72,7 +75,7 @@ def serve_defaults(gpu_memory_gib: float | None) -> ServeDefaults:
     raise AssertionError("the last row covers every size")
 
 
-def set_cuda_graph_sizes(vllm_config: Any, gpu_memory_gib: float | None) -> None:
+def set_cuda_graph_sizes(vllm_config: VllmConfig, gpu_memory_gib: float | None) -> None:
     """Fill in the CUDA graph capture sizes a CUDA host computes.
 
     vLLM derives them in ``VllmConfig`` when it is built; on this host the

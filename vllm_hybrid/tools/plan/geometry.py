@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.compute import with_serve_defaults
 from vllm_hybrid.tools.plan.config import (
@@ -37,6 +37,9 @@ from vllm_hybrid.tools.plan.request import (
     PlanRequest,
     checkpoint_architecture,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 #: Engine options a simulated engine may set, by the vLLM config that holds
 #: them. Anything else is refused, so a typo is not silently ignored.
@@ -85,7 +88,7 @@ class EngineOptions:
 class EngineGeometry:
     """A config and the device pieces the stand-in executor needs."""
 
-    vllm_config: Any
+    vllm_config: VllmConfig
     #: The attention backend class the device would use.
     backend: type
     #: The device's platform class with that backend fixed, and this
@@ -125,7 +128,7 @@ _ATTENTION_TYPES = frozenset({"attention", "full_attention"})
 _STATE_TYPES = frozenset({"mamba", "linear_attention"})
 
 
-def in_layer_order(vllm_config: Any, specs: dict[str, Any]) -> dict[str, Any]:
+def in_layer_order(vllm_config: VllmConfig, specs: dict[str, Any]) -> dict[str, Any]:
     """``specs`` keyed and ordered as the model's workers report them.
 
     The engine groups layers by spec in the order the specs arrive (the
@@ -173,7 +176,7 @@ def installed_align() -> Any:
     return Platform.__dict__["_align_hybrid_block_size"]
 
 
-def apply_options(vllm_config: Any, options: EngineOptions) -> None:
+def apply_options(vllm_config: VllmConfig, options: EngineOptions) -> None:
     """Set ``options`` on a config vLLM built, as the engine arguments of the
     same names would have."""
     options.check()

@@ -88,11 +88,6 @@ def unwrapped(exc: BaseException) -> str:
     return " ".join(text.split())
 
 
-def first_line(exc: BaseException) -> str:
-    """:func:`unwrapped`, cut to one readable line."""
-    return unwrapped(exc)[:MAX_ERROR_CHARS] or type(exc).__name__
-
-
 # ---------------------------------------------------------------------------
 # Option values
 # ---------------------------------------------------------------------------

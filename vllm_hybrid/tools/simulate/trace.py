@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,12 +111,3 @@ def trace_stats(records: list[TraceRecord]) -> dict[str, float]:
         "median_prompt_tokens": inputs[len(inputs) // 2],
         "output_tokens": sum(r.output_length for r in records),
     }
-
-
-def iter_prompts(
-    records: list[TraceRecord], vocab_size: int
-) -> Iterator[tuple[TraceRecord, list[int]]]:
-    """Each record with its prompt, made when asked for (prompts of a whole
-    trace would not fit in memory at once)."""
-    for record in records:
-        yield record, prompt_tokens(record, vocab_size)

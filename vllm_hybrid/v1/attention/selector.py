@@ -11,10 +11,16 @@ any KV cache exists: the narrowest point at which the pair is known.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream_of
+
+if TYPE_CHECKING:
+    from vllm.config.cache import CacheDType
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.selector import AttentionSelectorConfig
 
 logger = init_logger(__name__)
 
@@ -23,7 +29,9 @@ class UnsupportedKVCacheDtypeError(ValueError):
     """The selected attention backend cannot store the requested dtype."""
 
 
-def unsupported_dtype_message(backend: Any, kv_cache_dtype: str) -> str:
+def unsupported_dtype_message(
+    backend: type[AttentionBackend], kv_cache_dtype: str
+) -> str:
     """One sentence naming the backend, the dtype and what works."""
     name = backend.get_name()
     supported = [
@@ -44,7 +52,9 @@ def unsupported_dtype_message(backend: Any, kv_cache_dtype: str) -> str:
     return message + " Start with one of the supported dtypes."
 
 
-def check_kv_cache_dtype(backend: Any, kv_cache_dtype: str | None) -> None:
+def check_kv_cache_dtype(
+    backend: type[AttentionBackend], kv_cache_dtype: str | None
+) -> None:
     """Raise :class:`UnsupportedKVCacheDtypeError` unless the backend stores
     ``kv_cache_dtype``.
 
@@ -66,12 +76,12 @@ def check_kv_cache_dtype(backend: Any, kv_cache_dtype: str | None) -> None:
 
 
 def _cached_get_attn_backend(
-    backend: Any,
-    attn_selector_config: Any,
+    backend: AttentionBackendEnum | None,
+    attn_selector_config: AttentionSelectorConfig,
     num_heads: int | None = None,
     *,
-    _run_kv_cache_dtype: Any = None,
-) -> Any:
+    _run_kv_cache_dtype: CacheDType | None = None,
+) -> type[AttentionBackend]:
     selected = upstream_of(__name__, "cached_get_attn_backend")(
         backend,
         attn_selector_config,

@@ -6,7 +6,7 @@ config upstream's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
@@ -22,9 +22,13 @@ from vllm_hybrid.v1.core.retention import (
     has_align_state_groups,
 )
 
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
 
 def get_kv_cache_coordinator(
-    kv_cache_config: Any,
+    kv_cache_config: KVCacheConfig,
     max_model_len: int,
     max_in_flight_tokens: int,
     use_eagle: bool,
@@ -34,7 +38,7 @@ def get_kv_cache_coordinator(
     pcp_world_size: int,
     scheduler_block_size: int,
     hash_block_size: int,
-    metrics_collector: Any = None,
+    metrics_collector: KVCacheMetricsCollector | None = None,
     num_prefill_lookahead: int = 0,
     allow_partial_hash_hits: bool = True,
 ) -> KVCacheCoordinator:

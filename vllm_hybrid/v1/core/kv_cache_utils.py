@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import vllm.v1.core.kv_cache_utils as _upstream_utils
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
@@ -104,10 +104,10 @@ def unify_kv_cache_spec_page_size(
 
 
 def get_kv_cache_configs(
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
-):
+) -> list[KVCacheConfig]:
     """Upstream's ``get_kv_cache_configs``, pooled for hybrid models.
 
     The engine core calls this through its own by-name binding at every

@@ -325,10 +325,15 @@ RETAIN_ATTRIBUTE = "retain_turn_ends"
 
 
 def has_align_state_groups(kv_cache_config: Any) -> bool:
-    """Whether the config has a state (Mamba) group next to other groups."""
+    """Whether the config has an align-mode state (Mamba) group next to other
+    groups: the only groups that leave decode checkpoints behind. With a
+    state cached at every block edge (``all``) or none cached (``none``)
+    there is no turn end to keep, and upstream's coordinator serves."""
     groups = kv_cache_config.kv_cache_groups
     return len(groups) > 1 and any(
-        isinstance(g.kv_cache_spec, MambaSpec) for g in groups
+        isinstance(g.kv_cache_spec, MambaSpec)
+        and g.kv_cache_spec.mamba_cache_mode == "align"
+        for g in groups
     )
 
 

@@ -13,11 +13,14 @@ response (a final error chunk when streaming), so the server exits.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.engine.exceptions import EngineDeadError
 
 from vllm_hybrid.patches.registry import upstream_of
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 SHUTDOWN_MESSAGE = (
     "The server is shutting down; this request was stopped before it "
@@ -36,14 +39,14 @@ class EngineShutDownError(EngineDeadError):
         return SHUTDOWN_MESSAGE
 
 
-def shutdown(self: Any, timeout: float | None = None) -> None:
+def shutdown(self: AsyncLLM, timeout: float | None = None) -> None:
     """Upstream's ``AsyncLLM.shutdown``, then an error for every request
     still waiting for output."""
     upstream_of(__name__, "shutdown")(self, timeout)
     fail_requests_in_flight(self)
 
 
-def fail_requests_in_flight(llm: Any) -> int:
+def fail_requests_in_flight(llm: AsyncLLM) -> int:
     """Put :class:`EngineShutDownError` into each open request queue of
     ``llm``; returns how many requests were open. Queues belong to the event
     loop of the output handler, so the error is handed to that loop when
@@ -62,7 +65,7 @@ def fail_requests_in_flight(llm: Any) -> int:
     return count
 
 
-def _handler_loop(handler: Any) -> asyncio.AbstractEventLoop | None:
+def _handler_loop(handler: asyncio.Task | None) -> asyncio.AbstractEventLoop | None:
     get_loop = getattr(handler, "get_loop", None)
     return get_loop() if callable(get_loop) else None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -32,6 +32,14 @@ from vllm_hybrid.v1.core.pooled.usage import (
     snapshot_path,
     stats_dir,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.metrics.stats import (
+        IterationStats,
+        MultiModalCacheStats,
+        SchedulerStats,
+    )
 
 logger = init_logger(__name__)
 
@@ -93,7 +101,7 @@ def _overlay_active() -> bool:
 class HybridPoolStatLogger(StatLoggerBase):
     """Per-engine stat logger that turns pool snapshots into gauges."""
 
-    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.enabled = _overlay_active()
         self.model_name = (
@@ -121,9 +129,9 @@ class HybridPoolStatLogger(StatLoggerBase):
 
     def record(
         self,
-        scheduler_stats: Any,
-        iteration_stats: Any,
-        mm_cache_stats: Any = None,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
         engine_idx: int = 0,
     ) -> None:
         if self.enabled and scheduler_stats is not None:

@@ -27,12 +27,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PooledKVCacheConfig, PoolKind
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionBackend
+    from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 #: How pooled mode is switched off, for error messages.
 POOLED_OFF = """--additional-config '{"hybrid_kv": {"pooled": false}}'"""
@@ -54,7 +59,9 @@ def _describe_sizes(sizes: Sequence[Any]) -> str:
     )
 
 
-def kernel_block_error(backend: type, spec: Any) -> str | None:
+def kernel_block_error(
+    backend: type[AttentionBackend], spec: AttentionSpec
+) -> str | None:
     """Why ``backend`` cannot serve pooled token blocks of ``spec``, or None.
 
     Upstream splits a block into kernel blocks only where a block is one
@@ -86,7 +93,7 @@ def kernel_block_error(backend: type, spec: Any) -> str | None:
     )
 
 
-def kv_cache_torch_dtype(vllm_config: Any) -> torch.dtype:
+def kv_cache_torch_dtype(vllm_config: VllmConfig) -> torch.dtype:
     """The torch dtype of the attention KV cache (the model's for "auto")."""
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
@@ -96,7 +103,7 @@ def kv_cache_torch_dtype(vllm_config: Any) -> torch.dtype:
     return STR_DTYPE_TO_TORCH_DTYPE[cache_dtype]
 
 
-def attention_spec_of(vllm_config: Any) -> Any:
+def attention_spec_of(vllm_config: VllmConfig) -> FullAttentionSpec:
     """The attention layers' spec as their ``get_kv_cache_spec`` builds it
     (before the backend customizes it), from the config alone."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
@@ -112,7 +119,9 @@ def attention_spec_of(vllm_config: Any) -> Any:
     )
 
 
-def check_kernel_blocks(vllm_config: Any, backends: Iterable[type]) -> None:
+def check_kernel_blocks(
+    vllm_config: VllmConfig, backends: Iterable[type[AttentionBackend]]
+) -> None:
     """Refuse a block size the attention backends cannot run unsplit.
 
     Runs in every worker when pooled mode fixes the block size (the

@@ -37,9 +37,7 @@ Worst case
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import Enum
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -53,8 +51,6 @@ logger = init_logger(__name__)
 
 #: Blocks the token pool keeps whatever the state pool needs.
 MIN_TOKEN_BLOCKS = 1
-#: Boundary moves kept for logs and tests (the oldest are dropped).
-MOVE_LOG_SIZE = 64
 
 
 def initial_state_blocks(
@@ -106,19 +102,6 @@ def max_token_blocks(layout: ArenaLayout) -> int:
     return layout.token_capacity_at(layout.max_state_floor)
 
 
-@dataclass(frozen=True)
-class BoundaryMove:
-    """One boundary move, for logs and tests."""
-
-    old_boundary: int
-    new_boundary: int
-    grown: PoolKind
-    #: Ids the grown pool gained (they keep the other pool's bytes).
-    gained_ids: range
-    #: Ids the other pool gave up.
-    lost_ids: range
-
-
 class Admission(Enum):
     """How :meth:`ArenaBoundary.admit` served a request, if it did."""
 
@@ -143,10 +126,6 @@ class ArenaBoundary:
         self.token_pool = token_pool
         self.state_pool = state_pool
         self._state_floor = layout.initial_state_floor
-        #: the latest moves, oldest first (bounded)
-        self.moves: deque[BoundaryMove] = deque(maxlen=MOVE_LOG_SIZE)
-        #: moves since start
-        self.num_moves = 0
 
     # -- read side --------------------------------------------------------
 
@@ -225,12 +204,6 @@ class ArenaBoundary:
                 return Admission.IN_PLACE if attempt.in_place else Admission.SERVED
         return Admission.REFUSED
 
-    def take_boundary_moves(self) -> list[BoundaryMove]:
-        """The logged moves (oldest first), emptying the log."""
-        moves = list(self.moves)
-        self.moves.clear()
-        return moves
-
     # -- the move rule ------------------------------------------------------
 
     def _plan(
@@ -289,21 +262,15 @@ class ArenaBoundary:
         new_state = self.layout.state_ids_at(target)
         if target > self._state_floor:
             grown = PoolKind.TOKEN
-            lost = range(old_state.start, new_state.start)
             gained = range(max(old_token.stop, new_token.start), new_token.stop)
             self.state_pool.resize(new_state)
             self.token_pool.resize(new_token)
         else:
             grown = PoolKind.STATE
-            lost = self._token_ids_lost(target)
             gained = range(new_state.start, old_state.start)
             self.token_pool.resize(new_token)
             self.state_pool.resize(new_state)
         self._state_floor = target
-        self.moves.append(
-            BoundaryMove(old_boundary, self.boundary_bytes, grown, gained, lost)
-        )
-        self.num_moves += 1
         logger.debug(
             "Arena boundary %d -> %d B: %s pool +%d blocks (token %d, state %d)",
             old_boundary,

@@ -20,19 +20,23 @@ the step fails (``The size of tensor a (6) must match the size of tensor b
 (4)``). Its native conv kernel runs only on AMX/ARM-bf16 hosts and only when
 every request has the same length.
 
-:func:`spec_forward` keeps upstream's function for full-draft batches and
-otherwise runs the conv itself with the layout above, then the same native
+:func:`spec_forward` keeps upstream's function for full-draft batches (and
+for a ``state_len`` that leaves no room for the conv history) and otherwise
+runs the conv itself with the layout above, then the same native
 recurrent kernel upstream calls.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from vllm_hybrid.patches.registry import upstream_of
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 
 def _gdn_module() -> Any:
@@ -77,7 +81,7 @@ def spec_conv_(
 
 def spec_forward(
     layer: Any,
-    attn_metadata_i: Any,
+    attn_metadata_i: GDNAttentionMetadata,
     mixed_qkv_spec: torch.Tensor,
     b_spec: torch.Tensor,
     a_spec: torch.Tensor,
@@ -89,8 +93,11 @@ def spec_forward(
     """Replacement of ``gdn_attention._spec_forward`` (same arguments)."""
     n = attn_metadata_i.num_spec_decodes
     qsl = [int(v) for v in attn_metadata_i.spec_query_start_loc[: n + 1].tolist()]
+    # Tokens of a full set of drafts, from the buffer's size. A ``state_len``
+    # below ``width - 1`` describes no rolling buffer (callers that hand the
+    # native kernel its own state, or stand-ins): nothing to lay out here.
     full = state_len - width + 2
-    if all(qsl[i + 1] - qsl[i] == full for i in range(n)):
+    if full < 1 or all(qsl[i + 1] - qsl[i] == full for i in range(n)):
         return upstream_of(__name__, "spec_forward")(
             layer,
             attn_metadata_i,

@@ -11,11 +11,15 @@ spends time on model inspection, profiling or process start-up.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.config.hybrid_kv import options_error
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.platforms.hybrid_block_size import early_interval_error
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
 
 
 class OverlayConfigError(ValueError):
@@ -23,7 +27,7 @@ class OverlayConfigError(ValueError):
     message is the whole story (``vllm-hybrid`` prints it as one line)."""
 
 
-def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+def create_engine_config(self: EngineArgs, *args: Any, **kwargs: Any) -> VllmConfig:
     """Upstream's ``create_engine_config`` between the overlay's checks: the
     ``hybrid_kv`` options before it, the state checkpoint interval after it
     (where the block size is known)."""

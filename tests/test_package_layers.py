@@ -1,0 +1,229 @@
+"""Rules between the packages of ``vllm_hybrid``, checked from the source.
+
+Every package counts (each module of the package root, such as ``logger`` or
+``plugin``, as a package of its own): no import cycle between packages; the
+core (``vllm_hybrid.v1.core``) never imports metrics, tools or the plugin;
+the options (``vllm_hybrid.config``) never import pooled mode, which reads
+them. docs/overlay.md has the map of the packages.
+
+The few imports that break a rule today are listed in :data:`ALLOWED`, each
+with why it exists and what would remove it; a listed import that no longer
+breaks a rule fails the test too, so the list only shrinks. Each test
+reports every violation it finds, not only the first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from import_graph import PACKAGE, cycles, import_graph, module_name
+
+ROOT = "vllm_hybrid"
+CORE = f"{ROOT}.v1.core"
+POOLED = f"{CORE}.pooled"
+#: ``(importer, imported)``: no module under the first prefix imports one
+#: under the second.
+FORBIDDEN = (
+    (CORE, f"{ROOT}.v1.metrics"),
+    (CORE, f"{ROOT}.tools"),
+    (CORE, f"{ROOT}.plugin"),
+    (f"{ROOT}.config", POOLED),
+)
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """Module imports that break a package rule today, kept on purpose."""
+
+    #: ``(module, imported module)``, both without the ``vllm_hybrid.`` prefix.
+    imports: tuple[tuple[str, str], ...]
+    why: str
+    removed_by: str
+
+
+#: Every import that breaks a package rule today. The modules involved are
+#: being changed elsewhere; the entries go when the change in ``removed_by``
+#: lands (the test then fails until the entry is deleted).
+ALLOWED = (
+    Allowance(
+        imports=(("v1.core.pooled.coordinator", "v1.core.retention"),),
+        why="the pooled coordinators keep turn-end checkpoints with the mixin "
+        "of v1/core/retention.py, which itself ranks checkpoints with "
+        "pooled/eviction and places them with pooled/prefill_checkpoints: a "
+        "cycle between v1/core and v1/core/pooled",
+        removed_by="moving retention.py into pooled/ (a layer below "
+        "coordinator), or eviction ranking and checkpoint positions out of "
+        "pooled/",
+    ),
+    Allowance(
+        imports=(
+            ("v1.core.pooled.engine", "v1.core.sched.scheduler"),
+            ("v1.core.pooled.engine", "v1.core.sched.async_scheduler"),
+        ),
+        why="pooled/engine picks the scheduler class (select_scheduler), "
+        "while the pooled schedulers read the arena through "
+        "pooled/coordinator: a cycle between v1/core/pooled and v1/core/sched",
+        removed_by="moving select_scheduler up into v1/core/kv_cache_utils, "
+        "its only caller, so the scheduler sits above pooled mode",
+    ),
+    Allowance(
+        imports=(
+            ("config.cudagraph_capacity", "v1.core.pooled.planner"),
+            ("config.cudagraph_capacity", "v1.core.pooled.spec"),
+        ),
+        why="CUDA-graph sizing reads a pooled plan (state blocks per request, "
+        "the pooled config class) while pooled mode reads its options from "
+        "config/hybrid_kv: config/ imports pooled mode, and the two packages "
+        "form a cycle",
+        removed_by="computing capacity in one module below config/ that both "
+        "read, or moving CUDA-graph sizing out of config/ to the engine glue",
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def allowed_imports(allowed: tuple[Allowance, ...] = ALLOWED) -> set[tuple[str, str]]:
+    return {(f"{ROOT}.{a}", f"{ROOT}.{b}") for x in allowed for a, b in x.imports}
+
+
+def forbidden_imports(
+    graph: dict[str, set[str]], rules: tuple[tuple[str, str], ...] = FORBIDDEN
+) -> list[str]:
+    """One line per import ``rules`` forbid: ``module -> imported``."""
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        for importer, imported in rules
+        if _under(module, importer) and _under(target, imported)
+    )
+
+
+def test_forbidden_imports_are_only_the_allowed_ones(graph):
+    """The core imports no metrics, tools or plugin; config/ imports no
+    pooled module (it is read by pooled mode)."""
+    allowed = {f"{a} -> {b}" for a, b in allowed_imports()}
+    assert [line for line in forbidden_imports(graph) if line not in allowed] == []
+
+
+def package_of(module: str, packages: set[str]) -> str:
+    """The package ``module`` counts in for the package rules: itself if it
+    is a package, else the package that holds it; a module directly in the
+    package root (``logger``, ``envs``, ``plugin``, ``cli``) is a package of
+    its own, since those sit at opposite ends of the layers."""
+    if module in packages:
+        return module
+    parent = module.rpartition(".")[0]
+    return module if parent == ROOT else parent
+
+
+def package_graph(
+    graph: dict[str, set[str]], packages: set[str], skip: set[tuple[str, str]]
+) -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> the module imports (``a -> b``) that
+    make the edge, leaving out the ``skip`` imports."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for module, targets in graph.items():
+        here = package_of(module, packages)
+        edges.setdefault(here, {})
+        for target in sorted(targets):
+            there = package_of(target, packages)
+            if there != here and (module, target) not in skip:
+                edges[here].setdefault(there, []).append(f"{module} -> {target}")
+    return edges
+
+
+def package_cycles(
+    graph: dict[str, set[str]],
+    packages: set[str],
+    skip: set[tuple[str, str]] = frozenset(),
+) -> list[str]:
+    """One line per package import inside a package cycle, with the module
+    imports behind it: every import a fix has to choose from."""
+    edges = package_graph(graph, packages, skip)
+    lines = []
+    for component in cycles({p: set(t) for p, t in edges.items()}):
+        for here in component:
+            for there in component:
+                if there in edges[here]:
+                    imports = ", ".join(edges[here][there])
+                    lines.append(f"{here} => {there} ({imports})")
+    return lines
+
+
+def packages_of(root: Path = PACKAGE) -> set[str]:
+    return {module_name(p, root) for p in root.rglob("__init__.py")}
+
+
+def test_no_package_import_cycle(graph):
+    assert package_cycles(graph, packages_of(), allowed_imports()) == []
+
+
+def test_each_allowed_import_still_breaks_a_rule(graph):
+    """An allowance whose imports are gone, or no longer close a cycle nor
+    break a forbidden import, is stale: delete it."""
+    packages = packages_of()
+    for allowance in ALLOWED:
+        mine = allowed_imports((allowance,))
+        assert all(b in graph[a] for a, b in mine), allowance.imports
+        others = allowed_imports() - mine
+        breaks = set(package_cycles(graph, packages, others)) - set(
+            package_cycles(graph, packages, allowed_imports())
+        )
+        forbidden = {f"{a} -> {b}" for a, b in mine} & set(forbidden_imports(graph))
+        assert breaks or forbidden, allowance.imports
+
+
+def test_package_check_reports_a_planted_cycle(tmp_path):
+    """A cycle between two packages that no two modules close: ``low.a``
+    imports ``high.b``, ``high.c`` imports ``low.d``; the module graph has no
+    cycle, the package graph reports both imports, and allowing one of them
+    clears it."""
+    root = tmp_path / "vllm_hybrid"
+    for package in ("low", "high"):
+        (root / package).mkdir(parents=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "low" / "a.py").write_text("from vllm_hybrid.high import b\n")
+    (root / "high" / "b.py").write_text("")
+    (root / "high" / "c.py").write_text("from vllm_hybrid.low import d\n")
+    (root / "low" / "d.py").write_text("")
+    (root / "logger.py").write_text("")
+    (root / "plugin.py").write_text("import vllm_hybrid.logger\n")
+    graph = import_graph(root)
+    packages = packages_of(root)
+    assert cycles(graph) == []
+    assert package_cycles(graph, packages) == [
+        "vllm_hybrid.high => vllm_hybrid.low (vllm_hybrid.high.c -> vllm_hybrid.low.d)",
+        "vllm_hybrid.low => vllm_hybrid.high (vllm_hybrid.low.a -> vllm_hybrid.high.b)",
+    ]
+    skip = {("vllm_hybrid.low.a", "vllm_hybrid.high.b")}
+    assert package_cycles(graph, packages, skip) == []
+    # root modules are packages of their own: plugin -> logger is no cycle
+    assert package_of("vllm_hybrid.plugin", packages) == "vllm_hybrid.plugin"
+    assert package_of("vllm_hybrid.low.a", packages) == "vllm_hybrid.low"
+    assert package_of("vllm_hybrid.low", packages) == "vllm_hybrid.low"
+
+
+def test_forbidden_import_check_names_each_import():
+    graph = {
+        "vllm_hybrid.config.a": {"vllm_hybrid.v1.core.pooled.spec"},
+        "vllm_hybrid.config.b": {"vllm_hybrid.envs"},
+        "vllm_hybrid.v1.core.x": {"vllm_hybrid.tools.plan", "vllm_hybrid.plugin"},
+        "vllm_hybrid.v1.corex": {"vllm_hybrid.plugin"},
+    }
+    assert forbidden_imports(graph) == [
+        "vllm_hybrid.config.a -> vllm_hybrid.v1.core.pooled.spec",
+        "vllm_hybrid.v1.core.x -> vllm_hybrid.plugin",
+        "vllm_hybrid.v1.core.x -> vllm_hybrid.tools.plan",
+    ]
