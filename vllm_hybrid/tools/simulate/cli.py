@@ -17,6 +17,11 @@ from vllm_hybrid.tools.plan.request import (
     request_from_args,
 )
 from vllm_hybrid.tools.simulate.clock import GPU_PROFILES
+from vllm_hybrid.tools.simulate.followups import (
+    FOLLOWUPS,
+    read_followup_trace,
+    trace_format,
+)
 from vllm_hybrid.tools.simulate.runner import (
     DEFAULT_CHECKPOINT_SWEEP,
     DEFAULT_RETENTION_SWEEP,
@@ -96,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=WORKLOADS, default="mooncake")
     work.add_argument(
-        "--trace", type=Path, default=MOONCAKE_TRACE, help="JSONL trace (.gz ok)"
+        "--trace",
+        type=Path,
+        default=MOONCAKE_TRACE,
+        help="JSONL trace (.gz ok) of the mooncake workload: Mooncake's lines, or "
+        "requests with follow-ups (docs/simulation.md; vllm-hybrid make-trace "
+        "writes them)",
     )
     work.add_argument(
         "--window",
@@ -194,10 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_trace(path: Path, window: tuple[float, float | None]) -> None:
+    """Read a trace with follow-ups here, so that a bad line stops the
+    command before any engine starts (:class:`ValueError` naming it)."""
+    if not path.is_file():
+        raise ValueError(f"--trace {path}: no such file; give a JSONL trace")
+    if trace_format(path) != FOLLOWUPS:
+        return
+    if window != (0.0, None):
+        raise ValueError(
+            "--window: a trace with follow-ups is cut with --requests N "
+            "(its first N lines), not by time"
+        )
+    read_followup_trace(path)
+
+
 def spec_from_args(args: argparse.Namespace) -> SimulationSpec:
     """The simulation the arguments ask for; :class:`PlanError` if bad."""
     request = request_from_args(args)
     start, end = args.window
+    if args.workload == "mooncake":
+        _check_trace(args.trace, args.window)
     workload = WorkloadSpec(
         kind=args.workload,
         start_s=start,

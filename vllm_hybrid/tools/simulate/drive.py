@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_hybrid.tools.simulate.floor import PrefixFloor
 from vllm_hybrid.tools.simulate.sources import SimRequest, Workload
 from vllm_hybrid.tools.simulate.steps import StepRecord
 
@@ -33,6 +34,8 @@ class RequestTiming:
     finished: float | None = None
     output_tokens: int = 0
     cached_tokens: int = 0
+    #: prompt tokens no cache could have served (workloads that report it)
+    floor_tokens: int | None = None
 
 
 @dataclass
@@ -109,6 +112,10 @@ class Driver:
         self.now = 0.0
         self.result = DriveResult(StepRecord(), {})
         self.replies: dict[str, list[int]] = {}
+        #: sequences a cache could have seen, and the prompts in flight
+        floor = getattr(workload, "reports_floor", False)
+        self.floor = PrefixFloor() if floor else None
+        self._prompts: dict[str, list[int]] = {}
         self._hit = 0
         self._prompt = 0
         self._last_sample = -1.0
@@ -156,9 +163,12 @@ class Driver:
                 self.result.rejected.append(request.request_id)
                 self.workload.finished(request.request_id, [], self.now)
                 continue
-            self.result.timings[request.request_id] = RequestTiming(
-                request.arrival_s, len(request.prompt)
-            )
+            timing = RequestTiming(request.arrival_s, len(request.prompt))
+            self.result.timings[request.request_id] = timing
+            if self.floor is not None:
+                timing.floor_tokens = self.floor.unserved(request.prompt)
+                self.floor.add(request.prompt)
+                self._prompts[request.request_id] = request.prompt
             _add(self.core, request)
 
     def _count_running(self, seconds: float) -> None:
@@ -196,6 +206,9 @@ class Driver:
                 if out.finish_reason is not None:
                     timing.finished = self.now
                     reply = self.replies.pop(out.request_id, [])
+                    if self.floor is not None:
+                        prompt = self._prompts.pop(out.request_id)
+                        self.floor.add(prompt + list(reply))
                     self.workload.finished(out.request_id, reply, self.now)
                     if self.progress is not None:
                         self.progress.update(1)

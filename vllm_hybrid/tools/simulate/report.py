@@ -20,6 +20,8 @@ ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
     ("preemptions (counted)", "counted", "preemptions", "{:,}", False),
     ("prefix hit rate, tokens (counted)", "counted", "hit_rate", "{:.3f}", True),
     ("prefill tokens computed (counted)", "counted", "prefill_tokens", "{:,}", True),
+    ("floor: tokens no cache could serve", "counted", "floor_tokens", "{:,}", False),
+    ("prefill tokens above the floor", "counted", "above_floor", "{:,}", True),
     ("state copies (counted)", "counted", "copies_moved", "{:,}", True),
     ("edges crossed in place (counted)", "counted", "state_self_copies", "{:,}", False),
     ("copy-on-write block copies (counted)", "counted", "cow_copies", "{:,}", False),
@@ -32,6 +34,9 @@ ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
     ("output tokens/s (modeled)", "modeled", "output_tok_per_s", "{:,.0f}", True),
 )
 
+#: Rows shown only when some run has the figure (traces with follow-ups).
+OPTIONAL_KEYS = frozenset({"floor_tokens", "above_floor"})
+
 
 def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The table's figures of one run, derived units included."""
@@ -42,6 +47,9 @@ def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     counted["copies_moved"] = (counted.get("state_copies") or 0) - (
         counted.get("state_self_copies") or 0
     )
+    floor = counted.get("floor_tokens")
+    if floor is not None:
+        counted["above_floor"] = counted["prefill_tokens"] - floor
     ttft, tpot = modeled.get("ttft_s") or {}, modeled.get("tpot_s") or {}
     modeled["ttft_p50"], modeled["ttft_p99"] = ttft.get("p50"), ttft.get("p99")
     modeled["tpot_p50_ms"] = tpot["p50"] * 1e3 if "p50" in tpot else None
@@ -85,6 +93,10 @@ def render_table(engines: Mapping[str, Any]) -> str:
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, section, key, fmt, ratio in ROWS:
+        if key in OPTIONAL_KEYS and all(
+            figures[n][section].get(key) is None for n in names
+        ):
+            continue
         ref = figures[reference][section].get(key) if reference else None
         cells = []
         for n in names:
@@ -134,6 +146,48 @@ def render_summary(engines: Mapping[str, Any], case: str) -> str:
             f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {prefill} "
             f"| {c['peak_running']:,} | {c['preemptions']:,} "
             f"| {c['copy_gb']:,.0f} | {ttft} |"
+        )
+    return "\n".join(lines)
+
+
+#: Columns of :func:`render_floor_summary` (one row per engine).
+FLOOR_HEADER = (
+    "| case | engine | hit rate | prefill tokens | floor | above the floor "
+    "| peak running | preemptions | TTFT p50 / p99, s (modeled) |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def render_floor_summary(engines: Mapping[str, Any], case: str) -> str:
+    """Rows of a compact table for traces with follow-ups
+    (:data:`FLOOR_HEADER`): prefill tokens and the part of them above the
+    floor, each with its ratio to the reference engine."""
+    runs = best_runs(engines)
+    reference = next((r for r in REFERENCE if r in runs), None)
+    ref = flat_figures(runs[reference])["counted"] if reference else {}
+    lines = []
+    for name, summary in runs.items():
+        label = engine_label(engines, name)
+        if "error" in summary:
+            lines.append(f"| {case} | {label} | failed | | | | | | |")
+            continue
+        figures = flat_figures(summary)
+        c, m = figures["counted"], figures["modeled"]
+        cells = []
+        for key in ("prefill_tokens", "above_floor"):
+            value = c.get(key)
+            text = "-" if value is None else f"{value:,}"
+            compared = name != reference and engine_ratio_defined(ref.get(key))
+            if value is not None and compared:
+                text += f" ({value / ref[key]:.3f}x)"
+            cells.append(text)
+        floor = "-" if c.get("floor_tokens") is None else f"{c['floor_tokens']:,}"
+        ttft = "-"
+        if m.get("ttft_p50") is not None:
+            ttft = f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f}"
+        lines.append(
+            f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {cells[0]} | {floor} "
+            f"| {cells[1]} | {c['peak_running']:,} | {c['preemptions']:,} | {ttft} |"
         )
     return "\n".join(lines)
 

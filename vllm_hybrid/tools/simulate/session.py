@@ -30,10 +30,16 @@ from vllm_hybrid.tools.simulate.clock import (
 )
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
 from vllm_hybrid.tools.simulate.engine import SimEngine, open_engine
+from vllm_hybrid.tools.simulate.followups import (
+    FOLLOWUPS,
+    read_followup_trace,
+    trace_format,
+)
 from vllm_hybrid.tools.simulate.probes import count_state_checkpoints
 from vllm_hybrid.tools.simulate.sources import (
     ChatServerShape,
     ChatServerWorkload,
+    FollowupWorkload,
     ManyShortShape,
     ManyShortWorkload,
     MultiTurnShape,
@@ -108,6 +114,10 @@ class Variant:
 
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
     """The workload of ``spec`` over a vocabulary of ``vocab_size``."""
+    if spec.kind == "mooncake" and trace_format(Path(spec.trace)) == FOLLOWUPS:
+        # cut by request count only (the command line refuses a window)
+        followups = read_followup_trace(Path(spec.trace), spec.requests)
+        return FollowupWorkload(followups, vocab_size)
     if spec.kind == "mooncake":
         records = read_trace(Path(spec.trace), spec.start_s, spec.end_s, spec.requests)
         return TraceWorkload(records, vocab_size)
@@ -227,6 +237,11 @@ def summarize(
     prompt = sum(t.prompt_tokens for t in timings if t.first_token is not None)
     hit = sum(t.cached_tokens for t in timings if t.first_token is not None)
     output = sum(t.output_tokens for t in timings)
+    floors = [
+        t.floor_tokens
+        for t in timings
+        if t.first_token is not None and t.floor_tokens is not None
+    ]
     counted = {
         "requests": len(result.timings),
         "finished": len(done),
@@ -236,6 +251,8 @@ def summarize(
         "hit_tokens": hit,
         "hit_rate": hit / prompt if prompt else None,
         "prefill_tokens": steps.prefill_tokens,
+        # prompt tokens no cache could have served (traces with follow-ups)
+        "floor_tokens": sum(floors) if floors else None,
         "decode_tokens": steps.decode_tokens,
         "output_tokens": output,
         "preemptions": steps.preemptions,

@@ -10,10 +10,16 @@ arrive at their timestamps; the project's own workloads
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_hybrid.tools import workloads
+from vllm_hybrid.tools.simulate.followups import (
+    FollowupRecord,
+    ReplySegment,
+    prompt_of,
+)
 from vllm_hybrid.tools.simulate.trace import TraceRecord, prompt_tokens
 
 
@@ -35,6 +41,9 @@ class Workload:
     total: int | None = None
     #: whether ``finished`` needs the reply tokens
     needs_replies = False
+    #: whether the run counts the prompt tokens no cache could have served
+    #: (:mod:`.floor`)
+    reports_floor = False
 
     def due(self, now: float) -> list[SimRequest]:
         return []
@@ -79,6 +88,76 @@ class TraceWorkload(Workload):
         if self.position < len(self.records):
             return self.records[self.position].arrival_s
         return None
+
+
+class FollowupWorkload(Workload):
+    """A trace with follow-ups (:mod:`.followups`): a request is sent once
+    every request it refers to has finished, at its timestamp or its delay
+    after the request it follows, whichever is later; its reply segments
+    are the tokens the engine generated."""
+
+    name = "followups"
+    needs_replies = True
+    reports_floor = True
+
+    def __init__(self, records: list[FollowupRecord], vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.total = len(records)
+        self.records = {r.request_id: r for r in records}
+        #: replies kept only for the requests a reply segment names
+        self.quoted = {
+            s.reply_of
+            for r in records
+            for s in r.segments
+            if isinstance(s, ReplySegment)
+        }
+        self.replies: dict[str, list[int]] = {}
+        self.finished_at: dict[str, float] = {}
+        #: id -> references not finished yet; id -> requests waiting on it
+        self.blocked: dict[str, int] = {}
+        self.waiters: dict[str, list[str]] = {}
+        #: (time it may be sent, line, id) of requests with nothing to wait for
+        self.ready: list[tuple[float, int, str]] = []
+        for record in records:
+            refs = record.references()
+            for ref in refs:
+                self.waiters.setdefault(ref, []).append(record.request_id)
+            if refs:
+                self.blocked[record.request_id] = len(refs)
+            else:
+                self._release(record)
+
+    def _release(self, record: FollowupRecord) -> None:
+        if record.after is None:
+            when = record.arrival_s or 0.0
+            for segment in record.segments:
+                if isinstance(segment, ReplySegment):
+                    when = max(when, self.finished_at[segment.reply_of])
+        else:
+            when = self.finished_at[record.after] + record.delay_s
+        heapq.heappush(self.ready, (when, record.line, record.request_id))
+
+    def due(self, now: float) -> list[SimRequest]:
+        out = []
+        while self.ready and self.ready[0][0] <= now:
+            when, _, request_id = heapq.heappop(self.ready)
+            record = self.records.pop(request_id)
+            prompt = prompt_of(record, self.replies, self.vocab_size)
+            out.append(SimRequest(request_id, prompt, record.output_length, when))
+        return out
+
+    def next_arrival(self) -> float | None:
+        return self.ready[0][0] if self.ready else None
+
+    def finished(self, request_id: str, reply: Sequence[int], now: float) -> None:
+        self.finished_at[request_id] = now
+        if request_id in self.quoted:
+            self.replies[request_id] = list(reply)
+        for waiter in self.waiters.pop(request_id, []):
+            self.blocked[waiter] -= 1
+            if self.blocked[waiter] == 0:
+                del self.blocked[waiter]
+                self._release(self.records[waiter])
 
 
 @dataclass(frozen=True)
