@@ -1,6 +1,6 @@
 """Load a live pooled-mode server must absorb without failing a request:
 clients that arrive while it is still starting, and a burst of
-``--max-num-seqs 256`` requests on an arena that holds far fewer request
+``--max-num-seqs 128`` requests on an arena that holds far fewer request
 states than that (the scheduler must queue what does not fit, not fail it)."""
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def test_clients_arriving_during_start_up_are_served(tiny_model_dir, tmp_path):
 
 # -- a burst of max_num_seqs requests on a small arena ---------------------
 
-BURST = 256
-BURST_BUDGET = 16 * 2**20
+BURST = 128
+BURST_BUDGET = 8 * 2**20
 
 
 #: Long requests held open beyond what the arena can run at once.
@@ -181,7 +181,7 @@ def test_burst_of_max_num_seqs_on_an_arena_of_few_states(tiny_model_dir, tmp_pat
             in_use = metrics.kv_in_use()
         idle_after_held = wait_idle(server.url)
         problems = read_log(server.log_text()).while_serving
-    # the arena could never hold a state for each of the 256 at once, and
+    # the arena could never hold a state for each of the burst at once, and
     # every request got all its tokens; afterwards nothing is held
     assert states * 4 <= BURST, states
     assert results == [(200, max_tokens) for _, max_tokens in jobs]
