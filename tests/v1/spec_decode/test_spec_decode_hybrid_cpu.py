@@ -9,7 +9,8 @@ runs the tiny ``qwen3_next`` with n-gram drafts and with a one-layer EAGLE
 draft (``vllm_hybrid.tools.tiny_eagle``), and its MTP variant (one MTP
 layer) with MTP drafts, and compares the greedy tokens with the same
 engine without speculative decoding, and pooled mode with the overlay's
-single shared pool under the same flags.
+single shared pool under the same flags. The default tier runs n-gram and
+MTP drafts; EAGLE drafts are in the extended tier (``--extended``).
 
 Each engine runs in its own process: once an n-gram proposer has imported
 numba, vLLM's kernel dispatcher fails at the next engine start in the same
@@ -69,12 +70,12 @@ def runs(request, tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
         (model, "ngram", "pc", "single"),
         (mtp_model, "plain", "pc", "pooled"),
         (mtp_model, "mtp", "pc", "pooled"),
-        (model, "eagle", "pc", "pooled"),
     ]
     if request.config.getoption("--extended"):
-        # the single shared pool under MTP and EAGLE drafts: the default run
-        # compares pooled mode with it under n-gram drafts
+        # EAGLE drafts, and the single shared pool under MTP and EAGLE drafts:
+        # the default run compares pooled mode with it under n-gram drafts
         engines += [
+            (model, "eagle", "pc", "pooled"),
             (mtp_model, "mtp", "pc", "single"),
             (model, "eagle", "pc", "single"),
         ]
@@ -100,7 +101,11 @@ def _greedy(run: dict, i: int) -> Greedy:
 
 
 #: (speculative method, whether it runs on the MTP variant of the model)
-METHODS = [("ngram", False), ("mtp", True), ("eagle", False)]
+METHODS = [
+    ("ngram", False),
+    ("mtp", True),
+    pytest.param("eagle", False, marks=pytest.mark.extended),
+]
 #: the methods whose engines also run with the single shared pool
 AGAINST_SINGLE = [
     ("ngram", False),
