@@ -89,18 +89,14 @@ class Place(Enum):
 #: Where each kind of entry goes. A turn end goes to the head: ranked like
 #: any freed block it would be newer than the prompt checkpoints retired
 #: before it, and a full pool would evict those first, so a resent prompt
-#: lost its hit to make room for an answer nobody may follow up on
-#: (measured: a repeat pass of the benchmark's fixed prompts on tiny
-#: ``qwen3_next`` fell from 4,224 to 1,536 cached tokens). At the head it
-#: only uses memory no other entry wants. A prefill checkpoint is as
-#: speculative and goes there too: kept like any entry, a long prompt's
-#: checkpoints pushed a repeated prompt's own checkpoints out (tiny
-#: ``qwen3_next`` at 48 MiB, checkpoints every 384 tokens: the repeat pass hit
-#: 2,304 tokens instead of 2,688). An anchor, every few prefill checkpoints,
-#: is kept like any entry: where states are the scarce side the prefix keeps
-#: checkpoints at its anchors (Mooncake at 141 GB with turboquant_k8v4: hit
-#: rate 0.100 with every checkpoint at the head, 0.135 with anchors kept;
-#: with every checkpoint kept as an entry, 0.073).
+#: would lose its hit to make room for an answer nobody may follow up on. At
+#: the head it only uses memory no other entry wants. A prefill checkpoint is
+#: as speculative and goes there too: kept like any entry, a long prompt's
+#: checkpoints push a repeated prompt's own checkpoints out. An anchor, every
+#: few prefill checkpoints, is kept like any entry: where states are the
+#: scarce side the prefix keeps checkpoints at its anchors. The measurements
+#: behind each choice are in docs/pooled-mode.md ("Turn-end checkpoints",
+#: "Prefill checkpoints").
 PLACES: dict[Entry, Place] = {
     Entry.TURN_END: Place.HEAD,
     Entry.PREFILL: Place.HEAD,
