@@ -159,11 +159,11 @@ class DecodeEdges(Enum):
 
 
 #: Decode edges pooled mode keeps (``VLLM_HYBRID_DECODE_EDGES`` overrides it
-#: for A/B runs). Measured on the simulator (docs/simulation.md, "What a
-#: decode step copies"): ``EVERY`` made 12x upstream's state copies on the
-#: Mooncake trace, almost all superseded 16 tokens later; ``BUDGET_END``
-#: keeps every turn-end hit of replies that run to their budget at one copy
-#: per request.
+#: for A/B runs). ``EVERY`` copies a state at each edge a decode crosses,
+#: almost all superseded one state block later; ``BUDGET_END`` keeps every
+#: turn-end hit of replies that run to their budget at one copy per request
+#: (the simulator's comparison: docs/simulation.md, "What a decode step
+#: copies").
 DECODE_EDGES = DecodeEdges.BUDGET_END
 
 #: Admission's growth reserve, in state pages of tokens (the block upstream's
