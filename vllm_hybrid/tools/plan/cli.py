@@ -31,11 +31,12 @@ from vllm_hybrid.tools.plan.request import (
 EXIT_BAD_INPUT = 2
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors and exit code 2."""
+class BadInputParser(argparse.ArgumentParser):
+    """argparse with one-line errors, named by ``prog``, and exit code 2
+    (the plan, simulate and make-trace commands)."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"vllm-hybrid plan: error: {message}\n")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 EPILOG = """\
@@ -59,7 +60,7 @@ Exit codes: 0 plan printed; 2 bad input or no request fits either plan.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = BadInputParser(
         prog="vllm-hybrid plan",
         description=(
             "KV cache plan of a hybrid model for vLLM 0.32 and for vllm-hybrid's "

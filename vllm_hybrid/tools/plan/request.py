@@ -133,6 +133,17 @@ def parse_positive_float(text: str) -> float:
     return _parse_number(text, float, lambda v: v > 0, "a positive number")
 
 
+def parse_json_object(text: str) -> dict:
+    """A command-line JSON object (shapes, additional configs)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def parse_prompt_lens(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]

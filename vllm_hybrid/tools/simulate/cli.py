@@ -9,10 +9,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_hybrid.tools.plan.cli import EXIT_BAD_INPUT, add_model_arguments
+from vllm_hybrid.tools.plan.cli import (
+    EXIT_BAD_INPUT,
+    BadInputParser,
+    add_model_arguments,
+)
 from vllm_hybrid.tools.plan.presets import PRESETS
 from vllm_hybrid.tools.plan.request import (
     PlanError,
+    parse_json_object,
     parse_positive_int,
     request_from_args,
 )
@@ -46,11 +51,6 @@ figures marked "modeled" come from a documented cost model
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"vllm-hybrid simulate: error: {message}\n")
-
-
 def _names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -75,18 +75,8 @@ def _window(text: str) -> tuple[float, float | None]:
         ) from None
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = BadInputParser(
         prog="vllm-hybrid simulate",
         description=(
             "vLLM's engine core on a request trace at a real model's geometry, "
@@ -120,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     work.add_argument(
         "--shape",
-        type=_json_object,
+        type=parse_json_object,
         default={},
         metavar="JSON",
         help="sizes of chat_server / multi_turn / many_short, e.g. "
@@ -165,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engines.add_argument(
         "--hybrid-kv",
-        type=_json_object,
+        type=parse_json_object,
         default={},
         metavar="JSON",
         help="hybrid_kv options of the overlay's engines (single-pool, pooled, "

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_hybrid.tools.plan.cli import EXIT_BAD_INPUT
+from vllm_hybrid.tools.plan.cli import EXIT_BAD_INPUT, BadInputParser
+from vllm_hybrid.tools.plan.request import parse_json_object
 from vllm_hybrid.tools.tracegen.agent import AgentShape, agent
 from vllm_hybrid.tools.tracegen.common import (
     prompt_lengths,
@@ -33,23 +33,8 @@ docs/simulation.md, "Traces with follow-ups".
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"vllm-hybrid make-trace: error: {message}\n")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = BadInputParser(
         prog="vllm-hybrid make-trace",
         description="Write a request trace with follow-ups (JSONL).",
         epilog=EPILOG,
@@ -60,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="default 0")
     parser.add_argument(
         "--shape",
-        type=_json_object,
+        type=parse_json_object,
         default={},
         metavar="JSON",
         help="sizes over the defaults, e.g. '{\"tasks\": 4}' (reasoning-chat: "
