@@ -121,13 +121,39 @@ SUMMARY_HEADER = (
 )
 
 
+def _reference(runs: Mapping[str, Any]) -> tuple[str | None, dict]:
+    """The engine ratios are taken to, and its counted figures."""
+    reference = next((r for r in REFERENCE if r in runs), None)
+    return reference, flat_figures(runs[reference])["counted"] if reference else {}
+
+
+def _count_cell(
+    counted: Mapping[str, Any], ref: Mapping[str, Any], key: str, compare: bool
+) -> str:
+    """A counted figure, with its ratio to the reference engine's when
+    ``compare`` and that ratio is defined; "-" when not counted."""
+    value = counted.get(key)
+    if value is None:
+        return "-"
+    text = f"{value:,}"
+    if compare and engine_ratio_defined(ref.get(key)):
+        text += f" ({value / ref[key]:.3f}x)"
+    return text
+
+
+def _ttft_cell(modeled: Mapping[str, Any]) -> str:
+    """Modeled TTFT p50 / p99 in seconds, "-" when not modeled."""
+    if modeled.get("ttft_p50") is None:
+        return "-"
+    return f"{modeled['ttft_p50']:.2f} / {modeled['ttft_p99']:.2f}"
+
+
 def render_summary(engines: Mapping[str, Any], case: str) -> str:
     """Rows of a compact table, one per engine (its best run), that several
     comparisons share (:data:`SUMMARY_HEADER`): counted figures with the
     prefill tokens' ratio to the reference engine, and modeled TTFT."""
     runs = best_runs(engines)
-    reference = next((r for r in REFERENCE if r in runs), None)
-    ref = (runs[reference].get("counted") or {}) if reference else {}
+    reference, ref = _reference(runs)
     lines = []
     for name, summary in runs.items():
         label = engine_label(engines, name)
@@ -136,16 +162,11 @@ def render_summary(engines: Mapping[str, Any], case: str) -> str:
             continue
         figures = flat_figures(summary)
         c, m = figures["counted"], figures["modeled"]
-        prefill = f"{c['prefill_tokens']:,}"
-        if name != reference and engine_ratio_defined(ref.get("prefill_tokens")):
-            prefill += f" ({c['prefill_tokens'] / ref['prefill_tokens']:.3f}x)"
-        ttft = "-"
-        if m.get("ttft_p50") is not None:
-            ttft = f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f}"
+        prefill = _count_cell(c, ref, "prefill_tokens", name != reference)
         lines.append(
             f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {prefill} "
             f"| {c['peak_running']:,} | {c['preemptions']:,} "
-            f"| {c['copy_gb']:,.0f} | {ttft} |"
+            f"| {c['copy_gb']:,.0f} | {_ttft_cell(m)} |"
         )
     return "\n".join(lines)
 
@@ -163,8 +184,7 @@ def render_floor_summary(engines: Mapping[str, Any], case: str) -> str:
     (:data:`FLOOR_HEADER`): prefill tokens and the part of them above the
     floor, each with its ratio to the reference engine."""
     runs = best_runs(engines)
-    reference = next((r for r in REFERENCE if r in runs), None)
-    ref = flat_figures(runs[reference])["counted"] if reference else {}
+    reference, ref = _reference(runs)
     lines = []
     for name, summary in runs.items():
         label = engine_label(engines, name)
@@ -173,21 +193,14 @@ def render_floor_summary(engines: Mapping[str, Any], case: str) -> str:
             continue
         figures = flat_figures(summary)
         c, m = figures["counted"], figures["modeled"]
-        cells = []
-        for key in ("prefill_tokens", "above_floor"):
-            value = c.get(key)
-            text = "-" if value is None else f"{value:,}"
-            compared = name != reference and engine_ratio_defined(ref.get(key))
-            if value is not None and compared:
-                text += f" ({value / ref[key]:.3f}x)"
-            cells.append(text)
-        floor = "-" if c.get("floor_tokens") is None else f"{c['floor_tokens']:,}"
-        ttft = "-"
-        if m.get("ttft_p50") is not None:
-            ttft = f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f}"
+        compare = name != reference
+        prefill = _count_cell(c, ref, "prefill_tokens", compare)
+        above = _count_cell(c, ref, "above_floor", compare)
+        floor = _count_cell(c, ref, "floor_tokens", False)
         lines.append(
-            f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {cells[0]} | {floor} "
-            f"| {cells[1]} | {c['peak_running']:,} | {c['preemptions']:,} | {ttft} |"
+            f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {prefill} | {floor} "
+            f"| {above} | {c['peak_running']:,} | {c['preemptions']:,} "
+            f"| {_ttft_cell(m)} |"
         )
     return "\n".join(lines)
 
