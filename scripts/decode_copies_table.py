@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from simulation_tables import CASES, CHAT_SHAPE, MODEL
+from simulation_tables import CASES, CHAT_SHAPE, MODEL, check_cases, names
 
 from vllm_hybrid import envs
 from vllm_hybrid.tools.simulate.cli import main as simulate
@@ -37,10 +37,6 @@ HEADER = (
     "| hit rate | TPOT p50 / p99, ms (modeled) | TTFT p50 / p99, s (modeled) |\n"
     "|---|---|---|---|---|---|---|---|---|"
 )
-
-
-def _names(text: str) -> list[str]:
-    return [p for p in text.split(",") if p]
 
 
 def run(out: Path, workload: str, case: str, engine: str, variant: str, args) -> dict:
@@ -100,17 +96,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--workloads", type=_names, default=["mooncake"])
-    parser.add_argument("--cases", type=_names, default=["80-tq", "48-bf16"])
+    parser.add_argument("--workloads", type=names, default=["mooncake"])
+    parser.add_argument("--cases", type=names, default=["80-tq", "48-bf16"])
     parser.add_argument(
         "--variants",
-        type=_names,
+        type=names,
         default=[*(f"{e.value}:0" for e in DecodeEdges), "budget_end:1"],
     )
     args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    check_cases(parser, args.cases)
     args.out.mkdir(parents=True, exist_ok=True)
     for workload in args.workloads:
         rows = []

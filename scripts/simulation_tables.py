@@ -71,8 +71,16 @@ TRACE_SHAPES = {
 }
 
 
-def _names(text: str) -> list[str]:
+def names(text: str) -> list[str]:
+    """A comma-separated command-line list."""
     return [p for p in text.split(",") if p]
+
+
+def check_cases(parser: argparse.ArgumentParser, cases: list[str]) -> None:
+    """Stop with the parser's error on a case :data:`CASES` does not name."""
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
 
 
 def _trace(out: Path, workload: str) -> Path:
@@ -109,14 +117,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--workloads", type=_names, default=["mooncake", "chat_server"])
-    parser.add_argument("--cases", type=_names, default=list(CASES))
+    parser.add_argument("--workloads", type=names, default=["mooncake", "chat_server"])
+    parser.add_argument("--cases", type=names, default=list(CASES))
     parser.add_argument("--engines", default=None)
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    check_cases(parser, args.cases)
     args.out.mkdir(parents=True, exist_ok=True)
     for workload in args.workloads:
         rows = []
