@@ -147,4 +147,11 @@ def tiny_eagle_dir(tiny_model_dir, tmp_path_factory):
     from vllm_hybrid.tools.tiny_eagle import build_eagle_draft
 
     root = tmp_path_factory.mktemp("tiny-eagle")
-    return lambda kind: build_eagle_draft(tiny_model_dir(kind), root / kind)
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            cache[kind] = Path(build_eagle_draft(tiny_model_dir(kind), root / kind))
+        return cache[kind]
+
+    return get

@@ -60,7 +60,6 @@ def _run(
 @pytest.fixture(scope="module")
 def runs(request, tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
     model = tiny_model_dir("qwen3_next")
-    draft = tiny_eagle_dir("qwen3_next")
     mtp_model = tiny_model_dir("qwen3_next", mtp=True)
     tmp = tmp_path_factory.mktemp("spec_decode")
     engines = [
@@ -80,16 +79,20 @@ def runs(request, tiny_model_dir, tiny_eagle_dir, tmp_path_factory):
             (model, "eagle", "pc", "single"),
         ]
 
-    def compared(model, mode: str, caching: str, pool: str) -> bool:
+    def compared(engine_model, mode: str, caching: str, pool: str) -> bool:
         """Whether the engine's peak of running requests is compared: only
         where pooled mode and the single pool both run (the peak costs
         about three quarters of a run)."""
         other = "single" if pool == "pooled" else "pooled"
-        return (model, mode, caching, other) in engines
+        return (engine_model, mode, caching, other) in engines
 
+    # the EAGLE draft is built only where an EAGLE engine runs
     return {
         (key[1], key[2], key[3], key[0] == mtp_model): _run(
-            *key, compared(*key), tmp, draft if key[1] == "eagle" else None
+            *key,
+            compared(*key),
+            tmp,
+            tiny_eagle_dir("qwen3_next") if key[1] == "eagle" else None,
         )
         for key in engines
     }
