@@ -1,17 +1,21 @@
-"""The before/after table of docs/simulation.md's "What a decode step
-copies": ``vllm-hybrid simulate`` for Qwen3.6-35B-A3B-FP8, upstream against
-pooled mode under decode edge policies (``VLLM_HYBRID_DECODE_EDGES``) and
-admission growth reserves (``VLLM_HYBRID_ADMISSION_GROWTH``, state pages).
+"""The before/after tables of docs/simulation.md's "What a decode step
+copies" and "Prefill pacing": ``vllm-hybrid simulate`` for
+Qwen3.6-35B-A3B-FP8, upstream against pooled mode under decode edge policies
+(``VLLM_HYBRID_DECODE_EDGES``), admission growth reserves
+(``VLLM_HYBRID_ADMISSION_GROWTH``, state pages) and prefill pacings
+(``VLLM_HYBRID_PREFILL_PACING``).
 
 Usage::
 
     python scripts/decode_copies_table.py OUT_DIR [--requests N]
         [--workloads mooncake,chat_server] [--cases 80-tq,48-bf16,...]
-        [--variants every:0,budget_end:0,none:0,budget_end:1]
+        [--variants every:0:fill,budget_end:0:fill,budget_end:1:state_page]
 
-A variant is ``POLICY:PAGES``. ``every:0`` is pooled mode before edges could
-be crossed in place (a copy at every state block edge) and before the
-growth reserve; ``budget_end:1`` is the default.
+A variant is ``POLICY:PAGES[:PACING]`` (pacing ``fill`` when left out).
+``every:0`` is pooled mode before edges could be crossed in place (a copy at
+every state block edge) and before the growth reserve; ``budget_end:1:fill``
+is pooled mode before prefill pacing; ``budget_end:1:state_page`` is the
+default.
 Each run keeps its JSON in ``OUT_DIR`` and is not run again when it is there.
 The Markdown table goes to standard output, one per workload; ratios are to
 upstream of the same case.
@@ -30,7 +34,7 @@ from simulation_tables import CASES, CHAT_SHAPE, MODEL, check_cases, names
 from vllm_hybrid import envs
 from vllm_hybrid.tools.simulate.cli import main as simulate
 from vllm_hybrid.tools.simulate.report import best_runs, flat_figures
-from vllm_hybrid.v1.core.pooled.eviction import DecodeEdges
+from vllm_hybrid.v1.core.pooled.eviction import PrefillPacing
 
 HEADER = (
     "| case | engine | state copies | copied, GB | preemptions | prefill tokens "
@@ -41,8 +45,10 @@ HEADER = (
 
 def run(out: Path, workload: str, case: str, engine: str, variant: str, args) -> dict:
     """One engine's summary (its best run), simulated unless cached."""
-    policy, pages = variant.split(":")
+    policy, pages, pacing = parse_variant(variant)
     tag = engine if engine == "upstream" else f"{engine}-{policy}-g{pages}"
+    if engine != "upstream" and pacing != PrefillPacing.FILL.value:
+        tag += f"-{pacing}"
     path = out / f"{workload}-{case}-{tag}.json"
     if not path.is_file():
         argv = [MODEL, *CASES[case], "--workload", workload, "--json", str(path)]
@@ -54,8 +60,15 @@ def run(out: Path, workload: str, case: str, engine: str, variant: str, args) ->
         print(f"[decode copies] {workload} {case} {tag}", file=sys.stderr, flush=True)
         os.environ[envs.DECODE_EDGES_VAR] = policy
         os.environ[envs.ADMISSION_GROWTH_VAR] = pages
+        os.environ[envs.PREFILL_PACING_VAR] = pacing
         simulate(argv)
     return best_runs(json.loads(path.read_text())["engines"])[engine]
+
+
+def parse_variant(variant: str) -> tuple[str, str, str]:
+    """(decode edges, growth pages, pacing) of ``POLICY:PAGES[:PACING]``."""
+    policy, pages, *rest = variant.split(":")
+    return policy, pages, rest[0] if rest else PrefillPacing.FILL.value
 
 
 def _pair(a: float | None, b: float | None, scale: float, fmt: str) -> str:
@@ -70,6 +83,15 @@ def _ratio(value: float | None, reference: float | None, digits: int = 2) -> str
     return f" ({value / reference:.{digits}f}x)"
 
 
+def _ratios(figures: dict, reference: dict, *keys: str) -> str:
+    """`` (a / b)``: the ratios of two figures to the reference's."""
+    parts = []
+    for key in keys:
+        value, ref = figures.get(key), reference.get(key)
+        parts.append(f"{value / ref:.2f}x" if value and ref else "-")
+    return f" ({' / '.join(parts)})"
+
+
 def row(case: str, label: str, summary: dict, reference: dict | None) -> str:
     if "error" in summary:
         return f"| {case} | {label} | failed | | | | | | |"
@@ -80,8 +102,8 @@ def row(case: str, label: str, summary: dict, reference: dict | None) -> str:
     tpot = _pair(m.get("tpot_p50_ms"), m.get("tpot_p99_ms"), 1, "{:.1f}")
     ttft = _pair(m.get("ttft_p50"), m.get("ttft_p99"), 1, "{:.2f}")
     if reference is not None:
-        tpot += _ratio(m.get("tpot_p99_ms"), ref_m.get("tpot_p99_ms"))
-        ttft += _ratio(m.get("ttft_p99"), ref_m.get("ttft_p99"))
+        tpot += _ratios(m, ref_m, "tpot_p50_ms", "tpot_p99_ms")
+        ttft += _ratios(m, ref_m, "ttft_p50", "ttft_p99")
     prefill = f"{c['prefill_tokens']:,}" + _ratio(
         c["prefill_tokens"], ref_c.get("prefill_tokens"), 3
     )
@@ -101,7 +123,7 @@ def main() -> int:
     parser.add_argument(
         "--variants",
         type=names,
-        default=[*(f"{e.value}:0" for e in DecodeEdges), "budget_end:1"],
+        default=["budget_end:1:fill", "budget_end:1:state_page"],
     )
     args = parser.parse_args()
     check_cases(parser, args.cases)
@@ -113,8 +135,8 @@ def main() -> int:
             rows.append(row(case, "upstream", upstream, None))
             for variant in args.variants:
                 pooled = run(args.out, workload, case, "pooled", variant, args)
-                policy, pages = variant.split(":")
-                label = f"pooled, {policy}, reserve {pages}"
+                policy, pages, pacing = parse_variant(variant)
+                label = f"pooled, {policy}, reserve {pages}, {pacing}"
                 rows.append(row(case, label, pooled, upstream))
         print(f"\n{workload}\n\n{HEADER}\n" + "\n".join(rows))
     return 0

@@ -76,6 +76,10 @@ DECODE_EDGES_VAR = "VLLM_HYBRID_DECODE_EDGES"
 #: none; :data:`vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`
 #: when unset); for A/B runs.
 ADMISSION_GROWTH_VAR = "VLLM_HYBRID_ADMISSION_GROWTH"
+#: How many prompt tokens a pooled step computes while few requests wait:
+#: ``state_page`` (the default) or ``fill``
+#: (:class:`vllm_hybrid.v1.core.pooled.eviction.PrefillPacing`); for A/B runs.
+PREFILL_PACING_VAR = "VLLM_HYBRID_PREFILL_PACING"
 
 
 def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -100,6 +104,7 @@ OVERLAY_ENV_VARS = (
     SKIP_NATIVE_VAR,
     DECODE_EDGES_VAR,
     ADMISSION_GROWTH_VAR,
+    PREFILL_PACING_VAR,
 )
 
 

@@ -144,3 +144,46 @@ def test_growth_reserve_setting():
     assert admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "0.5"}) == 0.5
     with pytest.raises(ValueError, match="VLLM_HYBRID_ADMISSION_GROWTH='-1'"):
         admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "-1"})
+
+
+def test_paced_step_budget_is_the_largest_multiple_of_the_page():
+    """Upstream's chunk of one long prompt: 2 x 2,768 of 8,192 with
+    turboquant_k8v4's block, 7 x 1,056 with bf16's; a budget of one page
+    (1,056 of 2,048) or less (2,768 over 2,048) is not paced."""
+    from vllm_hybrid.v1.core.pooled.eviction import PrefillPacing
+    from vllm_hybrid.v1.core.sched.scheduler import paced_step_budget
+
+    paced = PrefillPacing.STATE_PAGE
+    assert paced_step_budget(8192, 2768, paced) == 5536
+    assert paced_step_budget(8192, 1056, paced) == 7392
+    assert paced_step_budget(2112, 1056, paced) == 2112
+    assert paced_step_budget(2111, 1056, paced) is None
+    assert paced_step_budget(2048, 2768, paced) is None
+    assert paced_step_budget(8192, None, paced) is None
+    assert paced_step_budget(8192, 2768, PrefillPacing.FILL) is None
+
+
+@pytest.mark.parametrize(("waiting", "budget"), [(0, 5536), (4, 5536), (5, 8192)])
+def test_steps_are_paced_while_few_requests_wait(waiting, budget):
+    from vllm_hybrid.v1.core.pooled.eviction import PACING_MAX_WAITING
+    from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+
+    assert PACING_MAX_WAITING == 4
+    scheduler = SimpleNamespace(
+        _paced_budget=5536, _full_budget=8192, waiting=[object()] * waiting
+    )
+    assert PooledSchedulerMixin.step_token_budget(scheduler) == budget
+    scheduler._paced_budget = None  # never paced
+    assert PooledSchedulerMixin.step_token_budget(scheduler) == 8192
+
+
+def test_prefill_pacing_setting():
+    from vllm_hybrid import envs
+    from vllm_hybrid.v1.core.pooled.eviction import PREFILL_PACING, PrefillPacing
+    from vllm_hybrid.v1.core.sched.scheduler import prefill_pacing_policy
+
+    assert prefill_pacing_policy({}) is PREFILL_PACING is PrefillPacing.STATE_PAGE
+    fill = prefill_pacing_policy({envs.PREFILL_PACING_VAR: "Fill"})
+    assert fill is PrefillPacing.FILL
+    with pytest.raises(ValueError, match="VLLM_HYBRID_PREFILL_PACING='x'.*fill"):
+        prefill_pacing_policy({envs.PREFILL_PACING_VAR: "x"})

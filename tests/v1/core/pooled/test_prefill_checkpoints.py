@@ -70,6 +70,18 @@ def test_the_interval_is_the_state_page_in_tokens_or_the_budget_term():
     assert prefill_checkpoint_interval(_qwen3_6_plan(32, 512, "none"), 4096, None) == 0
 
 
+def test_the_pacing_page_is_upstreams_state_block():
+    """Qwen3.6's GDN state (2,146,304 B a layer) over one bf16 attention
+    layer's 2,048 B a token, in 16-token blocks: 16 x ceil(1,048.02 / 16) =
+    1,056 tokens, the block vLLM 0.32 gives this model with bf16 KV."""
+    from vllm_hybrid.v1.core.sched.scheduler import pacing_page
+
+    assert pacing_page(_qwen3_6_plan(16, 512), "align") == 1056
+    assert pacing_page(_qwen3_6_plan(128, 512), "align") == 1152
+    assert pacing_page(_qwen3_6_plan(16, 512, "none"), "none") is None
+    assert pacing_page(object(), "align") is None  # not a pooled plan
+
+
 def test_anchors_are_where_the_checkpoints_weigh_what_their_prefix_weighs():
     """The 6 GDN layers' state block (12,877,824 B) weighs 3,144 tokens of
     the 2 attention layers' KV (4,096 B per token): the nearest whole number

@@ -166,6 +166,47 @@ class DecodeEdges(Enum):
 #: copies").
 DECODE_EDGES = DecodeEdges.BUDGET_END
 
+
+class PrefillPacing(Enum):
+    """How many prompt tokens one step computes while the queue is short.
+
+    A step takes longer the more prompt tokens it computes, and every running
+    request's next token waits for it: the decode tail (TPOT p99) follows the
+    prompt tokens of the steps decodes share. Upstream's align mode ends a
+    chunk that does not finish its prompt on its state block, the block its
+    single pool inflates attention to (1,056-2,768 tokens for Qwen3.5/3.6):
+    with a token budget of 8,192 and a 2,768-token block a long prompt's
+    chunk is 5,536 tokens, and a step fills the rest only with prompts it
+    finishes. Pooled mode's state block is 16 tokens, so its steps fill the
+    whole budget with chunks of several prompts.
+    """
+
+    #: Every step may fill the token budget (``--max-num-batched-tokens``):
+    #: prompts finish sooner, decodes sharing those steps wait longer.
+    FILL = "fill"
+    #: While at most :data:`PACING_MAX_WAITING` requests wait, a step's token
+    #: budget is the largest multiple of the state page in tokens (upstream's
+    #: state block) it holds: no step computes more than upstream's chunk of
+    #: one long prompt. With more waiting, queueing dominates their latency
+    #: and steps fill the budget as with ``FILL``.
+    STATE_PAGE = "state_page"
+
+
+#: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
+#: for A/B runs; the simulator's comparison is in docs/simulation.md,
+#: "Prefill pacing").
+PREFILL_PACING = PrefillPacing.STATE_PAGE
+
+#: Waiting requests up to which :attr:`PrefillPacing.STATE_PAGE` paces.
+PACING_MAX_WAITING = 4
+
+#: State pages a step's token budget must hold for steps to be paced. A
+#: budget of one page and a bit (2,048 tokens below 70 GiB against bf16's
+#: 1,056-token page) would be nearly halved: steps of ~1,000 prompt tokens
+#: are bound by reading the weights, so twice as many of them lengthened the
+#: decode tail instead of shortening it (the simulator at 24 and 48 GB bf16).
+PACING_MIN_PAGES = 2
+
 #: Admission's growth reserve, in state pages of tokens (the block upstream's
 #: single pool inflates attention to; 0 turns the reserve off). A waiting
 #: request is admitted only while the token pool keeps, beyond its blocks,

@@ -32,7 +32,13 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-from vllm_hybrid.v1.core.pooled.eviction import ADMISSION_GROWTH_STATE_PAGES
+from vllm_hybrid.v1.core.pooled.eviction import (
+    ADMISSION_GROWTH_STATE_PAGES,
+    PACING_MAX_WAITING,
+    PACING_MIN_PAGES,
+    PREFILL_PACING,
+    PrefillPacing,
+)
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
     next_prefill_checkpoint,
     state_page_tokens,
@@ -73,6 +79,9 @@ class PooledSchedulerMixin:
       it the attention block, is untouched.
     * A prefill chunk also ends at each prefill checkpoint, so the state
       there is written and retention can keep it.
+    * While few requests wait, a step computes at most upstream's chunk of
+      one long prompt (:class:`~vllm_hybrid.v1.core.pooled.eviction.
+      PrefillPacing`).
     * Per-pool usage is published once per step, after upstream's stats.
     """
 
@@ -91,6 +100,14 @@ class PooledSchedulerMixin:
         #: (tokens each running request may grow, token block, token groups)
         #: of admission's growth reserve; None: no reserve
         self._growth = growth_reserve_geometry(self.kv_cache_config)
+        #: the token budget of steps that fill it, and of paced steps (None:
+        #: never paced)
+        self._full_budget = self.max_num_scheduled_tokens
+        self._paced_budget = paced_step_budget(
+            self._full_budget,
+            pacing_page(self.kv_cache_config, self.cache_config.mamba_cache_mode),
+            prefill_pacing_policy(),
+        )
         if self.prefill_checkpoint_interval:
             anchor = getattr(self.kv_cache_config, "prefill_checkpoint_anchor", 0)
             logger.info(
@@ -146,11 +163,20 @@ class PooledSchedulerMixin:
         return num_new_tokens
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.max_num_scheduled_tokens = self.step_token_budget()
         if self._growth is not None:
             # upstream's watermark: free token blocks a waiting or preempted
             # request must leave after its own, while others run
             self.kv_cache_manager.watermark_blocks = self.growth_reserve()
         return super().schedule(*args, **kwargs)
+
+    def step_token_budget(self) -> int:
+        """The token budget of the next step: paced while at most
+        :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MAX_WAITING`
+        requests wait, the full budget otherwise."""
+        if self._paced_budget is not None and len(self.waiting) <= PACING_MAX_WAITING:
+            return self._paced_budget
+        return self._full_budget
 
     def growth_reserve(self) -> int:
         """Token-pool blocks the running requests may grow into before a
@@ -188,6 +214,49 @@ def growth_reserve_geometry(kv_cache_config: Any) -> tuple[int, int, int] | None
     block = kv_cache_config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
     horizon = int(pages * state_page_tokens(kv_cache_config))
     return horizon, block.block_size, len(token.group_ids)
+
+
+def pacing_page(kv_cache_config: Any, mamba_cache_mode: str) -> int | None:
+    """The page pooled mode paces steps on: the state page in tokens
+    (upstream's state block), rounded up to the state block; None outside
+    align mode or for a plan without a state pool."""
+    if mamba_cache_mode != "align" or not isinstance(
+        kv_cache_config, PooledKVCacheConfig
+    ):
+        return None
+    if not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
+        return None
+    state = kv_cache_config.pool_by_kind(PoolKind.STATE)
+    block = kv_cache_config.kv_cache_groups[state.group_ids[0]].kv_cache_spec.block_size
+    return cdiv(state_page_tokens(kv_cache_config), block) * block
+
+
+def paced_step_budget(
+    budget: int, page: int | None, pacing: PrefillPacing
+) -> int | None:
+    """The token budget of a paced step: the largest multiple of ``page``
+    within ``budget``; None when steps are never paced (``FILL``, no page,
+    or a budget of fewer than
+    :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MIN_PAGES` pages)."""
+    if pacing is PrefillPacing.FILL or page is None:
+        return None
+    pages = budget // page
+    return pages * page if pages >= PACING_MIN_PAGES else None
+
+
+def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
+    """``VLLM_HYBRID_PREFILL_PACING`` when set, else
+    :data:`~vllm_hybrid.v1.core.pooled.eviction.PREFILL_PACING`."""
+    value = envs.raw(envs.PREFILL_PACING_VAR, environ)
+    if value is None:
+        return PREFILL_PACING
+    try:
+        return PrefillPacing(value.lower())
+    except ValueError:
+        known = ", ".join(p.value for p in PrefillPacing)
+        raise ValueError(
+            f"{envs.PREFILL_PACING_VAR}={value!r} is not understood: one of {known}"
+        ) from None
 
 
 def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:
