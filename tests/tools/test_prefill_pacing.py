@@ -1,11 +1,13 @@
 """Prefill pacing on a real scheduler: the first step of a pooled engine
 (the tiny qwen3_6 on the simulator's stand-in executor, no model compute)
-computes at most a multiple of the state page while few requests wait.
+over 5,000-token prompts, paced while few requests wait.
 
 The tiny qwen3_6 has the flagship's per-layer shapes: one GDN layer's state
 weighs 1,048 tokens of one bf16 attention layer's KV. Rounded up to the
 state block, 128 tokens on the CPU platform, the page is 9 x 128 = 1,152
-tokens, and a 4,096-token step budget is paced to 3 x 1,152 = 3,456.
+tokens, and a 4,096-token step budget is paced to 3 x 1,152 = 3,456. Prefill
+checkpoints lie every 1,664 tokens (the budget term at 256 MiB), not on page
+multiples, so chunks are still cut there.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ BUDGET = 4096
 PAGE = 1152
 
 
-def _first_step_tokens(model: Path, prompts: int, monkeypatch, pacing: str) -> int:
+def _first_step(
+    model: Path, prompts: int, monkeypatch, pacing: str, interval: int = 1664
+) -> dict[str, int]:
+    """Tokens the first step schedules per request (``interval``: between
+    prefill checkpoints)."""
     from vllm_hybrid.tools.plan.geometry import EngineOptions
     from vllm_hybrid.tools.plan.request import PlanRequest
     from vllm_hybrid.tools.simulate.drive import _add
@@ -38,27 +44,48 @@ def _first_step_tokens(model: Path, prompts: int, monkeypatch, pacing: str) -> i
         max_num_batched_tokens=BUDGET,
         max_model_len=8192,
     )
-    with open_engine(request, model, EngineOptions()) as engine:
+    options = EngineOptions(hybrid_kv={"prefill_checkpoint_interval": interval})
+    with open_engine(request, model, options) as engine:
         scheduler = engine.scheduler
         assert type(scheduler).__name__ == "PooledScheduler"
         for i in range(prompts):
             prompt = [(7 * i + j) % 1000 + 1 for j in range(5000)]
             _add(engine.core, SimRequest(f"r{i}", prompt, 4, 0.0))
         assert len(scheduler.waiting) == prompts
-        return scheduler.schedule().total_num_scheduled_tokens
+        assert scheduler.prefill_checkpoint_interval == interval
+        return dict(scheduler.schedule().num_scheduled_tokens)
 
 
 @pytest.mark.parametrize(
-    ("pacing", "prompts", "tokens"),
+    ("pacing", "prompts", "chunks"),
     [
-        ("state_page", PACING_MAX_WAITING, 3 * PAGE),
+        # paced to 3,456: r0 cut at its checkpoint, r1 ends on a page
+        # multiple, r2's 640 tokens reach none and it waits
+        ("state_page", PACING_MAX_WAITING, {"r0": 1664, "r1": PAGE}),
         # more waiting: queueing dominates, the step fills the budget
-        ("state_page", PACING_MAX_WAITING + 1, BUDGET),
-        ("fill", PACING_MAX_WAITING, BUDGET),
+        (
+            "state_page",
+            PACING_MAX_WAITING + 1,
+            {"r0": 1664, "r1": 1664, "r2": BUDGET - 2 * 1664},
+        ),
+        ("fill", PACING_MAX_WAITING, {"r0": 1664, "r1": 1664, "r2": BUDGET - 2 * 1664}),
     ],
 )
-def test_a_paced_step_computes_a_multiple_of_the_state_page(
-    tiny_model_dir, monkeypatch, pacing, prompts, tokens
+def test_a_paced_step_ends_chunks_on_the_state_page(
+    tiny_model_dir, monkeypatch, pacing, prompts, chunks
 ):
     model = tiny_model_dir("qwen3_6")
-    assert _first_step_tokens(model, prompts, monkeypatch, pacing) == tokens
+    assert _first_step(model, prompts, monkeypatch, pacing) == chunks
+
+
+def test_checkpoints_on_page_multiples_do_not_cut_a_paced_chunk(
+    tiny_model_dir, monkeypatch
+):
+    """Checkpoints every two pages: r0's chunk runs to 3,456 past the one at
+    2,304 (a paced step keeps checkpoints where chunks end on them); unpaced,
+    the checkpoint cuts it."""
+    model = tiny_model_dir("qwen3_6")
+    paced = _first_step(model, PACING_MAX_WAITING, monkeypatch, "state_page", 2304)
+    assert paced == {"r0": 3 * PAGE}
+    filled = _first_step(model, PACING_MAX_WAITING, monkeypatch, "fill", 2304)
+    assert filled == {"r0": 2304, "r1": BUDGET - 2304}

@@ -163,18 +163,39 @@ def test_paced_step_budget_is_the_largest_multiple_of_the_page():
     assert paced_step_budget(8192, 2768, PrefillPacing.FILL) is None
 
 
-@pytest.mark.parametrize(("waiting", "budget"), [(0, 5536), (4, 5536), (5, 8192)])
-def test_steps_are_paced_while_few_requests_wait(waiting, budget):
+@pytest.mark.parametrize(("waiting", "paced"), [(0, True), (4, True), (5, False)])
+def test_steps_are_paced_while_few_requests_wait(waiting, paced):
     from vllm_hybrid.v1.core.pooled.eviction import PACING_MAX_WAITING
     from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
     assert PACING_MAX_WAITING == 4
-    scheduler = SimpleNamespace(
-        _paced_budget=5536, _full_budget=8192, waiting=[object()] * waiting
-    )
-    assert PooledSchedulerMixin.step_token_budget(scheduler) == budget
+    scheduler = SimpleNamespace(_paced_budget=5536, waiting=[object()] * waiting)
+    assert PooledSchedulerMixin.paces_next_step(scheduler) is paced
     scheduler._paced_budget = None  # never paced
-    assert PooledSchedulerMixin.step_token_budget(scheduler) == 8192
+    assert PooledSchedulerMixin.paces_next_step(scheduler) is False
+
+
+def test_a_paced_chunk_ends_on_a_page_multiple_unless_it_finishes_the_prompt():
+    """Upstream's align split with a 1,056-token block: the chunk a budget
+    allows is cut back to the last block edge it reaches, or to nothing."""
+    from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+
+    scheduler = SimpleNamespace(_pace_page=1056)
+
+    def chunk(prompt: int, start: int, tokens: int, output: int = 0) -> int:
+        request = SimpleNamespace(num_prompt_tokens=prompt, num_tokens=prompt + output)
+        return PooledSchedulerMixin._paced_chunk(scheduler, request, start, tokens)
+
+    assert chunk(10_000, 0, 7392) == 7392
+    assert chunk(10_000, 0, 7380) == 6336  # 12 decodes took their tokens
+    assert chunk(10_000, 7392, 2608) == 2608  # the last chunk
+    assert chunk(3_000, 0, 3000) == 3000
+    # a hit 500 tokens in: the last multiple the chunk reaches...
+    assert chunk(5_000, 500, 2000) == 2112 - 500
+    # ...or none, and the request waits for a step with room
+    assert chunk(5_000, 500, 400) == 0
+    # a preempted request replaying its output is still prefilling
+    assert chunk(4_000, 0, 4100, output=200) == 3 * 1056
 
 
 def test_prefill_pacing_setting():

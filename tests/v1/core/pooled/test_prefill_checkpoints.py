@@ -144,6 +144,7 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
         self.prefill_checkpoint_interval = interval
         self.prefill_checkpoint_cuts = 0
         self.cache_config = type("C", (), {"block_size": 32})()
+        self._paced_step = False  # pacing: test_pooled_scheduler.py
 
 
 def _request(computed: int, prompt: int):

@@ -80,8 +80,9 @@ class PooledSchedulerMixin:
     * A prefill chunk also ends at each prefill checkpoint, so the state
       there is written and retention can keep it.
     * While few requests wait, a step computes at most upstream's chunk of
-      one long prompt (:class:`~vllm_hybrid.v1.core.pooled.eviction.
-      PrefillPacing`).
+      one long prompt, and a chunk that does not finish its prompt ends on a
+      multiple of the state page (:class:`~vllm_hybrid.v1.core.pooled.
+      eviction.PrefillPacing`).
     * Per-pool usage is published once per step, after upstream's stats.
     """
 
@@ -100,13 +101,19 @@ class PooledSchedulerMixin:
         #: (tokens each running request may grow, token block, token groups)
         #: of admission's growth reserve; None: no reserve
         self._growth = growth_reserve_geometry(self.kv_cache_config)
-        #: the token budget of steps that fill it, and of paced steps (None:
-        #: never paced)
+        #: the page paced chunks end on, the token budget of steps that fill
+        #: it and of paced steps (None: never paced), and whether this step is
+        self._pace_page = pacing_page(
+            self.kv_cache_config, self.cache_config.mamba_cache_mode
+        )
         self._full_budget = self.max_num_scheduled_tokens
         self._paced_budget = paced_step_budget(
-            self._full_budget,
-            pacing_page(self.kv_cache_config, self.cache_config.mamba_cache_mode),
-            prefill_pacing_policy(),
+            self._full_budget, self._pace_page, prefill_pacing_policy()
+        )
+        self._paced_step = False
+        #: prefill checkpoints lie on page multiples, where paced chunks end
+        self._checkpoints_on_pace = bool(
+            self._pace_page and self.prefill_checkpoint_interval % self._pace_page == 0
         )
         if self.prefill_checkpoint_interval:
             anchor = getattr(self.kv_cache_config, "prefill_checkpoint_anchor", 0)
@@ -139,18 +146,28 @@ class PooledSchedulerMixin:
         num_external_computed_tokens: int = 0,
     ) -> int:
         """Upstream's split, ending the chunk at the next prefill checkpoint
-        when it would run past one."""
+        when it would run past one; in a paced step, of the chunk paced."""
+        start = (
+            request.num_computed_tokens
+            + num_new_local_computed_tokens
+            + num_external_computed_tokens
+        )
+        if self._paced_step:
+            # before upstream's split, so that the stops it adds (the
+            # prompt's own checkpoint, a junction) stay where they are
+            num_new_tokens = self._paced_chunk(request, start, num_new_tokens)
+            if num_new_tokens == 0:
+                return 0
         num_new_tokens = super()._mamba_block_aligned_split(
             request,
             num_new_tokens,
             num_new_local_computed_tokens,
             num_external_computed_tokens,
         )
-        start = (
-            request.num_computed_tokens
-            + num_new_local_computed_tokens
-            + num_external_computed_tokens
-        )
+        if self._paced_step and self._checkpoints_on_pace:
+            # the chunk ends on a page multiple: a prefill checkpoint is kept
+            # where it ends on one, without cutting a chunk short for it
+            return num_new_tokens
         stop = next_prefill_checkpoint(
             start,
             request.num_prompt_tokens,
@@ -162,21 +179,34 @@ class PooledSchedulerMixin:
             return stop - start
         return num_new_tokens
 
+    def _paced_chunk(self, request: Any, start: int, num_new_tokens: int) -> int:
+        """The chunk a paced step's budget allows, ended on a multiple of the
+        pacing page unless it finishes the prompt (as upstream's align split
+        ends it on its block); 0 when no multiple lies inside it."""
+        assert self._pace_page is not None
+        end = start + num_new_tokens
+        if end >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            return num_new_tokens
+        return max(end // self._pace_page * self._pace_page - start, 0)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self.max_num_scheduled_tokens = self.step_token_budget()
+        self._paced_step = self.paces_next_step()
+        self.max_num_scheduled_tokens = (
+            self._paced_budget if self._paced_step else self._full_budget
+        )
         if self._growth is not None:
             # upstream's watermark: free token blocks a waiting or preempted
             # request must leave after its own, while others run
             self.kv_cache_manager.watermark_blocks = self.growth_reserve()
         return super().schedule(*args, **kwargs)
 
-    def step_token_budget(self) -> int:
-        """The token budget of the next step: paced while at most
-        :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MAX_WAITING`
-        requests wait, the full budget otherwise."""
-        if self._paced_budget is not None and len(self.waiting) <= PACING_MAX_WAITING:
-            return self._paced_budget
-        return self._full_budget
+    def paces_next_step(self) -> bool:
+        """Whether the next step is paced: pacing is on for this plan and at
+        most :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MAX_WAITING`
+        requests wait."""
+        return (
+            self._paced_budget is not None and len(self.waiting) <= PACING_MAX_WAITING
+        )
 
     def growth_reserve(self) -> int:
         """Token-pool blocks the running requests may grow into before a
