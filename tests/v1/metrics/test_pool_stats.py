@@ -70,6 +70,7 @@ class _UpstreamScheduler:
         )
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[])
         self.cache_config = SimpleNamespace(mamba_cache_mode="align", block_size=16)
+        self.max_num_scheduled_tokens = 8192
         self.kv_cache_manager = SimpleNamespace(
             coordinator=SimpleNamespace(arena=arena)
         )

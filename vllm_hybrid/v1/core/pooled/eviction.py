@@ -186,9 +186,13 @@ class PrefillPacing(Enum):
     FILL = "fill"
     #: While at most :data:`PACING_MAX_WAITING` requests wait, a step's token
     #: budget is the largest multiple of the state page in tokens (upstream's
-    #: state block) it holds: no step computes more than upstream's chunk of
-    #: one long prompt. With more waiting, queueing dominates their latency
-    #: and steps fill the budget as with ``FILL``.
+    #: state block) it holds, and a chunk that does not finish its prompt
+    #: ends on a multiple of the page, as upstream's align split ends it on
+    #: its block: no step computes more than upstream's chunk of one long
+    #: prompt, and with decodes in the step one page of it. Prefill
+    #: checkpoints on page multiples are kept where such chunks end, without
+    #: cutting chunks for them. With more waiting, queueing dominates their
+    #: latency and steps fill the budget as with ``FILL``.
     STATE_PAGE = "state_page"
 
 
