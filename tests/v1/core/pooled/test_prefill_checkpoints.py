@@ -119,6 +119,22 @@ def test_the_option_is_a_whole_number_of_tokens(value, parsed):
     )
 
 
+def test_the_last_checkpoint_a_chunk_passes():
+    """A 1,300-token prompt's chunk from 0 to its own checkpoint (1,280)
+    passes the one at 1,056; one from 1,056 passes none."""
+    from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+        last_prefill_checkpoint,
+    )
+
+    assert last_prefill_checkpoint(0, 1280, 1300, 1056, 32) == 1056
+    assert last_prefill_checkpoint(1056, 1280, 1300, 1056, 32) is None
+    # the last of several, never the prompt's own (2,112 is 5,000's last)
+    assert last_prefill_checkpoint(0, 4992, 5000, 1056, 32) == 4224
+    assert last_prefill_checkpoint(0, 2112, 2113, 1056, 32) == 1056
+    assert last_prefill_checkpoint(0, 1000, 1300, 1056, 32) is None
+    assert last_prefill_checkpoint(0, 1280, 1300, 0, 32) is None
+
+
 def test_positions_lie_below_the_prompts_own_checkpoint():
     # a 1,300-token prompt keeps its own at 1,280; 2,112 would pass it
     assert list(prefill_checkpoints(1300, 1056, 32)) == [1056]

@@ -147,3 +147,16 @@ def next_prefill_checkpoint(
     if position < prompt_checkpoint(num_prompt_tokens, block):
         return position
     return None
+
+
+def last_prefill_checkpoint(
+    start: int, end: int, num_prompt_tokens: int, interval: int, block: int
+) -> int | None:
+    """The last prefill checkpoint strictly between ``start`` and ``end``, if
+    any: where a chunk that reaches the prompt's own checkpoint stops, as
+    upstream's align split stops at the last block edge before it."""
+    if interval <= 0:
+        return None
+    limit = min(end, prompt_checkpoint(num_prompt_tokens, block))
+    position = (limit - 1) // interval * interval
+    return position if start < position and position > 0 else None

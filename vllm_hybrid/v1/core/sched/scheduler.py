@@ -40,7 +40,9 @@ from vllm_hybrid.v1.core.pooled.eviction import (
     PrefillPacing,
 )
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
+    last_prefill_checkpoint,
     next_prefill_checkpoint,
+    prompt_checkpoint,
     state_page_tokens,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
@@ -165,9 +167,7 @@ class PooledSchedulerMixin:
             num_external_computed_tokens,
         )
         if self._paced_step and self._checkpoints_on_pace:
-            # the chunk ends on a page multiple: a prefill checkpoint is kept
-            # where it ends on one, without cutting a chunk short for it
-            return num_new_tokens
+            return self._paced_checkpoint_stop(request, start, num_new_tokens)
         stop = next_prefill_checkpoint(
             start,
             request.num_prompt_tokens,
@@ -178,6 +178,30 @@ class PooledSchedulerMixin:
             self.prefill_checkpoint_cuts += 1
             return stop - start
         return num_new_tokens
+
+    def _paced_checkpoint_stop(
+        self, request: Any, start: int, num_new_tokens: int
+    ) -> int:
+        """A paced chunk ends on a page multiple, where a prefill checkpoint
+        is kept without cutting the chunk short for it; only a chunk that
+        reaches the prompt's own checkpoint stops at the last prefill
+        checkpoint before it, as upstream's split stops at its last block
+        edge, so a first reuse of the prefix finds it."""
+        block = self.cache_config.block_size
+        end = start + num_new_tokens
+        if end < prompt_checkpoint(request.num_prompt_tokens, block):
+            return num_new_tokens
+        stop = last_prefill_checkpoint(
+            start,
+            end,
+            request.num_prompt_tokens,
+            self.prefill_checkpoint_interval,
+            block,
+        )
+        if stop is None:
+            return num_new_tokens
+        self.prefill_checkpoint_cuts += 1
+        return stop - start
 
     def _paced_chunk(self, request: Any, start: int, num_new_tokens: int) -> int:
         """The chunk a paced step's budget allows, ended on a multiple of the
