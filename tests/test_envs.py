@@ -1,5 +1,6 @@
 import pytest
 
+from vllm_hybrid import envs
 from vllm_hybrid.envs import SWITCH_VAR, overlay_enabled
 
 
@@ -58,3 +59,19 @@ def test_every_overlay_variable_reaches_ray_workers():
 
     plugin.register()
     assert set(envs.OVERLAY_ENV_VARS) <= get_env_vars_to_copy()
+
+
+def test_a_choice_is_an_enum_member_by_value_and_a_bad_one_names_the_values():
+    from enum import Enum
+
+    class Colour(Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    name = envs.DECODE_EDGES_VAR  # any declared variable
+    assert envs.choice(name, Colour.RED, {}) is Colour.RED
+    assert envs.choice(name, Colour.RED, {name: " Blue "}) is Colour.BLUE
+    with pytest.raises(ValueError, match=rf"{name}='green'.*one of red, blue$"):
+        envs.choice(name, Colour.RED, {name: "green"})
+    with pytest.raises(KeyError, match="not declared"):
+        envs.choice("VLLM_HYBRID_NOT_DECLARED", Colour.RED, {})

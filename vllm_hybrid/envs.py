@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from enum import Enum
+from typing import TypeVar
+
+E = TypeVar("E", bound=Enum)
 
 SWITCH_VAR = "VLLM_HYBRID_KV"
 
@@ -91,6 +95,23 @@ def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     if value is None or not value.strip():
         return None
     return value.strip()
+
+
+def choice(name: str, default: E, environ: Mapping[str, str] | None = None) -> E:
+    """The member of ``default``'s enum that variable ``name`` names (by
+    value, any case), ``default`` when unset; :class:`ValueError` naming the
+    variable and the values it takes otherwise."""
+    value = raw(name, environ)
+    if value is None:
+        return default
+    kind = type(default)
+    try:
+        return kind(value.lower())
+    except ValueError:
+        known = ", ".join(str(member.value) for member in kind)
+        raise ValueError(
+            f"{name}={value!r} is not understood: one of {known}"
+        ) from None
 
 
 #: Every variable the overlay reads. vLLM warns about (or, with hard failing

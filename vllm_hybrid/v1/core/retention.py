@@ -400,16 +400,7 @@ def budget_end_edge(request: Request, block: int) -> int:
 def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
     """Pooled mode's :class:`DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES`` when
     set, else :data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_EDGES`."""
-    value = envs.raw(envs.DECODE_EDGES_VAR, environ)
-    if value is None:
-        return DECODE_EDGES
-    try:
-        return DecodeEdges(value.lower())
-    except ValueError:
-        known = ", ".join(e.value for e in DecodeEdges)
-        raise ValueError(
-            f"{envs.DECODE_EDGES_VAR}={value!r} is not understood: one of {known}"
-        ) from None
+    return envs.choice(envs.DECODE_EDGES_VAR, DECODE_EDGES, environ)
 
 
 def _drop_in_place_key(manager: Any, request_id: str) -> None:

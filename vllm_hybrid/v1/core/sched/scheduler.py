@@ -301,16 +301,7 @@ def paced_step_budget(
 def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
     """``VLLM_HYBRID_PREFILL_PACING`` when set, else
     :data:`~vllm_hybrid.v1.core.pooled.eviction.PREFILL_PACING`."""
-    value = envs.raw(envs.PREFILL_PACING_VAR, environ)
-    if value is None:
-        return PREFILL_PACING
-    try:
-        return PrefillPacing(value.lower())
-    except ValueError:
-        known = ", ".join(p.value for p in PrefillPacing)
-        raise ValueError(
-            f"{envs.PREFILL_PACING_VAR}={value!r} is not understood: one of {known}"
-        ) from None
+    return envs.choice(envs.PREFILL_PACING_VAR, PREFILL_PACING, environ)
 
 
 def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:
