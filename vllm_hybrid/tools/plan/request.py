@@ -133,15 +133,24 @@ def parse_positive_float(text: str) -> float:
     return _parse_number(text, float, lambda v: v > 0, "a positive number")
 
 
-def parse_json_object(text: str) -> dict:
-    """A command-line JSON object (shapes, additional configs)."""
+def load_json_object(text: str) -> dict:
+    """``text`` as a JSON object; :class:`ValueError` saying why it is not
+    one (the caller names where the text came from)."""
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        raise ValueError(f"not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
+        raise ValueError("not a JSON object")
     return value
+
+
+def parse_json_object(text: str) -> dict:
+    """A command-line JSON object (shapes, additional configs)."""
+    try:
+        return load_json_object(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_prompt_lens(text: str) -> list[int]:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_hybrid.tools.plan.request import load_json_object
+
 #: The format names :func:`trace_format` tells apart.
 MOONCAKE, FOLLOWUPS = "mooncake", "followups"
 
@@ -158,11 +160,9 @@ class _LineReader:
 def _parse(path: Path, number: int, text: str) -> FollowupRecord:
     check = _LineReader(path, number)
     try:
-        data = json.loads(text)
+        data = load_json_object(text)
     except ValueError as exc:
-        raise check.fail(f"not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise check.fail("not a JSON object")
+        raise check.fail(str(exc)) from None
     known = {"id", "segments", "output_length", "timestamp", "after", "delay_ms"}
     extra = sorted(set(data) - known)
     if extra:
