@@ -84,7 +84,10 @@ class PooledSchedulerMixin:
     * While few requests wait, a step computes at most upstream's chunk of
       one long prompt, and a chunk that does not finish its prompt ends on a
       multiple of the state page (:class:`~vllm_hybrid.v1.core.pooled.
-      eviction.PrefillPacing`).
+      eviction.PrefillPacing`). Where the checkpoints lie on page multiples,
+      such a step keeps those its chunks end on instead of cutting chunks
+      for each; a chunk reaching the prompt's own checkpoint still stops at
+      the last one before it.
     * Per-pool usage is published once per step, after upstream's stats.
     """
 
