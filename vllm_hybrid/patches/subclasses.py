@@ -122,21 +122,29 @@ SUBCLASSES: list[SubclassEntry] = [
             "which upstream makes the state block; pooled mode keeps attention "
             "at its own block, so a longer --mamba-block-size lost every "
             "checkpoint a chunk ran past. Pooled mode also keeps a state every "
-            "prefill checkpoint interval, which needs a chunk to end there."
+            "prefill checkpoint interval, which needs a chunk to end there. "
+            "Its 16-token blocks reserve no growth at admission and its steps "
+            "filled the token budget with chunks of several prompts, where "
+            "upstream's large block does both implicitly (preemptions, a "
+            "longer decode tail)."
         ),
         how=(
             "Selected through scheduler_cls by the engine core's KV planning "
-            "(get_kv_cache_configs) only when the state block is longer than "
-            "the attention block; its constructor gives the scheduler a copy "
-            "of the cache config whose block_size is the state block. A test "
-            "checks that upstream reads that field only in the Mamba split. "
-            "The split override calls upstream's and ends the chunk earlier "
-            "at the next prefill checkpoint, if any."
+            "(get_kv_cache_configs) for every pooled plan; where the state "
+            "block is longer than the attention block its constructor gives "
+            "the scheduler a copy of the cache config whose block_size is the "
+            "state block. A test checks that upstream reads that field only "
+            "in the Mamba split. The split override paces the chunk (state "
+            "page multiples while few wait), calls upstream's and ends the "
+            "chunk at a prefill checkpoint; schedule() sets the step's token "
+            "budget and upstream's watermark_blocks (the growth reserve) "
+            "before upstream's schedule runs."
         ),
         upstream_status="none",
         removal=(
             "When upstream's align-mode split reads the state group's block "
-            "size, or with the get_kv_cache_configs entry."
+            "size and its scheduler reserves growth and paces prefills for "
+            "pooled pages, or with the get_kv_cache_configs entry."
         ),
     ),
     SubclassEntry(
