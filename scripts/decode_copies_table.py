@@ -2,8 +2,9 @@
 copies" and "Prefill pacing": ``vllm-hybrid simulate`` for
 Qwen3.6-35B-A3B-FP8, upstream against pooled mode under decode edge policies
 (``VLLM_HYBRID_DECODE_EDGES``), admission growth reserves
-(``VLLM_HYBRID_ADMISSION_GROWTH``, state pages) and prefill pacings
-(``VLLM_HYBRID_PREFILL_PACING``).
+(``VLLM_HYBRID_ADMISSION_GROWTH``, state pages), prefill pacings
+(``VLLM_HYBRID_PREFILL_PACING``) and state eviction windows
+(``VLLM_HYBRID_STATE_EVICTION_WINDOW``).
 
 Usage::
 
@@ -11,7 +12,8 @@ Usage::
         [--workloads mooncake,chat_server] [--cases 80-tq,48-bf16,...]
         [--variants every:0:fill,budget_end:0:fill,budget_end:1:state_page]
 
-A variant is ``POLICY:PAGES[:PACING]`` (pacing ``fill`` when left out).
+A variant is ``POLICY:PAGES[:PACING[:WINDOW]]`` (pacing ``fill`` and the
+default window when left out).
 ``every:0`` is pooled mode before edges could be crossed in place (a copy at
 every state block edge) and before the growth reserve; ``budget_end:1:fill``
 is pooled mode before prefill pacing; ``budget_end:1:state_page`` is the
@@ -45,10 +47,12 @@ HEADER = (
 
 def run(out: Path, workload: str, case: str, engine: str, variant: str, args) -> dict:
     """One engine's summary (its best run), simulated unless cached."""
-    policy, pages, pacing = parse_variant(variant)
+    policy, pages, pacing, window = parse_variant(variant)
     tag = engine if engine == "upstream" else f"{engine}-{policy}-g{pages}"
     if engine != "upstream" and pacing != PrefillPacing.FILL.value:
         tag += f"-{pacing}"
+    if engine != "upstream" and window:
+        tag += f"-w{window}"
     path = out / f"{workload}-{case}-{tag}.json"
     if not path.is_file():
         argv = [MODEL, *CASES[case], "--workload", workload, "--json", str(path)]
@@ -61,14 +65,17 @@ def run(out: Path, workload: str, case: str, engine: str, variant: str, args) ->
         os.environ[envs.DECODE_EDGES_VAR] = policy
         os.environ[envs.ADMISSION_GROWTH_VAR] = pages
         os.environ[envs.PREFILL_PACING_VAR] = pacing
+        os.environ[envs.STATE_EVICTION_WINDOW_VAR] = window
         simulate(argv)
     return best_runs(json.loads(path.read_text())["engines"])[engine]
 
 
-def parse_variant(variant: str) -> tuple[str, str, str]:
-    """(decode edges, growth pages, pacing) of ``POLICY:PAGES[:PACING]``."""
+def parse_variant(variant: str) -> tuple[str, str, str, str]:
+    """(decode edges, growth pages, pacing, state eviction window; "" for the
+    default) of ``POLICY:PAGES[:PACING[:WINDOW]]``."""
     policy, pages, *rest = variant.split(":")
-    return policy, pages, rest[0] if rest else PrefillPacing.FILL.value
+    pacing = rest[0] if rest else PrefillPacing.FILL.value
+    return policy, pages, pacing, rest[1] if len(rest) > 1 else ""
 
 
 def _pair(a: float | None, b: float | None, scale: float, fmt: str) -> str:
@@ -135,8 +142,10 @@ def main() -> int:
             rows.append(row(case, "upstream", upstream, None))
             for variant in args.variants:
                 pooled = run(args.out, workload, case, "pooled", variant, args)
-                policy, pages, pacing = parse_variant(variant)
+                policy, pages, pacing, window = parse_variant(variant)
                 label = f"pooled, {policy}, reserve {pages}, {pacing}"
+                if window:
+                    label += f", window {window}"
                 rows.append(row(case, label, pooled, upstream))
         print(f"\n{workload}\n\n{HEADER}\n" + "\n".join(rows))
     return 0

@@ -84,6 +84,11 @@ ADMISSION_GROWTH_VAR = "VLLM_HYBRID_ADMISSION_GROWTH"
 #: ``state_page`` (the default) or ``fill``
 #: (:class:`vllm_hybrid.v1.core.pooled.eviction.PrefillPacing`); for A/B runs.
 PREFILL_PACING_VAR = "VLLM_HYBRID_PREFILL_PACING"
+#: Oldest cached state blocks among which pooled mode's state pool hands out
+#: the one farthest from the arena's boundary (1: plain LRU;
+#: :data:`vllm_hybrid.v1.core.pooled.eviction.STATE_EVICTION_WINDOW` when
+#: unset); for A/B runs.
+STATE_EVICTION_WINDOW_VAR = "VLLM_HYBRID_STATE_EVICTION_WINDOW"
 
 
 def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -126,6 +131,7 @@ OVERLAY_ENV_VARS = (
     DECODE_EDGES_VAR,
     ADMISSION_GROWTH_VAR,
     PREFILL_PACING_VAR,
+    STATE_EVICTION_WINDOW_VAR,
 )
 
 

@@ -137,8 +137,9 @@ SUBCLASSES: list[SubclassEntry] = [
             "in the Mamba split. The split override paces the chunk (state "
             "page multiples while few wait), calls upstream's and ends the "
             "chunk at a prefill checkpoint; schedule() sets the step's token "
-            "budget and upstream's watermark_blocks (the growth reserve) "
-            "before upstream's schedule runs."
+            "budget and upstream's watermark_blocks (the growth reserve, "
+            "also handed to the pooled coordinator so that admission moves "
+            "the arena's boundary for it) before upstream's schedule runs."
         ),
         upstream_status="none",
         removal=(

@@ -36,7 +36,7 @@ from vllm.v1.core.kv_cache_utils import (
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
-from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Reach
+from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Place, Reach
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -203,6 +203,61 @@ def test_prepend_n_puts_cached_blocks_at_lru_head():
     assert queue.cached_ids() == [6, 3, 4]
     assert queue.popleft().block_id == 7  # clean ones still go first
     assert [queue.popleft().block_id for _ in range(5)] == [8, 9, 10, 11, 6]
+
+
+def _state_pool_freed(order: list[int], window: int) -> ArenaBlockPool:
+    """The small arena's state pool (ids 5..9) with every block cached and
+    freed in ``order``, picking among its ``window`` oldest."""
+    pool = make_arena().state_pool
+    held = {b.block_id: b for b in pool.get_new_blocks(5)}
+    for bid, block in held.items():
+        cache(pool, block, bytes([bid]))
+    pool.free_block_queue.window = window
+    pool.free_blocks([held[bid] for bid in order])
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("window", "handed_out"),
+    [(1, [5, 9, 6, 8, 7]), (2, [9, 6, 8, 7, 5]), (8, [9, 8, 7, 6, 5])],
+)
+def test_state_pool_hands_out_the_farthest_of_its_oldest_cached_blocks(
+    window, handed_out
+):
+    """Freed as 5, 9, 6, 8, 7: plain LRU with a window of one; with a window
+    the highest id (farthest from the boundary below the state pool) among
+    the oldest goes first, so the ids next to the boundary stay free."""
+    pool = _state_pool_freed([5, 9, 6, 8, 7], window)
+    assert free_order(pool) == handed_out
+    assert ids(pool.get_new_blocks(5)) == handed_out
+
+
+def test_entries_filed_at_the_head_still_go_first():
+    """Speculative entries placed at the head (5 and 6) go before older
+    entries farther from the boundary; the window orders them among
+    themselves."""
+    pool = _state_pool_freed([5, 6, 7, 8, 9], 8)
+    queue = pool.free_block_queue
+    assert free_order(pool) == [9, 8, 7, 6, 5]
+    queue.place(pool.blocks[5], Place.HEAD)
+    queue.place(pool.blocks[6], Place.HEAD)
+    assert free_order(pool) == [6, 5, 9, 8, 7]
+    assert ids(pool.get_new_blocks(3)) == [6, 5, 9]
+    # moved to the tail, an entry joins the rest again
+    queue.place(pool.blocks[7], Place.TAIL)
+    assert free_order(pool) == [8, 7]
+
+
+def test_the_token_pool_keeps_plain_lru():
+    """Upstream frees a request's blocks last block first, so a cached prefix
+    is evicted from its end; the token pool must not pick by position."""
+    pool = make_arena().token_pool
+    assert pool.free_block_queue.window == 1
+    held = pool.get_new_blocks(3)
+    for block, name in zip(held, (b"a", b"b", b"c"), strict=True):
+        cache(pool, block, name)
+    pool.free_blocks(held[::-1])
+    assert pool.free_block_queue.cached_ids() == ids(held[::-1])
 
 
 def test_queue_heap_compaction_keeps_order():
@@ -811,3 +866,16 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
     assert st_.get_cached_block(BlockHash(b"s5"), [1]) == [hit]
     assert arena.boundary.ensure(10, 0)  # without the hit, the move evicts it
     arena.check_invariants()
+
+
+def test_state_eviction_window_setting():
+    from vllm_hybrid import envs
+    from vllm_hybrid.v1.core.pooled.block_pool import state_eviction_window
+    from vllm_hybrid.v1.core.pooled.eviction import STATE_EVICTION_WINDOW
+
+    name = envs.STATE_EVICTION_WINDOW_VAR
+    assert state_eviction_window({}) == STATE_EVICTION_WINDOW == 8
+    assert state_eviction_window({name: " 1 "}) == 1
+    for bad in ("0", "-2", "2.5", "all"):
+        with pytest.raises(ValueError, match=rf"{name}='{bad}'.*whole number >= 1"):
+            state_eviction_window({name: bad})

@@ -19,8 +19,15 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.core.pooled.eviction import PLACES, Entry, Place, Reach
+from vllm_hybrid.v1.core.pooled.eviction import (
+    PLACES,
+    STATE_EVICTION_WINDOW,
+    Entry,
+    Place,
+    Reach,
+)
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
@@ -108,6 +115,7 @@ class ArenaBlockPool(BlockPool):
         return ArenaFreeBlockQueue(
             (self.blocks[i] for i in self.owned_ids if self.blocks[i].ref_cnt == 0),
             low_ids_first=self.side is PoolKind.TOKEN,
+            window=1 if self.side is PoolKind.TOKEN else state_eviction_window(),
         )
 
     def touch(self, blocks: Any) -> None:
@@ -310,3 +318,17 @@ class ArenaBlockPool(BlockPool):
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids
         self.free_block_queue.append_n(arriving)
+
+
+def state_eviction_window(environ: dict[str, str] | None = None) -> int:
+    """``VLLM_HYBRID_STATE_EVICTION_WINDOW`` when set, else
+    :data:`~vllm_hybrid.v1.core.pooled.eviction.STATE_EVICTION_WINDOW`."""
+    value = envs.raw(envs.STATE_EVICTION_WINDOW_VAR, environ)
+    if value is None:
+        return STATE_EVICTION_WINDOW
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{envs.STATE_EVICTION_WINDOW_VAR}={value!r} is not understood: "
+            "cached state blocks to choose among, a whole number >= 1 (1: LRU)"
+        )
+    return int(value)

@@ -75,6 +75,9 @@ class PooledCoordinatorMixin:
         #: how often a request crossed a state block edge in place: short of
         #: memory at an edge a policy keeps, or at an edge none keeps
         self.short_memory_counts = {"state_in_place": 0, "edges_in_place": 0}
+        #: token-pool blocks the scheduler keeps free for running requests'
+        #: growth when it admits another (upstream's watermark, set per step)
+        self.admission_reserve = 0
         if hasattr(self, "verify_and_split_kv_cache_groups"):
             self.verify_and_split_kv_cache_groups()
 
@@ -138,6 +141,8 @@ class PooledCoordinatorMixin:
         # Prefix hits are touched only after this check; a boundary move must
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
+        if self._admits_with_reserve(request_id, need_token, need_state, hits):
+            return need_token
         in_place = self._in_place_blocks(request_id, needs)
         if in_place and self._unkept_edge(request_id, total_computed_tokens):
             # an edge nobody keeps: advance in place, no copy
@@ -159,6 +164,33 @@ class PooledCoordinatorMixin:
             self._in_place[request_id] = in_place
             self.short_memory_counts["state_in_place"] += 1
         return need_token
+
+    def _admits_with_reserve(
+        self,
+        request_id: str,
+        need_token: int,
+        need_state: int,
+        hits: list[KVCacheBlock],
+    ) -> bool:
+        """Admit a request that holds no blocks yet (waiting or preempted)
+        with the growth reserve on top of its own token blocks.
+
+        Upstream checks its watermark (:attr:`admission_reserve`, the
+        scheduler's growth reserve) against the token pool's free blocks
+        after this admission; securing only the request's own blocks would
+        then refuse it while the state pool still holds free blocks the
+        boundary could hand over. False (and nothing moved) when there is no
+        reserve, the request already runs, or the arena cannot serve both.
+        """
+        if not self.admission_reserve or any(
+            manager.req_to_blocks.get(request_id)
+            for manager in self.single_type_managers
+        ):
+            return False
+        admission = self.arena.boundary.admit(
+            need_token + self.admission_reserve, need_state, keep=hits
+        )
+        return admission is Admission.SERVED
 
     # -- advancing the state in place ------------------------------------------
 

@@ -10,9 +10,12 @@ Hand-out order of one pool's free blocks, first to last (:data:`HAND_OUT_ORDER`)
    boundary first (token pool: lowest id, state pool: highest id), so blocks
    next to the boundary stay free and the boundary stays movable;
 2. ``CACHED``: evictable cached blocks, least recently freed first, as
-   upstream does; a freed turn-end (decode) or prefill checkpoint goes to
-   the head of its segment (:data:`PLACES`), so it only uses memory no other
-   entry wants;
+   upstream does, except that in the state pool, of the
+   :data:`STATE_EVICTION_WINDOW` least recently freed the one farthest from
+   the boundary goes first; a freed turn-end
+   (decode) or prefill checkpoint goes to the head of its segment
+   (:data:`PLACES`), so it only uses memory no other entry wants (entries
+   filed at the head go before the rest, the window applying among them);
 3. ``PROTECTED``: cached blocks that served :data:`PROTECT_AFTER_HITS` prefix
    hits since they were cached (a shared system prompt, a conversation that
    was followed up), in their own LRU: a burst of one-off entries cannot
@@ -50,6 +53,19 @@ class Segment(Enum):
     CACHED = "cached"
     PROTECTED = "protected"
 
+
+#: Least recently freed cached blocks of the state pool among which it hands
+#: out the one farthest from the arena's boundary (1: plain LRU). A state
+#: block handed out next to the boundary is live until its request ends and
+#: pins the boundary: the token pool then cannot grow into a state pool that
+#: has free blocks elsewhere, and admission waits although the arena has room
+#: (at 48 GB turboquant_k8v4 on Mooncake, with about 28 of 69 state blocks
+#: free, the boundary could not move for half the admissions tried). Bounded
+#: so that the order stays close to LRU. The token pool keeps plain LRU:
+#: upstream frees a request's blocks last block first, so a cached prefix is
+#: evicted from its end; picking by position would evict its first block and
+#: orphan the rest.
+STATE_EVICTION_WINDOW = 8
 
 #: Segments in the order their blocks are handed out.
 HAND_OUT_ORDER: tuple[Segment, ...] = (

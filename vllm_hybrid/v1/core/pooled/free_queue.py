@@ -10,6 +10,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from itertools import chain, islice, takewhile
+from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -35,7 +37,8 @@ class ArenaFreeBlockQueue:
       amortised: farthest from the boundary first;
     * each cached segment is an LRU list. Upstream's ``append_n`` puts blocks
       at its tail and ``prepend_n`` at its head, in the given order; both are
-      kept.
+      kept. A pop takes, of the ``window`` oldest, the one farthest from the
+      boundary (entries filed at the head before the rest).
 
     A block is filed by :meth:`EvictionPolicy.segment_of` when it enters the
     queue; :meth:`refile` moves it when its hash changes while free (eviction
@@ -43,8 +46,12 @@ class ArenaFreeBlockQueue:
     blocks are not used.
     """
 
-    def __init__(self, blocks: Iterable[KVCacheBlock], low_ids_first: bool) -> None:
+    def __init__(
+        self, blocks: Iterable[KVCacheBlock], low_ids_first: bool, window: int = 1
+    ) -> None:
         self.low_ids_first = low_ids_first
+        #: oldest cached blocks among which a pop picks by position
+        self.window = window
         #: the order's per-pool state (prefix hits per cached block)
         self.policy = EvictionPolicy()
         self._clean: dict[int, KVCacheBlock] = {}
@@ -53,6 +60,9 @@ class ArenaFreeBlockQueue:
             segment: OrderedDict() for segment in HAND_OUT_ORDER
         }
         del self._lru[Segment.CLEAN]
+        #: cached ids filed at their segment's head and not moved since: a
+        #: prefix of the segment, handed out before the rest of it
+        self._front: set[int] = set()
         self.append_n(list(blocks))
 
     # -- read side --------------------------------------------------------
@@ -97,7 +107,7 @@ class ArenaFreeBlockQueue:
 
     def protected_ids(self) -> list[int]:
         """Ids of the protected segment, in hand-out order."""
-        return list(self._lru[Segment.PROTECTED])
+        return self._ids_of(Segment.PROTECTED)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
@@ -106,7 +116,8 @@ class ArenaFreeBlockQueue:
             if segment is Segment.CLEAN:
                 out += [self._clean[bid] for bid in self.clean_ids()]
             else:
-                out += list(self._lru[segment].values())
+                lru = self._lru[segment]
+                out += [lru[bid] for bid in self._ids_of(segment)]
         return out
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
@@ -143,6 +154,7 @@ class ArenaFreeBlockQueue:
         if holder is None:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not free")
         del holder[block.block_id]
+        self._front.discard(block.block_id)
         if holder is self._clean:
             self._maybe_compact()  # its heap entry goes stale
 
@@ -172,6 +184,7 @@ class ArenaFreeBlockQueue:
             return
         if (holder is self._clean) != (block.block_hash is None):
             del holder[block.block_id]
+            self._front.discard(block.block_id)
             self._file(block, Place.TAIL)
 
     # -- helpers ----------------------------------------------------------
@@ -180,9 +193,25 @@ class ArenaFreeBlockQueue:
         return self._clean if segment is Segment.CLEAN else self._lru[segment]
 
     def _ids_of(self, segment: Segment) -> list[int]:
+        """A segment's ids in the order pops would return them."""
         if segment is Segment.CLEAN:
             return self.clean_ids()
-        return list(self._lru[segment])
+        front, rest = self._split_front(self._lru[segment])
+        return [
+            *_windowed(front, self.window, self._id_to_key),
+            *_windowed(rest, self.window, self._id_to_key),
+        ]
+
+    def _split_front(self, lru: OrderedDict[int, KVCacheBlock]) -> tuple[list, Any]:
+        """A segment's ids filed at its head (a prefix), and an iterator
+        over the rest."""
+        it = iter(lru)
+        front: list[int] = []
+        for bid in it:
+            if bid not in self._front:
+                return front, chain((bid,), it)
+            front.append(bid)
+        return front, iter(())
 
     def _holder(self, block: KVCacheBlock) -> dict[int, KVCacheBlock] | None:
         bid = block.block_id
@@ -201,11 +230,20 @@ class ArenaFreeBlockQueue:
         lru[block.block_id] = block
         if place is Place.HEAD:
             lru.move_to_end(block.block_id, last=False)
+            self._front.add(block.block_id)
 
     def _pop_first(self, segment: Segment) -> KVCacheBlock | None:
         if segment is not Segment.CLEAN:
             lru = self._lru[segment]
-            return lru.popitem(last=False)[1] if lru else None
+            if not lru:
+                return None
+            oldest = list(islice(lru, self.window))
+            if oldest[0] in self._front:
+                # entries filed at the head go first, as the order says
+                oldest = list(takewhile(self._front.__contains__, oldest))
+            bid = min(oldest, key=self._id_to_key)
+            self._front.discard(bid)
+            return lru.pop(bid)
         while self._heap:
             bid = self._key_to_id(heapq.heappop(self._heap))
             block = self._clean.pop(bid, None)
@@ -229,3 +267,19 @@ class ArenaFreeBlockQueue:
         if len(self._heap) > 2 * len(self._clean) + 64:
             self._heap = [self._id_to_key(bid) for bid in self._clean]
             heapq.heapify(self._heap)
+
+
+def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
+    """``ids`` (oldest first) in the order repeated pops take them: each pop
+    takes the smallest ``key`` among the ``window`` oldest left. A heap over
+    the sliding window gives that order in O(n log window)."""
+    it = iter(ids)
+    heap = [(key(bid), bid) for bid in islice(it, window)]
+    heapq.heapify(heap)
+    out: list[int] = []
+    while heap:
+        out.append(heapq.heappop(heap)[1])
+        nxt = next(it, None)
+        if nxt is not None:
+            heapq.heappush(heap, (key(nxt), nxt))
+    return out

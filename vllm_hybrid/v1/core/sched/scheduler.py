@@ -224,7 +224,12 @@ class PooledSchedulerMixin:
         if self._growth is not None:
             # upstream's watermark: free token blocks a waiting or preempted
             # request must leave after its own, while others run
-            self.kv_cache_manager.watermark_blocks = self.growth_reserve()
+            reserve = self.growth_reserve()
+            self.kv_cache_manager.watermark_blocks = reserve
+            coordinator = self.kv_cache_manager.coordinator
+            if hasattr(coordinator, "admission_reserve"):
+                # so that admission moves the arena's boundary for it too
+                coordinator.admission_reserve = reserve
         return super().schedule(*args, **kwargs)
 
     def paces_next_step(self) -> bool:
