@@ -227,6 +227,18 @@ PACING_MAX_WAITING = 4
 #: decode tail instead of shortening it (the simulator at 24 and 48 GB bf16).
 PACING_MIN_PAGES = 2
 
+#: Whether a running request's prefill chunk leaves room in the step's token
+#: budget for the decodes of the running requests after it. vLLM schedules
+#: running requests in order and a chunk takes what the budget has left, so
+#: a long prompt admitted earlier starves the decodes of shorter prompts that
+#: started after it, step after step until it finishes. Upstream's align
+#: split ends such a chunk on its 1,056-2,768-token block, which leaves room;
+#: pooled mode's 16-token block does not, and a prefill checkpoint's cut
+#: lets a later prompt finish and then wait behind the long one (the
+#: simulator at 48 GB bf16: 18 requests lost 3 to 20 decode steps each, the
+#: TPOT p99 tail; upstream none).
+DECODE_ROOM = True
+
 #: Admission's growth reserve, in state pages of tokens (the block upstream's
 #: single pool inflates attention to; 0 turns the reserve off). A waiting
 #: request is admitted only while the token pool keeps, beyond its blocks,

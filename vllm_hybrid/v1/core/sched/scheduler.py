@@ -34,6 +34,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.eviction import (
     ADMISSION_GROWTH_STATE_PAGES,
+    DECODE_ROOM,
     PACING_MAX_WAITING,
     PACING_MIN_PAGES,
     PREFILL_PACING,
@@ -88,6 +89,9 @@ class PooledSchedulerMixin:
       such a step keeps those its chunks end on instead of cutting chunks
       for each; a chunk reaching the prompt's own checkpoint still stops at
       the last one before it.
+    * A running request's prefill chunk that the token budget cuts leaves
+      room for the decodes of the running requests after it
+      (:data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_ROOM`).
     * Per-pool usage is published once per step, after upstream's stats.
     """
 
@@ -116,6 +120,9 @@ class PooledSchedulerMixin:
             self._full_budget, self._pace_page, prefill_pacing_policy()
         )
         self._paced_step = False
+        #: decode tokens of the running requests after each prefilling one,
+        #: this step (empty: no room kept)
+        self._decode_room: dict[str, int] = {}
         #: prefill checkpoints lie on page multiples, where paced chunks end
         self._checkpoints_on_pace = bool(
             self._pace_page and self.prefill_checkpoint_interval % self._pace_page == 0
@@ -157,6 +164,12 @@ class PooledSchedulerMixin:
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
+        room = self._decode_room.get(request.request_id, 0)
+        if room and start + num_new_tokens < prefill_end(request):
+            # the budget cut this chunk: what it leaves, the decodes behind get
+            num_new_tokens = max(num_new_tokens - room, 0)
+            if num_new_tokens == 0:
+                return 0
         if self._paced_step:
             # before upstream's split, so that the stops it adds (the
             # prompt's own checkpoint, a junction) stay where they are
@@ -212,7 +225,7 @@ class PooledSchedulerMixin:
         ends it on its block); 0 when no multiple lies inside it."""
         assert self._pace_page is not None
         end = start + num_new_tokens
-        if end >= max(request.num_prompt_tokens, request.num_tokens - 1):
+        if end >= prefill_end(request):
             return num_new_tokens
         return max(end // self._pace_page * self._pace_page - start, 0)
 
@@ -221,6 +234,7 @@ class PooledSchedulerMixin:
         self.max_num_scheduled_tokens = (
             self._paced_budget if self._paced_step else self._full_budget
         )
+        self._decode_room = decode_room(self.running) if DECODE_ROOM else {}
         if self._growth is not None:
             # upstream's watermark: free token blocks a waiting or preempted
             # request must leave after its own, while others run
@@ -260,6 +274,27 @@ class PooledSchedulerMixin:
         if stats is not None and arena is not None:
             self._pool_stats.publish(arena.usage())
         return stats
+
+
+def prefill_end(request: Any) -> int:
+    """The position a request's prefill ends at: its prompt, or for a
+    resumed request the output tokens it replays, as upstream's split."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
+def decode_room(running: list[Any]) -> dict[str, int]:
+    """For each prefilling request in ``running``, the tokens the decoding
+    requests after it schedule this step (one each, plus its draft tokens);
+    prefilling requests without decodes after them are left out."""
+    room: dict[str, int] = {}
+    behind = 0
+    for request in reversed(running):
+        if request.num_computed_tokens < prefill_end(request):
+            if behind:
+                room[request.request_id] = behind
+            continue
+        behind += 1 + len(request.spec_token_ids)
+    return room
 
 
 def growth_reserve_geometry(kv_cache_config: Any) -> tuple[int, int, int] | None:
