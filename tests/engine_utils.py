@@ -9,7 +9,8 @@ from __future__ import annotations
 import gc
 import importlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
@@ -66,6 +67,30 @@ def with_engine(
         cleanup_dist_env_and_memory()
         plugin.deactivate()
         plugin.register()
+
+
+@contextmanager
+def stand_in_engine(model: Any, budget: int, checkpoint_interval: int) -> Iterator[Any]:
+    """A pooled engine of the tiny ``model`` on the simulator's stand-in
+    executor (no model compute), for tests of what its scheduler schedules:
+    256 MiB of KV, 16 sequences of at most 8,192 tokens, a token budget of
+    ``budget`` and prefill checkpoints every ``checkpoint_interval`` tokens."""
+    from vllm_hybrid.tools.plan.geometry import EngineOptions
+    from vllm_hybrid.tools.plan.request import PlanRequest
+    from vllm_hybrid.tools.simulate.engine import open_engine
+
+    request = PlanRequest(
+        model=str(model),
+        kv_cache_memory=256 * 2**20,
+        device="cpu",
+        mamba_ssm_cache_dtype=ENGINE_DEFAULTS["mamba_ssm_cache_dtype"],
+        max_num_seqs=16,
+        max_num_batched_tokens=budget,
+        max_model_len=8192,
+    )
+    hybrid_kv = {"prefill_checkpoint_interval": checkpoint_interval}
+    with open_engine(request, model, EngineOptions(hybrid_kv=hybrid_kv)) as engine:
+        yield engine
 
 
 def scheduler(llm: Any) -> Any:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from engine_utils import stand_in_engine
 
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.sched import scheduler as pooled_scheduler
@@ -53,25 +54,12 @@ def test_decode_room_counts_the_decodes_after_each_prefilling_request():
 def _steps(model: Path, monkeypatch, room: bool, steps: int) -> list[dict[str, int]]:
     """Tokens each of the first ``steps`` schedules gives each request: r0
     (8,000 tokens) arrives first, r1 (100) second."""
-    from vllm_hybrid.tools.plan.geometry import EngineOptions
-    from vllm_hybrid.tools.plan.request import PlanRequest
     from vllm_hybrid.tools.simulate.drive import _add
-    from vllm_hybrid.tools.simulate.engine import open_engine
     from vllm_hybrid.tools.simulate.sources import SimRequest
 
     monkeypatch.setenv(envs.PREFILL_PACING_VAR, "fill")
     monkeypatch.setattr(pooled_scheduler, "DECODE_ROOM", room)
-    request = PlanRequest(
-        model=str(model),
-        kv_cache_memory=256 * 2**20,
-        device="cpu",
-        mamba_ssm_cache_dtype="float32",
-        max_num_seqs=16,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=8192,
-    )
-    options = EngineOptions(hybrid_kv={"prefill_checkpoint_interval": INTERVAL})
-    with open_engine(request, model, options) as engine:
+    with stand_in_engine(model, BUDGET, INTERVAL) as engine:
         scheduler = engine.scheduler
         assert type(scheduler).__name__.startswith("Pooled")
         schedule = scheduler.schedule

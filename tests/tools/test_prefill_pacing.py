@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from engine_utils import stand_in_engine
 
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.eviction import PACING_MAX_WAITING
@@ -28,24 +29,11 @@ def _first_step(
 ) -> dict[str, int]:
     """Tokens the first step schedules per request (``interval``: between
     prefill checkpoints)."""
-    from vllm_hybrid.tools.plan.geometry import EngineOptions
-    from vllm_hybrid.tools.plan.request import PlanRequest
     from vllm_hybrid.tools.simulate.drive import _add
-    from vllm_hybrid.tools.simulate.engine import open_engine
     from vllm_hybrid.tools.simulate.sources import SimRequest
 
     monkeypatch.setenv(envs.PREFILL_PACING_VAR, pacing)
-    request = PlanRequest(
-        model=str(model),
-        kv_cache_memory=256 * 2**20,
-        device="cpu",
-        mamba_ssm_cache_dtype="float32",
-        max_num_seqs=16,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=8192,
-    )
-    options = EngineOptions(hybrid_kv={"prefill_checkpoint_interval": interval})
-    with open_engine(request, model, options) as engine:
+    with stand_in_engine(model, BUDGET, interval) as engine:
         scheduler = engine.scheduler
         assert type(scheduler).__name__ == "PooledScheduler"
         for i in range(prompts):

@@ -161,6 +161,7 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
         self.prefill_checkpoint_cuts = 0
         self.cache_config = type("C", (), {"block_size": 32})()
         self._paced_step = False  # pacing: test_pooled_scheduler.py
+        self._decode_room = {}  # no decodes: test_decode_room.py
 
 
 def _request(computed: int, prompt: int):
