@@ -165,7 +165,15 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
 
 
 def _request(computed: int, prompt: int):
-    return type("R", (), {"num_computed_tokens": computed, "num_prompt_tokens": prompt})
+    return type(
+        "R",
+        (),
+        {
+            "request_id": "r",
+            "num_computed_tokens": computed,
+            "num_prompt_tokens": prompt,
+        },
+    )
 
 
 def test_the_scheduler_ends_a_chunk_at_the_next_checkpoint():

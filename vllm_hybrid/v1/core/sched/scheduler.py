@@ -164,7 +164,7 @@ class PooledSchedulerMixin:
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
-        room = self._decode_room.get(request.request_id, 0) if self._decode_room else 0
+        room = self._decode_room.get(request.request_id, 0)
         if room and start + num_new_tokens < prefill_end(request):
             # the budget cut this chunk: what it leaves, the decodes behind get
             num_new_tokens = max(num_new_tokens - room, 0)
