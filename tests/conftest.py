@@ -4,6 +4,7 @@ the hypothesis profiles the property tests run under."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,17 @@ from suite_order import longest_first
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+#: tests/site/sitecustomize.py: young garbage collections where vLLM asks for
+#: full ones, in this process and (through PYTHONPATH) in every process a test
+#: starts, pytest-xdist's workers included.
+SITE = Path(__file__).resolve().parent / "site"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(SITE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+)
+if str(SITE) not in sys.path:
+    sys.path.insert(0, str(SITE))
+import sitecustomize  # noqa: E402,F401
 
 # "ci" (the default, and what scripts/test.sh selects): the same examples on
 # every run and machine (derandomized, no example database), so a green run

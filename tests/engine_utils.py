@@ -6,7 +6,6 @@ one process (``tests/`` is on ``sys.path`` through its ``conftest.py``).
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +18,14 @@ from typing import Any, TypeVar
 from vllm_hybrid.tools.inproc import engine_core, top2_gaps
 
 T = TypeVar("T")
+
+try:
+    # tests/site/sitecustomize.py, loaded in every process of the suite
+    from sitecustomize import full_collect
+except ImportError:  # a script of the suite run by hand
+    import gc
+
+    full_collect = gc.collect
 
 #: Engine arguments every engine test uses unless it says otherwise.
 ENGINE_DEFAULTS = {
@@ -63,7 +70,7 @@ def with_engine(
         return work(llm)
     finally:
         del llm
-        gc.collect()
+        full_collect()
         cleanup_dist_env_and_memory()
         plugin.deactivate()
         plugin.register()

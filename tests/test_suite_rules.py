@@ -111,3 +111,27 @@ def test_the_rules_catch_what_they_name():
     )
     assert clock_reads(bad) == [4, 5]
     assert profile_overrides(bad) == [6]
+
+
+def test_processes_the_suite_starts_collect_young_generations_only():
+    """tests/site/sitecustomize.py reaches this process and the processes a
+    test starts (through PYTHONPATH): an explicit gc.collect() leaves a cycle
+    that survived into the oldest generation, full_collect() frees it."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import gc, weakref\n"
+        "from sitecustomize import full_collect\n"
+        "class Node: pass\n"
+        "a = Node(); a.self = a; alive = weakref.ref(a)\n"
+        "full_collect()\n"  # a, still referenced, is in the oldest generation
+        "del a; gc.collect()\n"
+        "after_young = alive() is not None\n"
+        "full_collect()\n"
+        "print(gc.collect.__module__, after_young, alive() is None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out == ["sitecustomize", "True", "True"]

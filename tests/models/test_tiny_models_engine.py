@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-from engine_utils import ENGINE_DEFAULTS, scheduler
+from engine_utils import ENGINE_DEFAULTS, full_collect, scheduler
 
 pytestmark = pytest.mark.slow
 
@@ -57,5 +55,5 @@ def test_tiny_model_generates(kind, tiny_model_dir, in_process_engine):
         assert all(0 <= t < vocab + 256 for seq in ids for t in seq)
     finally:
         del llm
-        gc.collect()
+        full_collect()
         cleanup_dist_env_and_memory()

@@ -7,14 +7,13 @@ engine core stored and logged.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from engine_utils import engine_core
+from engine_utils import engine_core, full_collect
 
 from vllm_hybrid.patches import registry
 
@@ -110,7 +109,7 @@ def _start_engine(model: Path) -> Iterator[Engine]:
             logger.setLevel(levels[logger])
         # The overlay stays active, as vLLM leaves it for the rest of a process.
         del llm
-        gc.collect()
+        full_collect()
         cleanup_dist_env_and_memory()
         monkeypatch.undo()
 

@@ -1,13 +1,20 @@
-"""One engine of the speculative-decoding test, in its own process (see the
+"""Engines of the speculative-decoding test, several in one process (see the
 test module).
 
-Usage: ``python spec_engine.py MODEL_DIR {plain,ngram,mtp,eagle} {pc,no-pc}
-{pooled,single} {peak,no-peak} OUT.json [DRAFT_DIR]`` (``DRAFT_DIR``: the
-EAGLE draft). Writes the greedy tokens and top-2 gaps of two passes over the
-prompts, how often the host copy kernels ran, and with ``peak`` the peak of
-running requests for 64 short random prompts submitted at once (about three
-quarters of an engine's run time on a host without native bf16, so only the
-engines whose peaks are compared measure it).
+Usage: ``python spec_engine.py JOBS.json``: a list of engines, each
+``{"model", "mode": plain|ngram|mtp|eagle, "caching": pc|no-pc,
+"pool": pooled|single, "peak": bool, "out": OUT.json, "draft": DIR|null}``
+(``draft``: the EAGLE draft), run one after the other. Each writes the greedy
+tokens and top-2 gaps of two passes over the prompts, how often the host
+copy kernels ran, and with ``peak`` the peak of running requests for 64
+short random prompts submitted at once (about three quarters of an engine's
+run time on a host without native bf16, so only the engines whose peaks are
+compared measure it).
+
+An n-gram engine must be the last of its process: once its proposer has
+imported numba, vLLM's kernel dispatcher fails at the next engine start in
+the same process (its module scan trips over llvmlite's ``ffi.lib``), with
+or without the overlay.
 """
 
 from __future__ import annotations
@@ -83,15 +90,17 @@ def peak_running(llm) -> int:
     return peak
 
 
-def main(
+def run_engine(
     model: str,
     mode: str,
     caching: str,
     pool: str,
-    peak: str,
+    peak: bool,
     out: str,
-    draft: str = "",
+    draft: str | None = None,
 ) -> None:
+    """One engine: its two greedy passes, kernel calls and (``peak``) peak
+    of running requests, written to ``out`` as JSON."""
     from vllm.v1.worker import mamba_utils
 
     kwargs = {
@@ -110,13 +119,20 @@ def main(
     launches: dict[str, list] = {}
 
     def work(llm):
-        for name in kernels:
-            launches[name] = record_calls(getattr(mamba_utils, name), "host")
         from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 
-        arena = arena_of(scheduler(llm).kv_cache_manager)
-        passes = [generate_greedy(llm, PROMPTS, MAX_TOKENS) for _ in range(2)]
-        most = peak_running(llm) if peak == "peak" else None
+        # wrapped after the engine started (activation installs the hosts),
+        # unwrapped after it ran: the next engine counts its own calls
+        hosts = {name: getattr(mamba_utils, name).host for name in kernels}
+        for name in kernels:
+            launches[name] = record_calls(getattr(mamba_utils, name), "host")
+        try:
+            arena = arena_of(scheduler(llm).kv_cache_manager)
+            passes = [generate_greedy(llm, PROMPTS, MAX_TOKENS) for _ in range(2)]
+            most = peak_running(llm) if peak else None
+        finally:
+            for name, host in hosts.items():
+                getattr(mamba_utils, name).host = host
         if arena is not None:
             # every block back in its pool, ids and boundary consistent
             arena.check_invariants()
@@ -134,5 +150,14 @@ def main(
     Path(out).write_text(json.dumps(result))
 
 
+def main(jobs: str) -> None:
+    engines = json.loads(Path(jobs).read_text())
+    ngram = [i for i, job in enumerate(engines) if job["mode"] == "ngram"]
+    if ngram and ngram != [len(engines) - 1]:
+        raise SystemExit("an n-gram engine must be the last of its process")
+    for job in engines:
+        run_engine(**job)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:8])
+    main(sys.argv[1])
