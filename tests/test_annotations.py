@@ -50,7 +50,6 @@ ALLOWED = {
     "v1/core/pooled/scope.py": "typed with the allocation rework",
     "v1/core/retention.py": "typed with the allocation rework",
     "v1/core/sched/scheduler.py": "typed with the allocation rework",
-    "config/cudagraph_capacity.py": "typed when capacity is in one module",
     "tools/simulate/clock.py": "typed with the one engine harness",
     "tools/simulate/drive.py": "typed with the one engine harness",
     "tools/simulate/executor.py": "typed with the one engine harness",

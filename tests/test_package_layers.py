@@ -68,18 +68,6 @@ ALLOWED = (
         removed_by="moving select_scheduler up into v1/core/kv_cache_utils, "
         "its only caller, so the scheduler sits above pooled mode",
     ),
-    Allowance(
-        imports=(
-            ("config.cudagraph_capacity", "v1.core.pooled.planner"),
-            ("config.cudagraph_capacity", "v1.core.pooled.spec"),
-        ),
-        why="CUDA-graph sizing reads a pooled plan (state blocks per request, "
-        "the pooled config class) while pooled mode reads its options from "
-        "config/hybrid_kv: config/ imports pooled mode, and the two packages "
-        "form a cycle",
-        removed_by="computing capacity in one module below config/ that both "
-        "read, or moving CUDA-graph sizing out of config/ to the engine glue",
-    ),
 )
 
 

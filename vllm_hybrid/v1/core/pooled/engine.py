@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
 from vllm_hybrid.v1.core.pooled.layers import (
     PoolSplit,
     equalize_stage_blocks,
@@ -29,7 +30,6 @@ from vllm_hybrid.v1.core.pooled.planner import (
     auto_fit_max_model_len,
     describe_plan,
     plan_pooled_kv_cache,
-    pooled_capacity,
 )
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
     prefill_checkpoint_anchor,
