@@ -4,7 +4,8 @@ Layers, bottom to top (a module imports only from the layers below it):
 
 ``spec``        arena geometry, pool specs, the pooled KV cache config, PoolKind
 ``prefill_checkpoints`` where states are kept during long prefills
-``usage``       per-pool usage snapshots and their file transport to /metrics
+``usage``       per-pool usage snapshots, handed to the publisher the metrics
+                side installs
 ``links``       which attention blocks each cached state checkpoint needs
 ``eviction``    the eviction order: segments, protection, ranked entries,
                 admission attempts
