@@ -44,10 +44,6 @@ ALLOWED = {
     # simulator's harness, capacity in one module); typed when those land.
     "v1/core/pooled/block_pool.py": "typed with the allocation rework",
     "v1/core/pooled/coordinator.py": "typed with the allocation rework",
-    "v1/core/pooled/coupling.py": "typed with the allocation rework",
-    "v1/core/pooled/engine.py": "typed with the allocation rework",
-    "v1/core/pooled/eviction.py": "typed with the allocation rework",
-    "v1/core/pooled/scope.py": "typed with the allocation rework",
     "v1/core/retention.py": "typed with the allocation rework",
     "v1/core/sched/scheduler.py": "typed with the allocation rework",
     "tools/simulate/clock.py": "typed with the one engine harness",
