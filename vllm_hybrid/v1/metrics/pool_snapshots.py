@@ -14,9 +14,9 @@ stat logger (``vllm serve``) asked for the numbers; offline ``LLM`` runs write
 nothing.
 
 This lives on the metrics side so that the core only hands over values: the
-pooled schedulers pass each step's :class:`~vllm_hybrid.v1.core.pooled.usage.
-ArenaUsage` to the publisher :func:`install` sets in
-:mod:`~vllm_hybrid.v1.core.pooled.usage`.
+pooled schedulers pass each step's
+:class:`~vllm_hybrid.v1.core.pooled.usage.ArenaUsage` to the publisher that
+:func:`install` sets in :mod:`~vllm_hybrid.v1.core.pooled.usage`.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class PooledSchedulerMixin:
     * A running request's prefill chunk that the token budget cuts leaves
       room for the decodes of the running requests after it
       (:data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_ROOM`).
-    * Per-pool usage is published once per step, after upstream's stats.
+    * Per-pool usage goes to the installed publisher once per step, after
+      upstream's stats.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
