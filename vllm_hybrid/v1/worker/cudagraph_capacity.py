@@ -21,6 +21,10 @@ sequences than the KV cache has states for:
   each running request holds at least one of them
   (:func:`single_pool_graph_states`).
 
+Both counts are :mod:`~vllm_hybrid.v1.core.pooled.capacity`'s (its
+``StateRoom``), the figures the planner and ``vllm-hybrid plan`` use too;
+this module only sets them against the graphs a worker captures.
+
 When the largest full graph has more rows than that, the full graphs are
 capped at that many sequences: the dispatcher's full keys above the cap are
 dropped (:func:`initialize_cudagraph_keys`), so such batches run the
