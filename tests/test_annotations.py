@@ -44,13 +44,8 @@ ALLOWED = {
     # simulator's harness, capacity in one module); typed when those land.
     "v1/core/pooled/block_pool.py": "typed with the allocation rework",
     "v1/core/pooled/coordinator.py": "typed with the allocation rework",
-    "v1/core/pooled/coupling.py": "typed with the allocation rework",
-    "v1/core/pooled/engine.py": "typed with the allocation rework",
-    "v1/core/pooled/eviction.py": "typed with the allocation rework",
-    "v1/core/pooled/scope.py": "typed with the allocation rework",
     "v1/core/retention.py": "typed with the allocation rework",
     "v1/core/sched/scheduler.py": "typed with the allocation rework",
-    "config/cudagraph_capacity.py": "typed when capacity is in one module",
     "tools/simulate/clock.py": "typed with the one engine harness",
     "tools/simulate/drive.py": "typed with the one engine harness",
     "tools/simulate/executor.py": "typed with the one engine harness",

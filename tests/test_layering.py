@@ -32,6 +32,7 @@ POOLED_LAYERS = (
     "coupling",
     "boundary",
     "arena",
+    "capacity",
     "planner",
     "scope",
     "coordinator",

@@ -4,7 +4,9 @@ Every package counts (each module of the package root, such as ``logger`` or
 ``plugin``, as a package of its own): no import cycle between packages; the
 core (``vllm_hybrid.v1.core``) never imports metrics, tools or the plugin;
 the options (``vllm_hybrid.config``) never import pooled mode, which reads
-them. docs/overlay.md has the map of the packages.
+them; the core writes no file and sets no environment variable (it hands
+values to the layers above, which carry them). docs/overlay.md has the map
+of the packages.
 
 The few imports that break a rule today are listed in :data:`ALLOWED`, each
 with why it exists and what would remove it; a listed import that no longer
@@ -14,6 +16,7 @@ reports every violation it finds, not only the first.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,18 +70,6 @@ ALLOWED = (
         "pooled/coordinator: a cycle between v1/core/pooled and v1/core/sched",
         removed_by="moving select_scheduler up into v1/core/kv_cache_utils, "
         "its only caller, so the scheduler sits above pooled mode",
-    ),
-    Allowance(
-        imports=(
-            ("config.cudagraph_capacity", "v1.core.pooled.planner"),
-            ("config.cudagraph_capacity", "v1.core.pooled.spec"),
-        ),
-        why="CUDA-graph sizing reads a pooled plan (state blocks per request, "
-        "the pooled config class) while pooled mode reads its options from "
-        "config/hybrid_kv: config/ imports pooled mode, and the two packages "
-        "form a cycle",
-        removed_by="computing capacity in one module below config/ that both "
-        "read, or moving CUDA-graph sizing out of config/ to the engine glue",
     ),
 )
 
@@ -226,4 +217,78 @@ def test_forbidden_import_check_names_each_import():
         "vllm_hybrid.config.a -> vllm_hybrid.v1.core.pooled.spec",
         "vllm_hybrid.v1.core.x -> vllm_hybrid.plugin",
         "vllm_hybrid.v1.core.x -> vllm_hybrid.tools.plan",
+    ]
+
+
+#: Calls that write a file or set the process environment, by their text.
+SIDE_EFFECT_CALLS = ("os.replace", "os.rename", "os.putenv", "shutil.", "tempfile.")
+
+
+def _write(node: ast.AST) -> str | None:
+    """The text of ``node`` if it writes a file or the environment."""
+    if isinstance(node, ast.Call):
+        func = ast.unparse(node.func)
+        if func == "open":
+            mode = node.args[1] if len(node.args) > 1 else None
+            mode = next((k.value for k in node.keywords if k.arg == "mode"), mode)
+            read_only = mode is None or (
+                isinstance(mode, ast.Constant) and not set(str(mode.value)) - set("rbt")
+            )
+            return None if read_only else ast.unparse(node)
+        environ = ("os.environ.setdefault", "os.environ.update", "os.environ.pop")
+        if func.startswith(SIDE_EFFECT_CALLS) or func in environ:
+            return ast.unparse(node)
+    if isinstance(node, ast.Assign | ast.AugAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            if (
+                isinstance(target, ast.Subscript)
+                and ast.unparse(target.value) == "os.environ"
+            ):
+                return ast.unparse(target)
+    return None
+
+
+def side_effects(root: Path, package: str) -> list[str]:
+    """``module: code`` of every file write (``open`` with a mode that is not
+    read-only, the calls of :data:`SIDE_EFFECT_CALLS`) and environment write
+    (``os.environ[...] = ...``, ``os.environ.setdefault/update/pop``) in the
+    modules of ``package``, in source order."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        if not _under(module, package):
+            continue
+        writes = [
+            (node.lineno, text)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if (text := _write(node)) is not None
+        ]
+        found += [f"{module}: {text}" for _, text in sorted(writes)]
+    return found
+
+
+def test_the_core_writes_no_file_and_sets_no_environment():
+    """Transport (the pools' usage to /metrics) is the metrics side's: the
+    core hands values over and leaves files and the environment alone."""
+    assert side_effects(PACKAGE, CORE) == []
+
+
+def test_side_effect_check_names_each_write(tmp_path):
+    root = tmp_path / "vllm_hybrid"
+    (root / "v1" / "core").mkdir(parents=True)
+    (root / "v1" / "core" / "a.py").write_text(
+        "import os\n"
+        "def f(path):\n"
+        "    open(path).read()\n"
+        "    open(path, 'rb').read()\n"
+        "    open(path, 'w').write('x')\n"
+        "    os.replace(path, path + '.old')\n"
+        "    os.environ['X'] = '1'\n"
+        "    return os.environ.get('X')\n"
+    )
+    assert side_effects(root, "vllm_hybrid.v1.core") == [
+        "vllm_hybrid.v1.core.a: open(path, 'w')",
+        "vllm_hybrid.v1.core.a: os.replace(path, path + '.old')",
+        "vllm_hybrid.v1.core.a: os.environ['X']",
     ]

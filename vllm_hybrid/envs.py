@@ -68,7 +68,7 @@ def tq_native_enabled(environ: dict[str, str] | None = None) -> bool:
 MAX_PAGE_PADDING_PCT_VAR = "VLLM_HYBRID_MAX_PAGE_PADDING_PCT"
 MAX_PAGE_GROWTH_VAR = "VLLM_HYBRID_MAX_PAGE_GROWTH"
 #: Directory of the per-pool usage snapshots an engine core writes and its
-#: frontend's stat logger reads (:mod:`vllm_hybrid.v1.core.pooled.usage`).
+#: frontend's stat logger reads (:mod:`vllm_hybrid.v1.metrics.pool_snapshots`).
 STATS_DIR_VAR = "VLLM_HYBRID_STATS_DIR"
 #: Build time only (setup.py skips the native kernel); harmless when set later.
 SKIP_NATIVE_VAR = "VLLM_HYBRID_SKIP_NATIVE"

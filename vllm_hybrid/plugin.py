@@ -134,10 +134,11 @@ def register() -> None:
 
     register_backend()
     # Name the per-pool metrics directory before any engine process starts,
-    # so the frontend and its engine cores agree on it.
-    from vllm_hybrid.v1.core.pooled.usage import stats_dir
+    # so the frontend and its engine cores agree on it, and have this
+    # process's pooled schedulers write their usage there.
+    from vllm_hybrid.v1.metrics.pool_snapshots import install
 
-    stats_dir()
+    install()
     _state = ActivationState(True, "active", version, os.getpid())
     logger.info(
         "vllm-hybrid %s active on vLLM %s (%d upstream symbols patched)",
@@ -151,6 +152,8 @@ def deactivate() -> None:
     """Revert every patch of this process (tests and A/B tools use this)."""
     global _state
     from vllm_hybrid.patches.registry import revert_all
+    from vllm_hybrid.v1.metrics.pool_snapshots import uninstall
 
     revert_all()
+    uninstall()
     _state = None

@@ -76,7 +76,7 @@ def kv_geometry(kv_cache_config: Any) -> KVGeometry:
 def kv_pools(scheduler: Any) -> list[PoolUsage]:
     """The block pools of a scheduler and how many blocks each owns (never
     a null block) and uses (evictable cached blocks count as free)."""
-    from vllm_hybrid.tools.plan.compute import shared_block_bytes
+    from vllm_hybrid.v1.core.pooled.capacity import shared_block_bytes
     from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 
     arena = arena_of(scheduler.kv_cache_manager)

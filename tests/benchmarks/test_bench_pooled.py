@@ -122,7 +122,7 @@ def test_bytes_needed_and_token_bound():
 
 
 def test_shared_pool_block_bytes_from_aliasing_tensors():
-    from vllm_hybrid.tools.plan.compute import shared_block_bytes
+    from vllm_hybrid.v1.core.pooled.capacity import shared_block_bytes
 
     assert shared_block_bytes(_qwen3_5_like_config()) == 2**20
 

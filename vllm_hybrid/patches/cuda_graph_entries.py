@@ -1,5 +1,5 @@
 """Registry entries for full CUDA graphs of hybrids, sized to the states the
-KV cache holds (:mod:`vllm_hybrid.config.cudagraph_capacity`); part of
+KV cache holds (:mod:`vllm_hybrid.v1.worker.cudagraph_capacity`); part of
 :data:`vllm_hybrid.patches.entries.PATCHES`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ CUDA_GRAPH_PATCHES: list[PatchEntry] = [
             "vllm.config.compilation:CompilationConfig.resolve_cudagraph_mode_and_sizes"
         ),
         replacement=(
-            "vllm_hybrid.config.cudagraph_capacity:resolve_cudagraph_mode_and_sizes"
+            "vllm_hybrid.v1.worker.cudagraph_capacity:resolve_cudagraph_mode_and_sizes"
         ),
         bindings=(),
         why=(
@@ -52,7 +52,7 @@ CUDA_GRAPH_PATCHES: list[PatchEntry] = [
     ),
     PatchEntry(
         target="vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys",
-        replacement="vllm_hybrid.config.cudagraph_capacity:initialize_cudagraph_keys",
+        replacement="vllm_hybrid.v1.worker.cudagraph_capacity:initialize_cudagraph_keys",
         bindings=(),
         why=(
             "The dispatcher builds the full-graph keys from max_num_seqs and "

@@ -5,15 +5,28 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from vllm_hybrid.envs import STATS_DIR_VAR
+from vllm_hybrid.v1.core.pooled import usage as core_usage
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
-from vllm_hybrid.v1.core.pooled.usage import (
+from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+from vllm_hybrid.v1.metrics import pool_snapshots
+from vllm_hybrid.v1.metrics.pool_snapshots import (
     PoolStatsPublisher,
     read_snapshot,
     stats_dir,
 )
-from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+
+
+@pytest.fixture
+def transport(tmp_path, monkeypatch):
+    """The plugin's transport installed for the test, into ``tmp_path``; the
+    publisher and directory the process had are put back afterwards."""
+    monkeypatch.setenv(STATS_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr(core_usage, "_publisher_factory", None)
+    pool_snapshots.install()
 
 
 def _arena() -> KVArena:
@@ -86,8 +99,7 @@ class _Scheduler(PooledSchedulerMixin, _UpstreamScheduler):
     pass
 
 
-def test_usage_is_published_by_the_stats_step_not_by_usage_reads(tmp_path, monkeypatch):
-    monkeypatch.setenv(STATS_DIR_VAR, str(tmp_path))
+def test_usage_is_published_by_the_stats_step_not_by_usage_reads(tmp_path, transport):
     arena = _arena()
     scheduler = _Scheduler(arena, log_stats=True)
     arena.token_pool.get_new_blocks(2)
@@ -102,8 +114,7 @@ def test_usage_is_published_by_the_stats_step_not_by_usage_reads(tmp_path, monke
     assert read_snapshot(str(tmp_path), 2) == arena.usage()
 
 
-def test_no_stats_no_snapshot(tmp_path, monkeypatch):
-    monkeypatch.setenv(STATS_DIR_VAR, str(tmp_path))
+def test_no_stats_no_snapshot(tmp_path, transport):
     scheduler = _Scheduler(_arena(), log_stats=False)
     assert scheduler.make_stats() is None
     assert os.listdir(tmp_path) == []
@@ -116,3 +127,31 @@ def test_stats_dir_is_named_once_per_process_tree():
     assert str(os.getpid()) in first
     # a child sees the parent's choice
     assert stats_dir({STATS_DIR_VAR: "/x/y"}) == "/x/y"
+
+
+def test_without_a_transport_the_scheduler_hands_usage_nowhere(tmp_path, monkeypatch):
+    """The core writes nothing itself: with no publisher installed (the
+    plugin not active in this process) the stats step only computes."""
+    monkeypatch.setenv(STATS_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr(core_usage, "_publisher_factory", None)
+    scheduler = _Scheduler(_arena(), log_stats=True)
+    assert scheduler.make_stats() == {"step": 1}
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_core_hands_over_values_to_the_installed_publisher(monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        core_usage,
+        "_publisher_factory",
+        lambda index: lambda u: seen.append((index, u)),
+    )
+    arena = _arena()
+    scheduler = _Scheduler(arena, log_stats=True)
+    scheduler.make_stats()
+    assert seen == [(2, arena.usage())]
+
+
+def test_the_snapshot_text_round_trips():
+    usage = _arena().usage()
+    assert pool_snapshots.from_json(pool_snapshots.to_json(usage)) == usage

@@ -480,7 +480,7 @@ def dispatcher_keys(startup: Startup, capped: bool = True) -> dict:
         type(dispatcher).initialize_cudagraph_keys
         if capped
         else upstream_of(
-            "vllm_hybrid.config.cudagraph_capacity", "initialize_cudagraph_keys"
+            "vllm_hybrid.v1.worker.cudagraph_capacity", "initialize_cudagraph_keys"
         )
     )
     mode = startup.vllm_config.compilation_config.cudagraph_mode

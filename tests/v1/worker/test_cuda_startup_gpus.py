@@ -35,7 +35,6 @@ from cuda_startup import (
 )
 from vllm.config.compilation import CUDAGraphMode
 
-from vllm_hybrid.config import cudagraph_capacity
 from vllm_hybrid.tools.plan import PRESETS, PlanRequest, kv_budget_from_gpu
 from vllm_hybrid.tools.plan import main as plan_main
 from vllm_hybrid.tools.plan.compute import with_serve_defaults
@@ -43,6 +42,7 @@ from vllm_hybrid.tools.plan.config import overlay_off
 from vllm_hybrid.tools.plan.cuda_defaults import set_cuda_graph_sizes
 from vllm_hybrid.tools.plan.request import VLLM_GPU_MEMORY_UTILIZATION
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+from vllm_hybrid.v1.worker import cudagraph_capacity
 
 GiB = 2**30
 MODEL = "qwen3.6-35b-a3b-fp8"

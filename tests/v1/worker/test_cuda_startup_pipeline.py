@@ -22,8 +22,8 @@ from cuda_startup import (
     start_worker,
 )
 
+from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
 from vllm_hybrid.v1.core.pooled.layers import split_layers
-from vllm_hybrid.v1.core.pooled.planner import pooled_capacity
 from vllm_hybrid.v1.worker.pooled_views import check_pooled_views
 
 BUDGET = 2048 * MiB

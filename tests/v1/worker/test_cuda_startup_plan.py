@@ -20,13 +20,13 @@ from cuda_startup import (
 )
 
 from vllm_hybrid.tools.plan import main as plan_main
+from vllm_hybrid.v1.core.pooled.capacity import (
+    max_state_blocks_per_request,
+    pooled_capacity,
+)
 from vllm_hybrid.v1.core.pooled.coordinator import (
     PooledHybridKVCacheCoordinator,
     arena_of,
-)
-from vllm_hybrid.v1.core.pooled.planner import (
-    max_state_blocks_per_request,
-    pooled_capacity,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 

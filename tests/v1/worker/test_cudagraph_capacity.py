@@ -1,6 +1,6 @@
 """Full CUDA graphs of a hybrid: the largest full graph against the requests'
 states the KV cache holds, capped there instead of refused (why:
-:mod:`vllm_hybrid.config.cudagraph_capacity`).
+:mod:`vllm_hybrid.v1.worker.cudagraph_capacity`).
 
 A Qwen3.6-35B-A3B-FP8-shaped model on the CUDA path (FlashAttention, 16-token
 blocks, align mode, FULL_AND_PIECEWISE), by hand:
@@ -46,11 +46,11 @@ from cuda_startup import (
 )
 from vllm.config.compilation import CUDAGraphMode
 
-from vllm_hybrid.config import cudagraph_capacity
-from vllm_hybrid.config.cudagraph_capacity import full_graph_states
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.tools.plan.config import overlay_off, platform_class
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+from vllm_hybrid.v1.worker import cudagraph_capacity
+from vllm_hybrid.v1.worker.cudagraph_capacity import full_graph_states
 
 GiB = 2**30
 STATE_BLOCK = 64_389_120
@@ -203,7 +203,7 @@ def test_cap_line(graph_configs):
     needed = 8 * GiB + 125 * STATE_BLOCK
     assert needed == 16_638_574_592
     _print_info_once.cache_clear()
-    with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
+    with captured("vllm.hybrid.v1.worker.cudagraph_capacity") as lines:
         resolve_as_runner(startup, config)
     assert lines == [
         "vllm-hybrid: full CUDA graphs capped at 131 sequences (of 256: capture "
@@ -260,7 +260,7 @@ def test_max_num_seqs_above_the_states_is_logged(graph_configs):
     config = _plan(startup)
     # logged once per process; other tests may have logged it already
     _print_info_once.cache_clear()
-    with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
+    with captured("vllm.hybrid.v1.worker.cudagraph_capacity") as lines:
         resolve_as_runner(startup, config)
     assert lines == [
         "vllm-hybrid: the KV cache arena holds at most 665 requests' states at "

@@ -17,8 +17,8 @@ from vllm.config import CompilationConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport
 
-from vllm_hybrid.config import cudagraph_capacity
 from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.v1.worker import cudagraph_capacity
 
 NAME = "resolve_cudagraph_mode_and_sizes"
 #: Capture sizes as a CUDA host would set them, up to 16 tokens; the CPU
@@ -66,7 +66,7 @@ def test_upstreams_two_fields_give_the_cap_and_a_line_without_bytes():
         _upstream(_compilation(), kv)
     compilation = _compilation()
     _print_info_once.cache_clear()
-    with captured("vllm.hybrid.config.cudagraph_capacity") as lines:
+    with captured("vllm.hybrid.v1.worker.cudagraph_capacity") as lines:
         mode = _ours(compilation, kv)
     assert mode == CUDAGraphMode.FULL_AND_PIECEWISE
     assert cudagraph_capacity.full_graph_row_cap(compilation) == 4

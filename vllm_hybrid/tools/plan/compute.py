@@ -5,14 +5,14 @@ The upstream column runs vLLM's own block size alignment and
 runs the worker's block alignment and the engine core's own planning
 function (:func:`vllm_hybrid.v1.core.pooled.engine.plan_pooled_configs`) on
 the layer specs at natural sizes, and the capacity figures the engine logs
-(:func:`vllm_hybrid.v1.core.pooled.planner.pooled_capacity`).
+(:mod:`vllm_hybrid.v1.core.pooled.capacity`, which the upstream column's
+bytes per request and the CUDA-graph rows read as well).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -141,22 +141,15 @@ def _fill_state_padding(plan: ModePlan, specs: dict[str, Any]) -> None:
     plan.state_padding_pct = 100 * (padded - real) / real
 
 
-def shared_block_bytes(kv_cache_config: KVCacheConfig) -> int:
-    """Bytes one block id of upstream's shared pool stands for.
+def _shared_block_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """:func:`~vllm_hybrid.v1.core.pooled.capacity.shared_block_bytes`, its
+    refusal as the planner's error."""
+    from vllm_hybrid.v1.core.pooled.capacity import shared_block_bytes
 
-    Every ``KVCacheTensor`` of a config places its layers in the same backing
-    allocation (vLLM's ``allocate_kv_cache`` allocates that buffer once):
-    the state groups of a hybrid overlay the attention group's bytes, and a
-    block id belongs to one group at a time. So the buffer, counted once,
-    divided by the block count is the price of one id, whichever group holds
-    it.
-    """
-    sizes = {tensor.size for tensor in kv_cache_config.kv_cache_tensors}
-    if len(sizes) != 1:
-        raise PlanError(
-            f"expected one backing allocation for the KV cache, got sizes {sizes}"
-        )
-    return sizes.pop() // max(1, kv_cache_config.num_blocks)
+    try:
+        return shared_block_bytes(kv_cache_config)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
 
 
 def plan_upstream(
@@ -166,6 +159,7 @@ def plan_upstream(
     import vllm.v1.core.kv_cache_utils as kvu
 
     from vllm_hybrid.v1.core.kv_cache_utils import kv_cache_token_capacity
+    from vllm_hybrid.v1.core.pooled.capacity import group_blocks_per_request
 
     plan = ModePlan("upstream")
     if request.device == "cpu" and request.kv_cache_dtype.startswith("turboquant_"):
@@ -194,7 +188,7 @@ def plan_upstream(
     _fill_state_padding(plan, specs)
     plan.groups = _group_rows(scheduler)
     plan.num_blocks = scheduler.num_blocks
-    block_bytes = shared_block_bytes(worker[0])
+    block_bytes = _shared_block_bytes(worker[0])
     plan.pools = [
         {
             "kind": "shared",
@@ -208,13 +202,7 @@ def plan_upstream(
     plan.max_concurrency = concurrency
     for length in prompt_lens:
         at = _with_len(config, length)
-        blocks = sum(
-            math.ceil(
-                g.kv_cache_spec.max_memory_usage_bytes(at)
-                / g.kv_cache_spec.page_size_bytes
-            )
-            for g in scheduler.kv_cache_groups
-        )
+        blocks = group_blocks_per_request(at, scheduler.kv_cache_groups)
         plan.at_prompt_len[length] = {
             "max_concurrency": kvu.get_max_concurrency_for_kv_cache_config(
                 at, scheduler
@@ -238,12 +226,10 @@ def plan_pooled(
     blocks, layout check and capacity are the engine's own.
     """
     from vllm_hybrid.platforms.hybrid_block_size import align_hybrid_block_size
+    from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
     from vllm_hybrid.v1.core.pooled.engine import plan_pooled_configs
     from vllm_hybrid.v1.core.pooled.layers import split_layers
-    from vllm_hybrid.v1.core.pooled.planner import (
-        PooledPlanError,
-        pooled_capacity,
-    )
+    from vllm_hybrid.v1.core.pooled.planner import PooledPlanError
     from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
     from vllm_hybrid.v1.core.pooled.spec import PoolKind
     from vllm_hybrid.v1.worker.pooled_views import PooledViewError
@@ -307,11 +293,11 @@ def _graph_figures(
 ) -> dict[str, Any] | None:
     """The largest full CUDA graph against the states ``kv_cache_config``
     holds, as the engine sizes it (upstream: whether it refuses instead)."""
-    from vllm_hybrid.config.cudagraph_capacity import (
+    from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+    from vllm_hybrid.v1.worker.cudagraph_capacity import (
         full_graph_states,
         single_pool_graph_states,
     )
-    from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
     compilation = vllm_config.compilation_config
     mode = compilation.cudagraph_mode

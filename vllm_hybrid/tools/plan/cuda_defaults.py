@@ -9,7 +9,7 @@ batch limits are vLLM's table (checked against vLLM by a test), and the
 capture sizes come from vLLM's own method with a platform that reports the
 GPU. The
 full CUDA graphs of those sizes are what a pooled or single-pool engine
-sizes against its states (:mod:`vllm_hybrid.config.cudagraph_capacity`).
+sizes against its states (:mod:`vllm_hybrid.v1.worker.cudagraph_capacity`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Thin dispatchers: pooled plans go to :mod:`vllm_hybrid.v1.core.pooled`, the
 single shared pool of other hybrid plans to
-:mod:`vllm_hybrid.v1.core.page_unification` and
-:mod:`vllm_hybrid.v1.core.token_capacity`, and everything else to upstream's
+:mod:`vllm_hybrid.v1.core.page_unification`,
+:mod:`vllm_hybrid.v1.core.token_capacity` and
+:mod:`vllm_hybrid.v1.core.pooled.capacity`, and everything else to upstream's
 function unchanged. The patch registry (:mod:`vllm_hybrid.patches.registry`)
 installs them and holds their targets; for models without state groups they
 return exactly what upstream returns.
@@ -22,19 +23,19 @@ from vllm_hybrid.config.hybrid_kv import HybridKVOptions, PageUnificationLimits
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import repair, upstream_of
 from vllm_hybrid.v1.core.page_unification import unify_page_sizes
+from vllm_hybrid.v1.core.pooled.capacity import (
+    group_blocks_per_request,
+    pooled_capacity,
+    shared_pool_token_capacity,
+)
 from vllm_hybrid.v1.core.pooled.engine import (
     plan_pooled_configs,
     select_scheduler,
     update_pooled_capacity,
 )
-from vllm_hybrid.v1.core.pooled.planner import pooled_capacity
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 from vllm_hybrid.v1.core.retention import mark_turn_end_retention
-from vllm_hybrid.v1.core.token_capacity import (
-    shared_pool_token_capacity,
-    split_token_groups,
-    state_group_blocks_per_request,
-)
+from vllm_hybrid.v1.core.token_capacity import split_token_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -135,7 +136,7 @@ def kv_cache_token_capacity(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
 ) -> int:
     """Tokens one request can hold in the shared pool of a hybrid model
-    (:func:`~vllm_hybrid.v1.core.token_capacity.shared_pool_token_capacity`).
+    (:func:`~vllm_hybrid.v1.core.pooled.capacity.shared_pool_token_capacity`).
 
     Models without state groups (and HiSparse configs) keep upstream's
     figure, ``max_concurrency * max_model_len``; a config without groups has
@@ -206,7 +207,7 @@ def update_kv_cache_capacity(
         f"{num_tokens:,}",
         len(token_groups),
         len(kv_cache_config.kv_cache_groups),
-        state_group_blocks_per_request(vllm_config, others),
+        group_blocks_per_request(vllm_config, others),
         f"{vllm_config.model_config.max_model_len:,}",
         max_concurrency,
     )

@@ -1,19 +1,19 @@
-"""Honest token capacity of the single shared pool of a hybrid model.
+"""Which groups of the single shared pool of a hybrid model count as tokens.
 
 Upstream derives "KV cache size: N tokens" from a concurrency in which
 constant-size state groups (Mamba, GDN, short conv) weigh like attention, so
 the figure does not say how many tokens fit. Here only the groups whose
 memory grows with the sequence count as tokens; the state groups' blocks per
-request are taken out first. The upstream entry points that use this are in
+request are taken out first. This module sorts the groups; the arithmetic on
+them is in :mod:`vllm_hybrid.v1.core.pooled.capacity`, with every other
+capacity figure. The upstream entry points that use both are in
 :mod:`vllm_hybrid.v1.core.kv_cache_utils`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -83,85 +83,3 @@ def split_token_groups(
     if not others:
         return None
     return token_groups, others
-
-
-def state_group_blocks_per_request(
-    vllm_config: VllmConfig, groups: Iterable[KVCacheGroupSpec]
-) -> int:
-    """Blocks one running request holds at most in ``groups`` (the groups
-    that do not grow with the sequence) of the single shared pool.
-
-    The per-group count upstream's concurrency uses as well:
-    ``cdiv(max_memory_usage_bytes, page_size_bytes)``, i.e. ``1 + num_spec``
-    per Mamba group in "none" mode, ``2 + num_spec + checkpoints`` in "align".
-    """
-    return sum(
-        cdiv(
-            g.kv_cache_spec.max_memory_usage_bytes(vllm_config),
-            g.kv_cache_spec.page_size_bytes,
-        )
-        for g in groups
-    )
-
-
-def _max_tokens_within(num_blocks: int, blocks_for: Callable[[int], int]) -> int:
-    """The largest token count ``t`` with ``blocks_for(t) <= num_blocks``.
-
-    ``blocks_for`` must be non-decreasing, zero at zero and unbounded, which
-    holds for token groups: each needs at least ``cdiv(t, block span)``.
-    """
-    if num_blocks <= 0:
-        return 0
-    high = 1
-    while blocks_for(high) <= num_blocks:
-        high *= 2
-        if high > num_blocks << 40:
-            raise ValueError("token groups must need more blocks for more tokens")
-    low = high // 2  # fits (0 when high == 1)
-    while high - low > 1:
-        mid = (low + high) // 2
-        if blocks_for(mid) <= num_blocks:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-def shared_pool_token_capacity(
-    vllm_config: VllmConfig,
-    kv_cache_config: KVCacheConfig,
-    split: tuple[list[KVCacheGroupSpec], list[KVCacheGroupSpec]],
-) -> int:
-    """Tokens one request can hold in the shared pool of a hybrid model.
-
-    All groups draw block ids from one pool of ``num_blocks`` blocks, of which
-    block 0 is the null block. A request holding ``t`` tokens needs
-    ``spec.max_num_blocks_per_req(t)`` blocks (``cdiv(t, block_size * dcp)``)
-    in every token group, plus the state blocks of every other group
-    (:func:`state_group_blocks_per_request`). The capacity is the largest ``t``
-    that fits::
-
-        sum(cdiv(t, b_g) for g in token_groups) <= num_blocks - 1 - state
-
-    which for token groups of one block size ``b`` is
-    ``(num_blocks - 1 - state) // len(token_groups) * b``. Sliding-window
-    groups are counted as if they kept every token, so for them this is a
-    lower bound. Each further concurrent request costs another ``state``
-    blocks, which the maximum concurrency (all groups) accounts for.
-
-    ``split`` is :func:`split_token_groups`'s answer (not None).
-    """
-    token_groups, others = split
-    free = (
-        kv_cache_config.num_blocks
-        - 1
-        - state_group_blocks_per_request(vllm_config, others)
-    )
-
-    def blocks_for(num_tokens: int) -> int:
-        return sum(
-            g.kv_cache_spec.max_num_blocks_per_req(vllm_config, num_tokens)
-            for g in token_groups
-        )
-
-    return _max_tokens_within(free, blocks_for)

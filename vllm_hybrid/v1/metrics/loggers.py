@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.core.pooled.usage import (
-    ArenaUsage,
+from vllm_hybrid.v1.core.pooled.usage import ArenaUsage
+from vllm_hybrid.v1.metrics.pool_snapshots import (
     read_snapshot,
     snapshot_path,
     stats_dir,

@@ -6,15 +6,17 @@ import pytest
 import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
+from vllm_hybrid.v1.core.pooled.capacity import (
+    max_state_blocks_per_request,
+    min_state_blocks_per_request,
+    pooled_capacity,
+)
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import (
     PooledBudget,
     PooledPlanError,
     describe_plan,
-    max_state_blocks_per_request,
-    min_state_blocks_per_request,
     plan_pooled_kv_cache,
-    pooled_capacity,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 

@@ -4,7 +4,8 @@ Layers, bottom to top (a module imports only from the layers below it):
 
 ``spec``        arena geometry, pool specs, the pooled KV cache config, PoolKind
 ``prefill_checkpoints`` where states are kept during long prefills
-``usage``       per-pool usage snapshots and their file transport to /metrics
+``usage``       per-pool usage snapshots, handed to the publisher the metrics
+                side installs
 ``links``       which attention blocks each cached state checkpoint needs
 ``eviction``    the eviction order: segments, protection, ranked entries,
                 admission attempts
@@ -13,6 +14,8 @@ Layers, bottom to top (a module imports only from the layers below it):
 ``coupling``    coordinated prefix-cache eviction across the two pools
 ``boundary``    the boundary: initial split, floors, moves, admission
 ``arena``       the two pools and their boundary, built and checked together
+``capacity``    every capacity figure: one request, concurrency, states held
+                (both plan kinds: the arena and the single shared pool)
 ``planner``     pure planning: a byte budget and layer specs -> a config
 ``scope``       whether pooled mode applies to a VllmConfig
 ``coordinator`` upstream's coordinators over the arena's pools

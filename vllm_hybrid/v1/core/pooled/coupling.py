@@ -23,14 +23,21 @@ rate; it only makes room for useful entries sooner.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_group_id
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashWithGroupId,
+    KVCacheBlock,
+    get_group_id,
+)
 
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.eviction import Entry
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 class PrefixCacheCoupling:
@@ -58,7 +65,11 @@ class PrefixCacheCoupling:
     # -- events from the pools ----------------------------------------------
 
     def key_cached(
-        self, kind: PoolKind, key: Any, request: Any, num_tokens: int
+        self,
+        kind: PoolKind,
+        key: BlockHashWithGroupId,
+        request: Request,
+        num_tokens: int,
     ) -> None:
         """A pool cached ``key`` for the first ``num_tokens`` tokens of
         ``request``; a state checkpoint gets linked to its attention prefix."""
@@ -70,7 +81,7 @@ class PrefixCacheCoupling:
             key, request.block_hashes, num_tokens, cached.__contains__
         )
 
-    def keys_left_cache(self, kind: PoolKind, keys: list[Any]) -> None:
+    def keys_left_cache(self, kind: PoolKind, keys: list[BlockHashWithGroupId]) -> None:
         """Keys no block of pool ``kind`` holds any more: update the links
         and evict the free blocks that became dead in either pool."""
         links = self.links
@@ -78,7 +89,7 @@ class PrefixCacheCoupling:
             orphans = [t for k in keys for t in links.forget_state(k)]
             self._evict_dead_keys(PoolKind.TOKEN, orphans)
             return
-        broken: list[Any] = []
+        broken: list[BlockHashWithGroupId] = []
         orphans = []
         for key in keys:
             if links.is_needed(key):  # only needed keys are linked
@@ -127,7 +138,9 @@ class PrefixCacheCoupling:
                         f"{kind.value}: dead block {i} kept in the prefix cache"
                     )
 
-    def _evict_dead_keys(self, kind: PoolKind, keys: list[Any]) -> None:
+    def _evict_dead_keys(
+        self, kind: PoolKind, keys: list[BlockHashWithGroupId]
+    ) -> None:
         if not keys:
             return  # the common case: a key nothing depended on
         pool = self.pools[kind]

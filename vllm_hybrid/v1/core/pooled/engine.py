@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
 from vllm_hybrid.v1.core.pooled.layers import (
     PoolSplit,
     equalize_stage_blocks,
@@ -29,7 +30,6 @@ from vllm_hybrid.v1.core.pooled.planner import (
     auto_fit_max_model_len,
     describe_plan,
     plan_pooled_kv_cache,
-    pooled_capacity,
 )
 from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
     prefill_checkpoint_anchor,
@@ -43,6 +43,9 @@ from vllm_hybrid.v1.core.sched.scheduler import (
     PooledSchedulerMixin,
     state_checkpoint_block,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
 
@@ -58,7 +61,7 @@ def _merge_specs(
     return merged
 
 
-def null_blocks_may_overlap(vllm_config: Any) -> bool:
+def null_blocks_may_overlap(vllm_config: VllmConfig) -> bool:
     """Whether no kernel writes through a null block id in this engine.
 
     Upstream pads CUDA-graph batches with state id 0 (``NULL_BLOCK_ID``).
@@ -78,7 +81,7 @@ def null_blocks_may_overlap(vllm_config: Any) -> bool:
     return mode is None or mode == CUDAGraphMode.NONE
 
 
-def _unusable_layout(vllm_config: Any) -> str | None:
+def _unusable_layout(vllm_config: VllmConfig) -> str | None:
     """The log line for a KV cache layout pooled views cannot express, or None.
 
     Pooled views fix each page's layer and block strides, so the page itself
@@ -158,7 +161,7 @@ def _log_not_pooled(reason: str) -> None:
 
 
 def plan_pooled_configs(
-    vllm_config: Any,
+    vllm_config: VllmConfig,
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
 ) -> list[PooledKVCacheConfig] | None:
@@ -239,7 +242,9 @@ def plan_pooled_configs(
     return [copy.deepcopy(configs[0]) for _ in kv_cache_specs]
 
 
-def select_scheduler(vllm_config: Any, kv_cache_config: PooledKVCacheConfig) -> None:
+def select_scheduler(
+    vllm_config: VllmConfig, kv_cache_config: PooledKVCacheConfig
+) -> None:
     """Make the engine core build :class:`PooledScheduler` (or its async twin)
     for a pooled plan: it publishes per-pool usage once per step and ends
     prefill chunks on state checkpoint edges (when the state block is longer
@@ -285,7 +290,7 @@ def select_scheduler(vllm_config: Any, kv_cache_config: PooledKVCacheConfig) -> 
 
 
 def update_pooled_capacity(
-    vllm_config: Any, kv_cache_config: PooledKVCacheConfig, device_name: str
+    vllm_config: VllmConfig, kv_cache_config: PooledKVCacheConfig, device_name: str
 ) -> None:
     """Store and log the capacity of a pooled plan (the engine's one line)."""
     capacity = pooled_capacity(kv_cache_config, vllm_config.model_config.max_model_len)

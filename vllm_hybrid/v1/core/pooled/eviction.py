@@ -36,9 +36,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
 
 #: Prefix hits after which a cached block joins its free queue's protected
 #: segment. One hit can be chance (a retried request); two mean the entry is
@@ -298,7 +301,7 @@ class RanksEntries(Protocol):
     def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None: ...
 
 
-def rank_entry(pool: Any, block: KVCacheBlock, entry: Entry) -> None:
+def rank_entry(pool: BlockPool, block: KVCacheBlock, entry: Entry) -> None:
     """Put a free cached block of ``pool`` where :data:`PLACES` says.
 
     The arena's pools file it in their segments; upstream's single pool (one

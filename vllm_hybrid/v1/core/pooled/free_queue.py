@@ -11,7 +11,6 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from itertools import chain, islice, takewhile
-from typing import Any
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -202,7 +201,9 @@ class ArenaFreeBlockQueue:
             *_windowed(rest, self.window, self._id_to_key),
         ]
 
-    def _split_front(self, lru: OrderedDict[int, KVCacheBlock]) -> tuple[list, Any]:
+    def _split_front(
+        self, lru: OrderedDict[int, KVCacheBlock]
+    ) -> tuple[list[int], Iterator[int]]:
         """A segment's ids filed at its head (a prefix), and an iterator
         over the rest."""
         it = iter(lru)

@@ -22,13 +22,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor, MambaSpec
 
 from vllm_hybrid.v1.core.pooled.boundary import (
     initial_state_blocks,
-    max_token_blocks,
     plan_arena_layout,
+)
+from vllm_hybrid.v1.core.pooled.capacity import (
+    max_model_len_that_fits,
+    max_state_blocks_per_request,
+    min_state_blocks_per_request,
+    request_bytes,
+    token_capacity,
 )
 from vllm_hybrid.v1.core.pooled.layers import PoolLayers, PoolSplit, page_alignment
 from vllm_hybrid.v1.core.pooled.spec import (
@@ -93,34 +98,6 @@ class PooledPlanError(ValueError):
         self.shortfall = shortfall
 
 
-def max_state_blocks_per_request(spec: MambaSpec) -> int:
-    """State blocks one running request can hold at once.
-
-    ``none`` mode: one live state (plus speculative slots). ``align`` mode:
-    the running state, the previous one (freed a step later), speculative
-    slots and a prefill checkpoint where the layer type has one; upstream's
-    ``MambaSpec.max_memory_usage_bytes`` encodes the same count.
-    """
-    if spec.mamba_cache_mode == "align":
-        return 2 + spec.num_speculative_blocks + spec.num_prefill_checkpoint_blocks
-    return 1 + spec.num_speculative_blocks
-
-
-def min_state_blocks_per_request(spec: MambaSpec) -> int:
-    """State blocks a lone request can run on.
-
-    In align mode the pooled coordinator lets a running request cross a
-    state block edge in the block it owns when the arena is short (see
-    ``PooledCoordinatorMixin._in_place_blocks``), so the copy target is not
-    needed; prefill checkpoints and speculative slots still are. This is the
-    floor of the state pool and what the longest single request is computed
-    with; concurrency figures keep :func:`max_state_blocks_per_request`.
-    """
-    if spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0:
-        return 1 + spec.num_prefill_checkpoint_blocks
-    return max_state_blocks_per_request(spec)
-
-
 @dataclass(frozen=True)
 class PooledBudget:
     """Inputs of the arena plan that are not layer specs."""
@@ -154,8 +131,7 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     # The boundary's start and floors; it moves on demand from there.
     start = initial_state_blocks(arena, sb, per_req, budget.max_num_seqs)
     layout = plan_arena_layout(arena, tb, sb, lone, budget.null_blocks_overlap, start)
-    needed_blocks = cdiv(budget.max_model_len, block_size)
-    if layout is None or max_token_blocks(layout) < needed_blocks:
+    if layout is None or token_capacity(layout, block_size) < budget.max_model_len:
         shortfall = _shortfall(tb, sb, block_size, lone, budget)
         raise PooledPlanError(shortfall.message(), shortfall)
     state_offset = layout.state_offset
@@ -228,65 +204,16 @@ def _shortfall(
     tb: int, sb: int, block_size: int, per_req: int, budget: PooledBudget
 ) -> BudgetShortfall:
     arena, overlap = budget.aligned_arena_bytes, budget.null_blocks_overlap
+    needed = request_bytes(budget.max_model_len, block_size, tb, sb, per_req)
     return BudgetShortfall(
         arena_bytes=arena,
         max_model_len=budget.max_model_len,
-        attention_bytes=cdiv(budget.max_model_len, block_size) * tb,
-        state_bytes=per_req * sb,
+        attention_bytes=needed.attention_bytes,
+        state_bytes=needed.state_bytes,
         null_bytes=null_region_bytes(tb, sb, overlap),
         fitting_max_model_len=max_model_len_that_fits(
             arena, overlap, tb, sb, block_size, per_req
         ),
-    )
-
-
-def max_model_len_that_fits(
-    arena: int, overlap: bool, tb: int, sb: int, block_size: int, per_req: int
-) -> int:
-    """Longest sequence one request can hold in ``arena`` bytes (exact: block
-    ids and the state-block-aligned boundary included)."""
-    layout = plan_arena_layout(arena, tb, sb, per_req, overlap, per_req)
-    return 0 if layout is None else max_token_blocks(layout) * block_size
-
-
-@dataclass(frozen=True)
-class PooledCapacity:
-    """Capacity figures of a pooled plan: what the engine logs and stores in
-    its cache config, and what ``vllm-hybrid plan`` prints."""
-
-    #: Tokens the token pool can hold for one request (state of one request
-    #: and the null blocks taken out).
-    token_capacity: int
-    #: Requests of ``max_model_len`` tokens that fit at once.
-    max_concurrency: float
-    #: Token blocks one request can use (the state pool at its floor).
-    max_token_blocks: int
-    #: Bytes one request of ``max_model_len`` tokens holds at most: its
-    #: attention blocks and ``max_state_blocks_per_request`` state blocks.
-    bytes_per_request: int
-    #: Bytes no block may use (the null blocks).
-    null_region_bytes: int
-
-
-def pooled_capacity(config: PooledKVCacheConfig, max_model_len: int) -> PooledCapacity:
-    """The one source of a pooled plan's capacity figures."""
-    token = config.pool_by_kind(PoolKind.TOKEN)
-    state = config.pool_by_kind(PoolKind.STATE)
-    block_size = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec.block_size
-    per_req = config.max_state_blocks_per_request
-    layout = config.layout
-    blocks = max_token_blocks(layout)
-    usable = layout.arena_bytes - layout.null_region_bytes
-    per_request = (
-        cdiv(max_model_len, block_size) * token.block_bytes
-        + per_req * state.block_bytes
-    )
-    return PooledCapacity(
-        token_capacity=blocks * block_size,
-        max_concurrency=usable / per_request,
-        max_token_blocks=blocks,
-        bytes_per_request=per_request,
-        null_region_bytes=layout.null_region_bytes,
     )
 
 

@@ -8,10 +8,13 @@ that makes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
 
@@ -24,7 +27,7 @@ class PooledDecision:
     reason: str
 
 
-def _unsupported_feature(vllm_config: Any) -> str | None:
+def _unsupported_feature(vllm_config: VllmConfig) -> str | None:
     """The first feature pooled mode does not support yet, or None."""
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -63,7 +66,7 @@ def _unsupported_feature(vllm_config: Any) -> str | None:
 POOLED_DRAFT_METHODS = frozenset({"ngram", "mtp", "eagle"})
 
 
-def _unpooled_drafts(vllm_config: Any) -> bool:
+def _unpooled_drafts(vllm_config: VllmConfig) -> bool:
     spec = vllm_config.speculative_config
     return spec is not None and spec.method not in POOLED_DRAFT_METHODS
 
@@ -77,7 +80,7 @@ def _v2_runner_forced() -> bool:
 _logged_fallbacks: set[str] = set()
 
 
-def pooled_mode_decision(vllm_config: Any) -> PooledDecision:
+def pooled_mode_decision(vllm_config: VllmConfig) -> PooledDecision:
     """Decide pooled mode for this config; identical in every process.
 
     Non-hybrid models are never pooled (they keep upstream's plan exactly).

@@ -1,7 +1,9 @@
 """Scheduler of pooled mode: per-pool usage each step, checkpoint-aligned chunks.
 
-Every pooled engine's scheduler publishes the arena's per-pool usage once per
-step, from its stats path (``make_stats``), for the frontend's ``/metrics``.
+Every pooled engine's scheduler hands the arena's per-pool usage once per
+step, from its stats path (``make_stats``), to the publisher the metrics side
+installed (:mod:`vllm_hybrid.v1.core.pooled.usage`), for the frontend's
+``/metrics``.
 
 In align mode vLLM's scheduler ends every prefill chunk on a "block" edge,
 because a Mamba/GDN state is written to its block only at chunk ends: block
@@ -47,7 +49,7 @@ from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
     state_page_tokens,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
-from vllm_hybrid.v1.core.pooled.usage import PoolStatsPublisher
+from vllm_hybrid.v1.core.pooled.usage import usage_publisher
 
 logger = init_logger(__name__)
 
@@ -92,13 +94,15 @@ class PooledSchedulerMixin:
     * A running request's prefill chunk that the token budget cuts leaves
       room for the decodes of the running requests after it
       (:data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_ROOM`).
-    * Per-pool usage is published once per step, after upstream's stats.
+    * Per-pool usage goes to the installed publisher once per step, after
+      upstream's stats.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         parallel = self.vllm_config.parallel_config
-        self._pool_stats = PoolStatsPublisher(
+        #: where each step's pool usage goes (None: nowhere)
+        self._publish_usage = usage_publisher(
             int(getattr(parallel, "data_parallel_index", 0) or 0)
         )
         #: tokens between prefill checkpoints (0: none)
@@ -271,8 +275,9 @@ class PooledSchedulerMixin:
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)
         arena = arena_of(self.kv_cache_manager)
-        if stats is not None and arena is not None:
-            self._pool_stats.publish(arena.usage())
+        publish = self._publish_usage
+        if stats is not None and arena is not None and publish is not None:
+            publish(arena.usage())
         return stats
 
 

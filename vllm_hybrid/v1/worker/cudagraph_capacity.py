@@ -21,6 +21,10 @@ sequences than the KV cache has states for:
   each running request holds at least one of them
   (:func:`single_pool_graph_states`).
 
+Both counts are :mod:`~vllm_hybrid.v1.core.pooled.capacity`'s (its
+``StateRoom``), the figures the planner and ``vllm-hybrid plan`` use too;
+this module only sets them against the graphs a worker captures.
+
 When the largest full graph has more rows than that, the full graphs are
 capped at that many sequences: the dispatcher's full keys above the cap are
 dropped (:func:`initialize_cudagraph_keys`), so such batches run the
@@ -31,17 +35,26 @@ request's state at all is refused.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode
 from vllm.utils.math_utils import cdiv
-from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream_of
-from vllm_hybrid.v1.core.pooled.planner import min_state_blocks_per_request
-from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+from vllm_hybrid.v1.core.pooled.capacity import (
+    StateRoom,
+    pooled_state_room,
+    shared_pool_state_room,
+)
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(__name__)
 
@@ -49,9 +62,10 @@ GiB = 2**30
 MiB = 2**20
 
 
-@dataclass(frozen=True)
-class FullGraphStates:
-    """The largest full CUDA graph of an engine and the states for its rows."""
+@dataclass(frozen=True, kw_only=True)
+class FullGraphStates(StateRoom):
+    """The largest full CUDA graph of an engine and the states for its rows
+    (the states as :mod:`~vllm_hybrid.v1.core.pooled.capacity` counts them)."""
 
     max_num_seqs: int
     #: Capture size (tokens) of the largest full graph, and its sequences.
@@ -59,22 +73,6 @@ class FullGraphStates:
     graph_rows: int
     #: Tokens per sequence of a uniform decode batch (1 + draft tokens).
     decode_query_len: int
-    #: State blocks the engine can give running requests at once.
-    state_blocks: int
-    #: State blocks one running request holds at least.
-    blocks_per_request: int
-    #: Bytes of a state block and of the whole KV cache; None where the
-    #: caller's KV cache config carries no tensors to measure (messages then
-    #: leave the byte figures out).
-    state_block_bytes: int | None
-    arena_bytes: int | None
-    #: What holds the states: "arena" (pooled) or "shared pool".
-    holder: str = "arena"
-
-    @property
-    def max_states(self) -> int:
-        """Requests whose states the KV cache can hold at once."""
-        return self.state_blocks // self.blocks_per_request
 
     @property
     def fits(self) -> bool:
@@ -89,23 +87,10 @@ class FullGraphStates:
     def _sized(self) -> bool:
         return self.arena_bytes is not None and self.state_block_bytes is not None
 
-    def _bytes_for(self, requests: int) -> int | None:
-        """KV cache that holds ``requests`` requests' states (None: sizes
-        unknown).
-
-        Exact for the arena: whole state blocks added to it add as many ids
-        to the state pool and leave the null region and the token pool's
-        minimum (hence the lowest state floor) where they are.
-        """
-        if not self._sized:
-            return None
-        missing = requests * self.blocks_per_request - self.state_blocks
-        return self.arena_bytes + max(0, missing) * self.state_block_bytes
-
     @property
     def needed_arena_bytes(self) -> int | None:
         """KV cache that holds ``graph_rows`` requests' states."""
-        return self._bytes_for(self.graph_rows)
+        return self.bytes_for(self.graph_rows)
 
     def _where(self) -> str:
         if not self._sized:
@@ -153,7 +138,7 @@ class FullGraphStates:
 
     def message(self) -> str:
         """Why a KV cache that holds no request's state cannot start."""
-        needed = self._bytes_for(1)
+        needed = self.bytes_for(1)
         raise_it = (
             "Give the KV cache more memory (--kv-cache-memory-bytes or "
             "--gpu-memory-utilization)"
@@ -190,6 +175,23 @@ def largest_full_graph(
     return best
 
 
+def _with_graph(
+    room: StateRoom,
+    mode: CUDAGraphMode,
+    capture_sizes: list[int],
+    max_num_seqs: int,
+    query_len: int,
+) -> FullGraphStates:
+    tokens, rows = largest_full_graph(mode, capture_sizes, max_num_seqs, query_len)
+    return FullGraphStates(
+        **dataclasses.asdict(room),
+        max_num_seqs=max_num_seqs,
+        graph_tokens=tokens,
+        graph_rows=rows,
+        decode_query_len=query_len,
+    )
+
+
 def full_graph_states(
     config: PooledKVCacheConfig,
     mode: CUDAGraphMode,
@@ -198,51 +200,23 @@ def full_graph_states(
     query_len: int = 1,
 ) -> FullGraphStates:
     """The largest full graph of ``mode`` against ``config``'s state pool."""
-    state = config.pool_by_kind(PoolKind.STATE)
-    spec = config.kv_cache_groups[state.group_ids[0]].kv_cache_spec
-    assert isinstance(spec, MambaSpec)
-    layout = config.layout
-    tokens, rows = largest_full_graph(mode, capture_sizes, max_num_seqs, query_len)
-    return FullGraphStates(
-        max_num_seqs=max_num_seqs,
-        graph_tokens=tokens,
-        graph_rows=rows,
-        decode_query_len=query_len,
-        state_blocks=layout.state_capacity_at(layout.min_state_floor),
-        blocks_per_request=min_state_blocks_per_request(spec),
-        state_block_bytes=state.block_bytes,
-        arena_bytes=layout.arena_bytes,
-    )
+    room = pooled_state_room(config)
+    return _with_graph(room, mode, capture_sizes, max_num_seqs, query_len)
 
 
 def single_pool_graph_states(
-    config: Any,
+    config: KVCacheConfig,
     mode: CUDAGraphMode,
     capture_sizes: list[int],
     max_num_seqs: int,
     query_len: int = 1,
 ) -> FullGraphStates:
-    """The largest full graph of ``mode`` against upstream's shared pool:
-    each state layer's view has ``num_blocks`` blocks.
+    """The largest full graph of ``mode`` against upstream's shared pool.
 
-    Like upstream's check, this reads only ``num_blocks`` of ``config``; the
-    tensor sizes, when ``config`` has them, only add byte figures to the
-    messages, so a config without them (a test's stand-in, a plugin's
-    profiling call) gets the same cap."""
-    sizes = [t.size for t in getattr(config, "kv_cache_tensors", None) or ()]
-    size = max(sizes) if sizes else None
-    tokens, rows = largest_full_graph(mode, capture_sizes, max_num_seqs, query_len)
-    return FullGraphStates(
-        max_num_seqs=max_num_seqs,
-        graph_tokens=tokens,
-        graph_rows=rows,
-        decode_query_len=query_len,
-        state_blocks=config.num_blocks,
-        blocks_per_request=1,
-        state_block_bytes=None if size is None else size // max(1, config.num_blocks),
-        arena_bytes=size,
-        holder="shared pool",
-    )
+    Like upstream's check, the count reads only ``num_blocks`` of ``config``
+    (:func:`~vllm_hybrid.v1.core.pooled.capacity.shared_pool_state_room`)."""
+    room = shared_pool_state_room(config)
+    return _with_graph(room, mode, capture_sizes, max_num_seqs, query_len)
 
 
 # ---------------------------------------------------------------------------
@@ -292,11 +266,11 @@ def size_full_graphs(
 
 def resolve_cudagraph_mode_and_sizes(
     self: CompilationConfig,
-    min_cg_support: Any,
+    min_cg_support: AttentionCGSupport,
     min_cg_attn_backend: str | None,
     uniform_decode_query_len: int = 1,
     use_v2_model_runner: bool = False,
-    kv_cache_config: Any = None,
+    kv_cache_config: KVCacheConfig | None = None,
     max_num_reqs: int | None = None,
     is_profiling: bool = False,
     piecewise_capture_available: bool = True,
@@ -333,7 +307,9 @@ def resolve_cudagraph_mode_and_sizes(
 
 
 def initialize_cudagraph_keys(
-    self: Any, cudagraph_mode: CUDAGraphMode, uniform_decode_query_len: int = 1
+    self: CudagraphDispatcher,
+    cudagraph_mode: CUDAGraphMode,
+    uniform_decode_query_len: int = 1,
 ) -> None:
     """Upstream's keys, without the full graphs above the recorded cap.
 
