@@ -34,12 +34,6 @@ from vllm_hybrid.v1.core.pooled.spec import PoolKind
 logger = init_logger(__name__)
 
 
-class PoolGrowth(Protocol):
-    """What a pool short of free blocks asks of its arena's boundary."""
-
-    def ensure_side(self, side: PoolKind, need: int) -> bool: ...
-
-
 class PrefixCacheListener(Protocol):
     """Who hears a pool's prefix-cache events (the coupling of the pools)."""
 
@@ -77,8 +71,6 @@ class ArenaBlockPool(BlockPool):
         self._owned_ids = owned_ids
         #: another pool whose KV cache events this one hands out with its own
         self._events_of = events_of
-        #: the boundary this pool asks for blocks when short (set by the arena)
-        self.growth: PoolGrowth | None = None
         #: who hears this pool's prefix-cache events (set by the arena)
         self.listener: PrefixCacheListener | None = None
         #: block the next one-block allocation returns (see lend_in_place)
@@ -216,16 +208,15 @@ class ArenaBlockPool(BlockPool):
         self._lent = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation, after asking the boundary to move in this
-        pool's favour when it is short (may still raise ValueError)."""
+        """Upstream's allocation. A pool never moves the boundary: admission
+        secured the room before the allocation, and a pool short of it raises
+        upstream's ValueError."""
         lent, self._lent = self._lent, None
         if lent is not None and num_blocks == 1:
             assert lent.ref_cnt >= 1 and not lent.is_null
             self._maybe_evict_cached_block(lent)
             lent.ref_cnt += 1
             return [lent]
-        if num_blocks > self.get_num_free_blocks() and self.growth is not None:
-            self.growth.ensure_side(self.side, num_blocks)
         return super().get_new_blocks(num_blocks)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
