@@ -35,7 +35,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool, InPlaceView
 from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Place, Reach
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
@@ -786,8 +786,7 @@ class ArenaMachine(RuleBasedStateMachine):
         req, block = data.draw(st.sampled_from(held), label="lent")
         pool = self.arena.state_pool
         free_before = pool.get_num_free_blocks()
-        pool.lend_in_place(block)
-        got = pool.get_new_blocks(1)
+        got = InPlaceView(pool, block).get_new_blocks(1)
         assert got == [block] and block.ref_cnt == 2 and block.block_hash is None
         assert pool.get_num_free_blocks() == free_before
         self.requests[req].append(block)
