@@ -213,7 +213,10 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
         where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
         why=(
             "Upstream's coordinator hands every manager its one pool; pooled "
-            "mode points each manager at the arena pool of its page kind."
+            "mode points each manager at the arena pool of its page kind. For "
+            "one allocation that advances a state in place, the state "
+            "manager's block_pool is an InPlaceView of its pool, which hands "
+            "back the reserved running block, and is restored after it."
         ),
     ),
     InstanceRewrite(

@@ -35,7 +35,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool, InPlaceView
 from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Place, Reach
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
@@ -323,7 +323,11 @@ def test_token_pool_grows_on_demand():
     assert arena.boundary_bytes == 50  # can_allocate changes nothing
     assert arena.token_pool.owned_ids == range(3, 12)
     assert arena.state_pool.owned_ids == range(5, 10)
-    got = arena.token_pool.get_new_blocks(14)  # asks the arena itself
+    with pytest.raises(ValueError, match="Cannot get 14 free blocks"):
+        arena.token_pool.get_new_blocks(14)  # a pool never moves the boundary
+    assert arena.boundary_bytes == 50
+    assert arena.boundary.ensure(14, 0)
+    got = arena.token_pool.get_new_blocks(14)
     assert ids(got) == list(range(3, 17))
     # 14 blocks end at 68 B: the state floor rounds up to 70 B (id 7). The
     # token pool gained ids 12-16, the state pool gave up 5-6.
@@ -694,9 +698,11 @@ class ArenaMachine(RuleBasedStateMachine):
         need = (n, 0) if side is PoolKind.TOKEN else (0, n)
         feasible = bool(oracle_floors(arena, *need))
         before = snapshot(arena)
+        assert arena.boundary.ensure(*need) == feasible
         if not feasible:
+            assert snapshot(arena) == before
             with pytest.raises(ValueError, match=f"Cannot get {n} free blocks"):
-                pool.get_new_blocks(n)
+                pool.get_new_blocks(n)  # a pool never moves the boundary
             assert snapshot(arena) == before
             return
         got = pool.get_new_blocks(n)
@@ -780,8 +786,7 @@ class ArenaMachine(RuleBasedStateMachine):
         req, block = data.draw(st.sampled_from(held), label="lent")
         pool = self.arena.state_pool
         free_before = pool.get_num_free_blocks()
-        pool.lend_in_place(block)
-        got = pool.get_new_blocks(1)
+        got = InPlaceView(pool, block).get_new_blocks(1)
         assert got == [block] and block.ref_cnt == 2 and block.block_hash is None
         assert pool.get_num_free_blocks() == free_before
         self.requests[req].append(block)

@@ -29,7 +29,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
-from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
+from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
 HBS = 16
@@ -394,7 +394,8 @@ class CoupledArenaMachine(RuleBasedStateMachine):
     def allocate_under_pressure(self, data, state_side, n):
         """Plain allocations that pop (and so evict) LRU cached blocks."""
         pool = self.arena.state_pool if state_side else self.arena.token_pool
-        if not self.arena.boundary.ensure_side(pool.side, n):
+        need = (n, 0) if pool.side is PoolKind.TOKEN else (0, n)
+        if not self.arena.boundary.ensure(*need):
             return
         self.held.append((pool, pool.get_new_blocks(n)))
 

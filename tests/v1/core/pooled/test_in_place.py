@@ -17,7 +17,10 @@ from types import SimpleNamespace
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_hybrid.v1.core.pooled.coordinator import PooledCoordinatorMixin
+from vllm_hybrid.v1.core.pooled.coordinator import (
+    PooledCoordinatorMixin,
+    Reservation,
+)
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 NULL = KVCacheBlock(block_id=0)
@@ -78,3 +81,43 @@ def test_only_a_one_block_edge_advances_in_place() -> None:
     running = _block(7, ref_cnt=1)
     assert _in_place(_coordinator([NULL, running], retiring=None), [1, 2]) == {}
     assert _in_place(_coordinator([NULL, running], retiring=None), [1, 0]) == {}
+
+
+class _Manager:
+    """Allocates as align mode does at a state block edge: one block from
+    whatever ``block_pool`` it is pointed at."""
+
+    def __init__(self, pool: object) -> None:
+        self.block_pool = pool
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        return self.block_pool.get_new_blocks(1)
+
+
+class _Pool:
+    def __init__(self, fresh: KVCacheBlock) -> None:
+        self.fresh = fresh
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        return [self.fresh]
+
+    def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:
+        return [block]
+
+
+def test_the_allocation_consumes_what_admission_reserved() -> None:
+    """A reserved running block travels down to the state group's manager
+    as a value; the token group and the pools keep no note of it."""
+    running, fresh_token = _block(7, ref_cnt=1), _block(3, ref_cnt=0)
+    token_pool, state_pool = _Pool(fresh_token), _Pool(_block(9, ref_cnt=0))
+    coordinator = SimpleNamespace(
+        single_type_managers=(_Manager(token_pool), _Manager(state_pool)),
+        _reserved={
+            "r": Reservation(token_blocks=1, state_blocks=0, in_place={1: running})
+        },
+    )
+    out = PooledCoordinatorMixin.allocate_new_blocks(coordinator, "r", 16, 16)
+    assert out == ([fresh_token], [running])
+    assert coordinator._reserved == {}
+    managers = coordinator.single_type_managers
+    assert (managers[0].block_pool, managers[1].block_pool) == (token_pool, state_pool)

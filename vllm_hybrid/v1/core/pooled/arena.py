@@ -63,8 +63,6 @@ class KVArena:
             **common,
         )
         self.boundary = ArenaBoundary(layout, self.token_pool, self.state_pool)
-        for pool in (self.token_pool, self.state_pool):
-            pool.growth = self.boundary
 
     # -- read side --------------------------------------------------------
 

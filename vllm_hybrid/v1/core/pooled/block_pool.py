@@ -34,12 +34,6 @@ from vllm_hybrid.v1.core.pooled.spec import PoolKind
 logger = init_logger(__name__)
 
 
-class PoolGrowth(Protocol):
-    """What a pool short of free blocks asks of its arena's boundary."""
-
-    def ensure_side(self, side: PoolKind, need: int) -> bool: ...
-
-
 class PrefixCacheListener(Protocol):
     """Who hears a pool's prefix-cache events (the coupling of the pools)."""
 
@@ -77,12 +71,8 @@ class ArenaBlockPool(BlockPool):
         self._owned_ids = owned_ids
         #: another pool whose KV cache events this one hands out with its own
         self._events_of = events_of
-        #: the boundary this pool asks for blocks when short (set by the arena)
-        self.growth: PoolGrowth | None = None
         #: who hears this pool's prefix-cache events (set by the arena)
         self.listener: PrefixCacheListener | None = None
-        #: block the next one-block allocation returns (see lend_in_place)
-        self._lent: KVCacheBlock | None = None
         #: request whose blocks are being cached (state side: links them)
         self._caching: Any = None
         #: keys are being re-pointed to another block, not leaving the cache
@@ -204,28 +194,25 @@ class ArenaBlockPool(BlockPool):
             # upstream routes blocks of another pool there (their own check)
             self.listener.evict_dead(self.side, (b for b in blocks if b.pool is self))
 
-    def lend_in_place(self, block: KVCacheBlock | None) -> None:
-        """Make the next one-block allocation return ``block`` itself.
+    def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:
+        """``block``, a request's running state block, as its new block.
 
         Used when memory is short and a request advances its recurrent state
         in the block it already owns instead of copying it into a fresh one:
         the block gets a second reference (the request's old and new block
         table slots both name it; upstream frees the old slot next step) and
-        leaves the prefix cache, because its content moves on.
+        leaves the prefix cache, because its content moves on. No free block
+        is taken.
         """
-        self._lent = block
+        assert block.ref_cnt >= 1 and not block.is_null
+        self._maybe_evict_cached_block(block)
+        block.ref_cnt += 1
+        return [block]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation, after asking the boundary to move in this
-        pool's favour when it is short (may still raise ValueError)."""
-        lent, self._lent = self._lent, None
-        if lent is not None and num_blocks == 1:
-            assert lent.ref_cnt >= 1 and not lent.is_null
-            self._maybe_evict_cached_block(lent)
-            lent.ref_cnt += 1
-            return [lent]
-        if num_blocks > self.get_num_free_blocks() and self.growth is not None:
-            self.growth.ensure_side(self.side, num_blocks)
+        """Upstream's allocation. A pool never moves the boundary: admission
+        secured the room before the allocation, and a pool short of it raises
+        upstream's ValueError."""
         return super().get_new_blocks(num_blocks)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
@@ -318,6 +305,31 @@ class ArenaBlockPool(BlockPool):
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids
         self.free_block_queue.append_n(arriving)
+
+
+class InPlaceView:
+    """The state pool as one manager's allocation sees it when admission
+    reserved the request's running block to advance in place.
+
+    Upstream's manager takes its new block from ``manager.block_pool``; the
+    coordinator points it at this view for that one call, so the reserved
+    block travels down as a value and the pool keeps no note of it. A
+    one-block allocation (align mode's one allocation at a state block edge)
+    returns the running block (:meth:`ArenaBlockPool.advance_in_place`);
+    anything else is the pool's.
+    """
+
+    def __init__(self, pool: ArenaBlockPool, block: KVCacheBlock) -> None:
+        self.pool = pool
+        self.block = block
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks == 1:
+            return self.pool.advance_in_place(self.block)
+        return self.pool.get_new_blocks(num_blocks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
 
 
 def state_eviction_window(environ: dict[str, str] | None = None) -> int:

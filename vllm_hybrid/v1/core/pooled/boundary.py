@@ -173,12 +173,6 @@ class ArenaBoundary:
             self._move_to(target)
         return True
 
-    def ensure_side(self, side: PoolKind, need: int) -> bool:
-        """:meth:`ensure` for one pool only (the other needs nothing)."""
-        if side is PoolKind.TOKEN:
-            return self.ensure(need, 0)
-        return self.ensure(0, need)
-
     def admit(
         self,
         need_token: int,

@@ -13,7 +13,8 @@ the memory that grows with sequence length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core.kv_cache_coordinator import (
@@ -26,6 +27,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin, decode_edges_policy
@@ -70,8 +72,10 @@ class PooledCoordinatorMixin:
             manager._null_block = pool.null_block
         self.block_pool = self.arena.token_pool
         self._couple_prefix_caches()
-        #: requests that advance their state in place this step (per group)
-        self._in_place: dict[str, dict[int, KVCacheBlock]] = {}
+        #: what admission reserved for a request's allocation when that
+        #: differs from upstream's (a state advanced in place), until the
+        #: allocation consumes it
+        self._reserved: dict[str, Reservation] = {}
         #: how often a request crossed a state block edge in place: short of
         #: memory at an edge a policy keeps, or at an edge none keeps
         self.short_memory_counts = {"state_in_place": 0, "edges_in_place": 0}
@@ -113,14 +117,17 @@ class PooledCoordinatorMixin:
     ) -> int:
         """Token-pool blocks to allocate, after securing both pools.
 
-        The arena's boundary decides admission (:meth:`ArenaBoundary.admit`).
-        Upstream compares the returned count with the token pool's free
-        blocks; an allocation the arena cannot serve returns one more than
-        that, so upstream's "cannot allocate" path runs unchanged.
+        Admission (:meth:`_admit`) returns what it reserved. Upstream compares
+        the returned count with the token pool's free blocks; an allocation
+        the arena cannot serve returns one more than that, so upstream's
+        "cannot allocate" path runs unchanged. Upstream passes only that count
+        on to :meth:`allocate_new_blocks`, so a reservation that advances a
+        state in place is kept for it under the request's id.
         """
         if self.retention_interval != 0:
             prefill_end = 0
-        self._in_place.pop(request_id, None)
+        # a reservation answers the latest admission of its request only
+        self._reserved.pop(request_id, None)
         needs = [
             manager.get_num_blocks_to_allocate(
                 request_id,
@@ -134,6 +141,27 @@ class PooledCoordinatorMixin:
             )
             for i, manager in enumerate(self.single_type_managers)
         ]
+        reservation = self._admit(
+            request_id, needs, new_computed_blocks, total_computed_tokens
+        )
+        if reservation is None:
+            # upstream's "cannot allocate": more than the token pool has free
+            return self.block_pool.get_num_free_blocks() + 1
+        if reservation.in_place:
+            self._reserved[request_id] = reservation
+        return reservation.token_blocks
+
+    def _admit(
+        self,
+        request_id: str,
+        needs: list[int],
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int,
+    ) -> Reservation | None:
+        """What the arena secured for the request's new blocks (``needs``:
+        per group), trying the growth reserve, then an edge nobody keeps
+        advanced in place, then the ways of the boundary's admission; None
+        when it cannot serve them."""
         need = {PoolKind.TOKEN: 0, PoolKind.STATE: 0}
         for kind, n in zip(self._group_kind, needs, strict=True):
             need[kind] += n
@@ -142,28 +170,27 @@ class PooledCoordinatorMixin:
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
         if self._admits_with_reserve(request_id, need_token, need_state, hits):
-            return need_token
+            return Reservation(need_token, need_state)
         in_place = self._in_place_blocks(request_id, needs)
+        advanced = Reservation(need_token, need_state - len(in_place), in_place)
         if in_place and self._unkept_edge(request_id, total_computed_tokens):
             # an edge nobody keeps: advance in place, no copy
             admission = self.arena.boundary.admit(
-                need_token, need_state - len(in_place), keep=hits
+                need_token, advanced.state_blocks, keep=hits
             )
             if admission is Admission.REFUSED:
-                return self.block_pool.get_num_free_blocks() + 1
-            self._in_place[request_id] = in_place
+                return None
             self.short_memory_counts["edges_in_place"] += 1
-            return need_token
+            return advanced
         admission = self.arena.boundary.admit(
             need_token, need_state, keep=hits, in_place=len(in_place)
         )
         if admission is Admission.REFUSED:
-            # upstream's "cannot allocate": more than the token pool has free
-            return self.block_pool.get_num_free_blocks() + 1
+            return None
         if admission is Admission.IN_PLACE:
-            self._in_place[request_id] = in_place
             self.short_memory_counts["state_in_place"] += 1
-        return need_token
+            return advanced
+        return Reservation(need_token, need_state)
 
     def _admits_with_reserve(
         self,
@@ -262,16 +289,19 @@ class PooledCoordinatorMixin:
         num_tokens_main_model: int,
         num_encoder_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        in_place = self._in_place.pop(request_id, None)
-        if not in_place:
+        """Upstream's allocation, consuming what admission reserved: a state
+        group that advances in place allocates from an :class:`InPlaceView`
+        of its pool, which hands back the running block."""
+        reservation = self._reserved.pop(request_id, None)
+        if reservation is None:
             return super().allocate_new_blocks(
                 request_id, num_tokens, num_tokens_main_model, num_encoder_tokens
             )
-        pool = self.arena.state_pool
         out = []
         for i, manager in enumerate(self.single_type_managers):
-            if i in in_place:
-                pool.lend_in_place(in_place[i])
+            pool = manager.block_pool
+            if i in reservation.in_place:
+                manager.block_pool = InPlaceView(pool, reservation.in_place[i])
             try:
                 out.append(
                     manager.allocate_new_blocks(
@@ -279,8 +309,19 @@ class PooledCoordinatorMixin:
                     )
                 )
             finally:
-                pool.lend_in_place(None)
+                manager.block_pool = pool
         return tuple(out)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What admission secured for one request's next allocation: free token
+    and state blocks, and the running state block of each state group (by
+    group index) that advances in place instead of taking a fresh one."""
+
+    token_blocks: int
+    state_blocks: int
+    in_place: Mapping[int, KVCacheBlock] = field(default_factory=dict)
 
 
 def _own_slots(blocks: list[KVCacheBlock], manager: Any, request_id: str) -> int:

@@ -1,0 +1,146 @@
+"""One request's allocation goes down the layers and back, checked from the source.
+
+Admission returns what it reserved and the allocation consumes it
+(``PooledCoordinatorMixin``'s ``Reservation``); the pools never call up into
+the boundary, the arena or the coordinator, and no module keeps a one-shot
+field that hands a block from one call to the next ("the next allocation
+returns this block"). ``tests/test_layering.py`` checks imports and reach in
+general, but it lets a lower module name a higher one's method through a
+``Protocol`` it declares itself; this test does not, because a call up
+through an interface is still a call up.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from import_graph import PACKAGE
+from test_layering import POOLED_LAYERS, ambient_names, defined_names
+
+POOLED_DIR = PACKAGE / "v1" / "core" / "pooled"
+#: The pool layer: every pooled module below the coupling.
+POOL_MODULES = POOLED_LAYERS[: POOLED_LAYERS.index("coupling")]
+#: The layers a pool must never call back.
+ABOVE_POOLS = ("coupling", "boundary", "arena", "coordinator")
+
+#: Calls up that remain, with why; the test fails when one is gone, so the
+#: list only shrinks. The coupling hears each prefix-cache event the moment
+#: it happens, inside the pool operation that caused it (upstream's managers
+#: call the pools directly, so no layer above sees the operation end);
+#: handling it once per arena operation instead would reorder the free
+#: queues and so change which blocks are handed out.
+ALLOWED_CALLS_UP = {
+    ("block_pool", "key_cached"),
+    ("block_pool", "keys_left_cache"),
+    ("block_pool", "evict_dead"),
+}
+
+
+def _tree(module: str) -> ast.Module:
+    return ast.parse((POOLED_DIR / f"{module}.py").read_text())
+
+
+def _protocol_names(tree: ast.Module) -> set[str]:
+    """Methods of the ``Protocol`` classes a module declares (interfaces it
+    calls through, not behaviour it has)."""
+    names: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if any(ast.unparse(base) == "Protocol" for base in cls.bases):
+            names |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    return names
+
+
+def calls_up(modules: dict[str, ast.Module], above: dict[str, ast.Module]):
+    """``(module, method)`` of each call a module of ``modules`` makes on an
+    object other than ``self``/``super()`` to a method only ``above``
+    defines (a ``Protocol`` stub of the caller's own does not count as its
+    own: the call still lands above)."""
+    own: set[str] = set()
+    for tree in modules.values():
+        own |= defined_names(tree) - _protocol_names(tree)
+    upward = set().union(*(defined_names(t) for t in above.values()))
+    upward -= own | ambient_names()
+    found = set()
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            ):
+                continue
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super":
+                continue
+            if node.func.attr in upward:
+                found.add((name, node.func.attr))
+    return found
+
+
+def _self_attribute(node: ast.AST, ctx: type[ast.expr_context]) -> str | None:
+    """``name`` when ``node`` is ``self.name`` read (``ast.Load``) or written
+    (``ast.Store``) as ``ctx`` says; None otherwise."""
+    if not isinstance(node, ast.Attribute) or not isinstance(node.ctx, ctx):
+        return None
+    owner = node.value
+    return node.attr if isinstance(owner, ast.Name) and owner.id == "self" else None
+
+
+def one_shot_fields(tree: ast.Module) -> set[str]:
+    """``self`` attributes a function reads and clears in one go (``x,
+    self.f = self.f, None``) or reads and then sets to None: a value left
+    for the next call to pick up."""
+    found = set()
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        read = {_self_attribute(node, ast.Load) for node in ast.walk(fn)}
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Assign):
+                continue
+            values = (
+                node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            )
+            if not any(isinstance(v, ast.Constant) and v.value is None for v in values):
+                continue
+            for target in node.targets:
+                for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    name = _self_attribute(t, ast.Store)
+                    if name is not None and name in read:
+                        found.add(name)
+    return found
+
+
+def test_no_pool_calls_the_boundary_arena_coordinator_or_coupling():
+    pools = {m: _tree(m) for m in POOL_MODULES}
+    above = {m: _tree(m) for m in ABOVE_POOLS}
+    assert calls_up(pools, above) == ALLOWED_CALLS_UP
+
+
+def test_no_module_keeps_a_one_shot_field():
+    found = {
+        (path.stem, field)
+        for path in sorted((PACKAGE / "v1" / "core").rglob("*.py"))
+        for field in one_shot_fields(ast.parse(path.read_text()))
+    }
+    assert found == set()
+
+
+def test_the_checks_catch_what_they_name():
+    """Both checks flag the shapes they exist for: a pool asking the boundary
+    for room through its own Protocol, and a lent block picked up by the
+    next allocation."""
+    pool = ast.parse(
+        "from typing import Protocol\n"
+        "class Growth(Protocol):\n"
+        "    def ensure(self, need): ...\n"
+        "class Pool:\n"
+        "    def get_new_blocks(self, n):\n"
+        "        lent, self._lent = self._lent, None\n"
+        "        self.growth.ensure(n)\n"
+        "    def take(self):\n"
+        "        block = self._next\n"
+        "        self._next = None\n"
+        "        return block\n"
+    )
+    boundary = ast.parse("class Boundary:\n    def ensure(self, need): ...\n")
+    assert calls_up({"pool": pool}, {"boundary": boundary}) == {("pool", "ensure")}
+    assert one_shot_fields(pool) == {"_lent", "_next"}
