@@ -11,16 +11,20 @@ Usage::
     python scripts/decode_copies_table.py OUT_DIR [--requests N]
         [--workloads mooncake,chat_server] [--cases 80-tq,48-bf16,...]
         [--variants every:0:fill,budget_end:0:fill,budget_end:1:state_page]
+        [--offline]
 
 A variant is ``POLICY:PAGES[:PACING[:WINDOW]]`` (pacing ``fill`` and the
-default window when left out).
+default window when left out), or ``default``: pooled mode as it ships,
+none of the variables set (its rows are labelled ``pooled``).
 ``every:0`` is pooled mode before edges could be crossed in place (a copy at
 every state block edge) and before the growth reserve; ``budget_end:1:fill``
 is pooled mode before prefill pacing; ``budget_end:1:state_page`` is the
 default.
 Each run keeps its JSON in ``OUT_DIR`` and is not run again when it is there.
 The Markdown table goes to standard output, one per workload; ratios are to
-upstream of the same case.
+upstream of the same case. ``--offline`` reads the runs already in
+``OUT_DIR`` only and prints one workload's table alone (the docs' generated
+blocks over runs committed under ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ import os
 import sys
 from pathlib import Path
 
-from simulation_tables import CASES, CHAT_SHAPE, MODEL, check_cases, names
+from simulation_tables import (
+    CASES,
+    CHAT_SHAPE,
+    MODEL,
+    add_offline,
+    names,
+    parse,
+    print_table,
+)
 
 from vllm_hybrid import envs
 from vllm_hybrid.tools.simulate.cli import main as simulate
@@ -47,13 +59,10 @@ HEADER = (
 
 def run(out: Path, workload: str, case: str, engine: str, variant: str, args) -> dict:
     """One engine's summary (its best run), simulated unless cached."""
-    policy, pages, pacing, window = parse_variant(variant)
-    tag = engine if engine == "upstream" else f"{engine}-{policy}-g{pages}"
-    if engine != "upstream" and pacing != PrefillPacing.FILL.value:
-        tag += f"-{pacing}"
-    if engine != "upstream" and window:
-        tag += f"-w{window}"
+    tag = run_tag(engine, variant)
     path = out / f"{workload}-{case}-{tag}.json"
+    if not path.is_file() and args.offline:
+        raise SystemExit(f"{path}: not there (--offline reads saved runs only)")
     if not path.is_file():
         argv = [MODEL, *CASES[case], "--workload", workload, "--json", str(path)]
         argv += ["--engines", engine, "--jobs", "1", "--no-progress"]
@@ -62,12 +71,46 @@ def run(out: Path, workload: str, case: str, engine: str, variant: str, args) ->
         if workload == "chat_server":
             argv += ["--shape", json.dumps(CHAT_SHAPE)]
         print(f"[decode copies] {workload} {case} {tag}", file=sys.stderr, flush=True)
-        os.environ[envs.DECODE_EDGES_VAR] = policy
-        os.environ[envs.ADMISSION_GROWTH_VAR] = pages
-        os.environ[envs.PREFILL_PACING_VAR] = pacing
-        os.environ[envs.STATE_EVICTION_WINDOW_VAR] = window
+        set_variant(variant)
         simulate(argv)
     return best_runs(json.loads(path.read_text())["engines"])[engine]
+
+
+#: The variables a variant sets (``default`` sets none).
+VARIANT_VARS = (
+    envs.DECODE_EDGES_VAR,
+    envs.ADMISSION_GROWTH_VAR,
+    envs.PREFILL_PACING_VAR,
+    envs.STATE_EVICTION_WINDOW_VAR,
+)
+
+
+def set_variant(variant: str) -> None:
+    """The environment the simulator's engine processes inherit."""
+    for var in VARIANT_VARS:
+        os.environ.pop(var, None)
+    if variant != "default":
+        os.environ.update(zip(VARIANT_VARS, parse_variant(variant), strict=True))
+
+
+def run_tag(engine: str, variant: str) -> str:
+    """The run's part of its JSON file's name."""
+    if engine == "upstream" or variant == "default":
+        return engine
+    policy, pages, pacing, window = parse_variant(variant)
+    tag = f"{engine}-{policy}-g{pages}"
+    if pacing != PrefillPacing.FILL.value:
+        tag += f"-{pacing}"
+    return f"{tag}-w{window}" if window else tag
+
+
+def variant_label(variant: str) -> str:
+    """The engine column of a pooled run."""
+    if variant == "default":
+        return "pooled"
+    policy, pages, pacing, window = parse_variant(variant)
+    label = f"pooled, {policy}, reserve {pages}, {pacing}"
+    return f"{label}, window {window}" if window else label
 
 
 def parse_variant(variant: str) -> tuple[str, str, str, str]:
@@ -121,7 +164,7 @@ def row(case: str, label: str, summary: dict, reference: dict | None) -> str:
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--requests", type=int, default=1000)
@@ -132,22 +175,17 @@ def main() -> int:
         type=names,
         default=["budget_end:1:fill", "budget_end:1:state_page"],
     )
-    args = parser.parse_args()
-    check_cases(parser, args.cases)
-    args.out.mkdir(parents=True, exist_ok=True)
+    add_offline(parser)
+    args = parse(parser, argv)
     for workload in args.workloads:
         rows = []
         for case in args.cases:
-            upstream = run(args.out, workload, case, "upstream", "every:0", args)
+            upstream = run(args.out, workload, case, "upstream", "default", args)
             rows.append(row(case, "upstream", upstream, None))
             for variant in args.variants:
                 pooled = run(args.out, workload, case, "pooled", variant, args)
-                policy, pages, pacing, window = parse_variant(variant)
-                label = f"pooled, {policy}, reserve {pages}, {pacing}"
-                if window:
-                    label += f", window {window}"
-                rows.append(row(case, label, pooled, upstream))
-        print(f"\n{workload}\n\n{HEADER}\n" + "\n".join(rows))
+                rows.append(row(case, variant_label(variant), pooled, upstream))
+        print_table(args, workload, HEADER, rows)
     return 0
 
 

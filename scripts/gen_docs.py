@@ -17,9 +17,12 @@ the command prints), without the ``$ COMMAND`` line or a fence.
 ``--write`` reruns every marked command and rewrites its block; ``--check``
 (the default) reports each block that differs from what its command prints
 now and exits 1 (``tests/test_docs_generated.py`` runs it). Only commands
-that are fast and print the same on every host may be marked:
-``vllm-hybrid plan`` on configs and presets (no weights, no engine). They run
-in this process, so vLLM is imported once for all of them.
+that are fast and print the same on every host may be marked (:data:`RUNNERS`):
+``vllm-hybrid plan`` on configs and presets (no weights, no engine), and the
+scripts that render results committed under ``benchmarks/results/``
+(simulator runs with ``--offline``, which reads their JSON and never
+simulates; a GPU run's kernel timings). They run in this process from the
+repository root, so vLLM is imported once for all of them.
 
 Usage: python scripts/gen_docs.py [--check | --write] [FILE.md ...]
 """
@@ -30,6 +33,7 @@ import argparse
 import contextlib
 import difflib
 import functools
+import importlib.util
 import io
 import re
 import shlex
@@ -44,8 +48,14 @@ DEFAULT_FILES = ("README.md", "docs/*.md")
 
 MARKER = re.compile(r"^<!-- generated(?P<markdown> markdown)?: (?P<command>.+?) -->$")
 FENCE = re.compile(r"^(?P<fence>`{3,})[\w-]*$")
-#: Commands a marker may name: program and subcommand -> runner.
-PREFIX = ("vllm-hybrid", "plan")
+#: Commands a marker may name: program and subcommand or script -> whether
+#: the command must carry ``--offline`` (render saved runs, never simulate).
+RUNNERS: dict[tuple[str, str], bool] = {
+    ("vllm-hybrid", "plan"): False,
+    ("python", "scripts/simulation_tables.py"): True,
+    ("python", "scripts/decode_copies_table.py"): True,
+    ("python", "scripts/gpu/report.py"): False,
+}
 #: The displayed command is wrapped before an option past this width.
 WRAP_WIDTH = 80
 CONTINUATION = " \\\n      "
@@ -112,16 +122,40 @@ def display(command: str) -> str:
     return CONTINUATION.join(lines)
 
 
+def _entry(program: tuple[str, str]) -> Callable[[list[str]], int]:
+    """The ``main(argv)`` a marked command runs."""
+    if program == ("vllm-hybrid", "plan"):
+        from vllm_hybrid.tools.plan.cli import main
+
+        return main
+    script = ROOT / program[1]
+    # the simulation scripts import each other by their module names
+    if str(script.parent) not in sys.path:
+        sys.path.insert(0, str(script.parent))
+    spec = importlib.util.spec_from_file_location(f"gen_docs_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.main
+
+
 @functools.cache
 def run(command: str) -> str:
     """What ``command`` prints; it runs in this process (see module doc)."""
     argv = shlex.split(command)
-    if tuple(argv[:2]) != PREFIX:
-        raise DocError(f"{command!r}: only '{' '.join(PREFIX)} ...' is generated")
-    from vllm_hybrid.tools.plan.cli import main
-
+    program = tuple(argv[:2])
+    if program not in RUNNERS:
+        known = ", ".join(f"'{' '.join(p)} ...'" for p in RUNNERS)
+        raise DocError(f"{command!r}: only {known} are generated")
+    if RUNNERS[program] and "--offline" not in argv:
+        raise DocError(f"{command!r}: needs --offline (a doc check never simulates)")
+    main = _entry(program)
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (
+        contextlib.chdir(ROOT),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
         code = main(argv[2:])
     if code != 0:
         raise DocError(f"{command!r} exited {code}: {err.getvalue().strip()}")
@@ -157,7 +191,7 @@ def doc_files(names: Sequence[str]) -> list[Path]:
     if names:
         return [Path(n) for n in names]
     found = [p for pattern in DEFAULT_FILES for p in sorted(ROOT.glob(pattern))]
-    return [p for p in found if "<!-- generated: " in p.read_text()]
+    return [p for p in found if find_blocks(p.read_text().split("\n"), str(p))]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,12 +5,15 @@ Usage::
 
     python scripts/simulation_tables.py OUT_DIR [--requests N]
         [--workloads mooncake,chat_server,reasoning-chat,agent]
-        [--cases 80-tq,48-bf16,...] [--engines A,B] [--jobs N]
+        [--cases 80-tq,48-bf16,...] [--engines A,B] [--jobs N] [--offline]
 
 Each case runs the simulator once (every engine of ``--engines``, sweeps
 included) and keeps its JSON in ``OUT_DIR``; a case whose JSON is already
 there is not run again, so an interrupted run resumes. The Markdown tables
-go to standard output, one per workload. ``reasoning-chat`` and ``agent``
+go to standard output, one per workload. ``--offline`` only reads the JSON
+already in ``OUT_DIR`` (a missing one is an error) and prints the table of
+the one workload alone, as the docs' generated blocks show the runs
+committed under ``benchmarks/results/``. ``reasoning-chat`` and ``agent``
 are traces with follow-ups, written first into ``OUT_DIR`` by
 ``vllm-hybrid make-trace`` at :data:`TRACE_SHAPES` (seed 0); their tables
 add the floor (prompt tokens no cache could serve).
@@ -96,6 +99,8 @@ def run_case(
     out: Path, case: str, workload: str, args: argparse.Namespace
 ) -> dict | None:
     path = out / f"{workload}-{case}.json"
+    if not path.is_file() and args.offline:
+        raise SystemExit(f"{path}: not there (--offline reads saved runs only)")
     if not path.is_file():
         source = ["--workload", workload]
         if workload in TRACE_SHAPES:
@@ -113,7 +118,33 @@ def run_case(
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def main() -> int:
+def add_offline(parser: argparse.ArgumentParser) -> None:
+    """The ``--offline`` option both table scripts take."""
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="only read the runs in OUT_DIR; print one workload's table alone",
+    )
+
+
+def print_table(args: argparse.Namespace, workload: str, header: str, rows) -> None:
+    """One workload's table: titled, or alone with ``--offline``."""
+    table = f"{header}\n" + "\n".join(rows)
+    print(table if args.offline else f"\n{workload}\n\n{table}")
+
+
+def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The arguments, checked; OUT_DIR made unless ``--offline``."""
+    args = parser.parse_args(argv)
+    check_cases(parser, args.cases)
+    if args.offline and len(args.workloads) != 1:
+        parser.error("--offline prints one workload's table: name one")
+    if not args.offline:
+        args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--requests", type=int, default=None)
@@ -121,9 +152,8 @@ def main() -> int:
     parser.add_argument("--cases", type=names, default=list(CASES))
     parser.add_argument("--engines", default=None)
     parser.add_argument("--jobs", type=int, default=2)
-    args = parser.parse_args()
-    check_cases(parser, args.cases)
-    args.out.mkdir(parents=True, exist_ok=True)
+    add_offline(parser)
+    args = parse(parser, argv)
     for workload in args.workloads:
         rows = []
         followups = workload in TRACE_SHAPES
@@ -133,7 +163,7 @@ def main() -> int:
             if result is not None:
                 rows.append(render(result["engines"], case))
         header = FLOOR_HEADER if followups else SUMMARY_HEADER
-        print(f"\n{workload}\n\n{header}\n" + "\n".join(rows))
+        print_table(args, workload, header, rows)
     return 0
 
 

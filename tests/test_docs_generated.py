@@ -1,9 +1,10 @@
 """Documented command outputs are what the commands print now.
 
 ``scripts/gen_docs.py`` reruns the command named by each
-``<!-- generated: ... -->`` marker; here it checks the README and
-docs/plan.md in this process (the planner needs no weights and imports vLLM
-once), and shows that a block edited to a stale figure is reported.
+``<!-- generated: ... -->`` marker; here it checks every document with one
+in this process (the planner needs no weights and imports vLLM once; the
+result tables render runs committed under ``benchmarks/results/``), and
+shows that a block edited to a stale figure is reported.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: Documents with generated blocks, and how many each must have (a marker
 #: lost in an edit would otherwise leave its block unchecked).
-DOCS = {"README.md": 2, "docs/plan.md": 2}
+DOCS = {
+    "README.md": 4,
+    "docs/plan.md": 2,
+    "docs/simulation.md": 2,
+    "docs/benchmarks.md": 1,
+}
 
 
 def _load_gen_docs():
@@ -45,7 +51,8 @@ def test_documented_outputs_are_current(name):
     path = ROOT / name
     blocks = gen_docs.find_blocks(path.read_text().split("\n"), name)
     assert len(blocks) == DOCS[name]
-    assert all(b.command.startswith("vllm-hybrid plan ") for b in blocks)
+    programs = {tuple(b.command.split()[:2]) for b in blocks}
+    assert programs <= set(gen_docs.RUNNERS)
     assert gen_docs.differences(path) == ""
 
 
@@ -81,6 +88,14 @@ def test_marker_without_a_block_is_an_error():
         gen_docs.find_blocks(lines, "x.md")
     with pytest.raises(gen_docs.DocError, match="only 'vllm-hybrid plan ...'"):
         gen_docs.run("vllm-hybrid serve model")
+
+
+def test_a_simulation_table_is_rendered_never_simulated():
+    """A marked simulation table reads committed runs: without ``--offline``
+    the script would simulate (minutes) when a run is missing."""
+    command = "python scripts/simulation_tables.py benchmarks/results/x --cases 80-tq"
+    with pytest.raises(gen_docs.DocError, match="needs --offline"):
+        gen_docs.run(command)
 
 
 def test_displayed_command_wraps_before_options():

@@ -1,5 +1,5 @@
-"""Ratio rows, the printed tables (Markdown, as docs/benchmarks.md shows
-them) and the JSON document."""
+"""Ratio rows, the printed tables (Markdown, as
+benchmarks/results/serve-20261126.md shows them) and the JSON document."""
 
 from __future__ import annotations
 

@@ -1,12 +1,14 @@
 """Turn one device run's JSON into the Markdown tables the docs carry.
 
-    python scripts/gpu/report.py benchmarks/results/gpu-YYYYMMDD [--check]
+    python scripts/gpu/report.py benchmarks/results/gpu-YYYYMMDD
+        [--check | --timings-table]
 
 reads ``summary.json`` and the parts' JSON files written by
 ``device_run.py`` and prints, in order: the run (date, card, commit,
 versions, each part's outcome), the kernel tier's result, the
 pooled/contiguous time ratio per kernel, the align-mode copy costs next to
-the GDN decode step, and the engines' outcome. ``--check`` exits with 1 when
+the GDN decode step, and the engines' outcome (``--timings-table``: only
+the kernels' time table). ``--check`` exits with 1 when
 a part failed or a ratio is above :data:`MAX_RATIO` (the acceptance bound),
 naming each.
 """
@@ -104,6 +106,13 @@ def timing_rows(timings: dict) -> list[list]:
 def timings_section(timings: dict | None) -> list[str]:
     if timings is None:
         return ["Timings: no result."]
+    return [f"Timings ({timings['environment']['timer']}):", ""] + timings_table(
+        timings
+    )
+
+
+def timings_table(timings: dict) -> list[str]:
+    """The pooled/contiguous time of each kernel, one Markdown table."""
     header = [
         "kernel",
         "shape",
@@ -113,9 +122,7 @@ def timings_section(timings: dict | None) -> list[str]:
         "contiguous spread",
         "note",
     ]
-    return [f"Timings ({timings['environment']['timer']}):", ""] + table(
-        header, timing_rows(timings)
-    )
+    return table(header, timing_rows(timings))
 
 
 def copies_section(copies: dict | None) -> list[str]:
@@ -274,8 +281,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--check", action="store_true")
+    parser.add_argument(
+        "--timings-table",
+        action="store_true",
+        help="print only the kernels' time table (docs/benchmarks.md shows it)",
+    )
     args = parser.parse_args(argv)
-    print(render(args.folder), end="")
+    if args.timings_table:
+        print("\n".join(timings_table(load(args.folder, "timings"))))
+    else:
+        print(render(args.folder), end="")
     if args.check:
         found = problems(args.folder)
         for line in found:

@@ -30,7 +30,7 @@ BURST = 5 * MAX_NUM_SEQS
 HELD_EXTRA = 2
 #: RSS growth from the middle of the run to its end. The engine worker's
 #: private memory grows for its first ~450 requests in both modes (new batch
-#: shapes; docs/benchmarks.md, "Soak"), so this short run compares the
+#: shapes; benchmarks/results/soak-20261125.md), so this short run compares the
 #: pooled worker with upstream's worker on the same requests. The API server
 #: and the engine core keep no memory per request: they stay flat
 #: (measured: under 2 MiB).

@@ -2,7 +2,8 @@
 
 vLLM 0.32 chooses ``max_num_seqs`` and ``max_num_batched_tokens`` from the
 GPU's memory (``EngineArgs.get_batch_defaults``: 1,024 sequences and 8,192
-tokens from 70 GiB up, except on A100s; 256 and 2,048 below), and the CUDA
+tokens from 70 GiB up, 16,384 tokens from 160 GiB, except on A100s; 256 and
+2,048 below), and the CUDA
 graph capture sizes from ``max_num_seqs`` (``VllmConfig``: up to twice the
 sequences, at most 512). On this host vLLM would answer for the CPU: the
 batch limits are vLLM's table (checked against vLLM by a test), and the

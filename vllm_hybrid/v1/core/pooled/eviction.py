@@ -181,8 +181,8 @@ class DecodeEdges(Enum):
 #: for A/B runs). ``EVERY`` copies a state at each edge a decode crosses,
 #: almost all superseded one state block later; ``BUDGET_END`` keeps every
 #: turn-end hit of replies that run to their budget at one copy per request
-#: (the simulator's comparison: docs/simulation.md, "What a decode step
-#: copies").
+#: (the simulator's comparison:
+#: benchmarks/results/sim-20261127-decode-copies.md).
 DECODE_EDGES = DecodeEdges.BUDGET_END
 
 
@@ -216,8 +216,8 @@ class PrefillPacing(Enum):
 
 
 #: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
-#: for A/B runs; the simulator's comparison is in docs/simulation.md,
-#: "Prefill pacing").
+#: for A/B runs; the simulator's comparison is in
+#: benchmarks/results/sim-20261128-prefill-pacing.md).
 PREFILL_PACING = PrefillPacing.STATE_PAGE
 
 #: Waiting requests up to which :attr:`PrefillPacing.STATE_PAGE` paces.
