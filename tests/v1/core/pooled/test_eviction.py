@@ -297,3 +297,61 @@ def test_a_request_nothing_serves_is_refused_and_changes_nothing(driver):
     assert driver.arena.token_pool.free_block_queue.protected_ids() == [4, 3, 2, 1]
     driver.manager.free(first)
     assert driver.hits_shared() == 64
+
+
+def _decode_to(driver: Driver, request: Request, tokens: int) -> None:
+    """One token a step (an output token once the prompt is computed)."""
+    while request.num_computed_tokens < tokens:
+        if request.num_computed_tokens >= request.num_tokens:
+            request.append_output_token_ids(7)
+        assert driver.step(request, 1)
+
+
+def _state_blocks(driver: Driver, request: Request) -> list[int]:
+    (state,) = [
+        m
+        for m, kind in zip(
+            driver.coordinator.single_type_managers,
+            driver.coordinator._group_kind,
+            strict=True,
+        )
+        if kind.value == "state"
+    ]
+    return [b.block_id for b in state.req_to_blocks[request.request_id]]
+
+
+def test_a_state_next_to_the_boundary_moves_while_new_requests_are_refused(
+    monkeypatch,
+):
+    """Decode crosses the edges no checkpoint keeps in place (same block,
+    no copy), except while the arena refuses a new request: then a running
+    state block next to the boundary (all four state ids here are within
+    RELOCATE_NEAR_BOUNDARY of the lowest) takes a fresh block, one copy, so
+    the old one can free and the boundary move. Once a new request is
+    admitted again, edges go back in place."""
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    assert eviction.RELOCATE_NEAR_BOUNDARY >= 4
+    driver = Driver(max_num_seqs=2)
+    counts = driver.coordinator.short_memory_counts
+    running = driver.request("running", _one_off(2 * BLOCK + 1, 1))
+    assert driver.admit(running) == 0
+    _decode_to(driver, running, 3 * BLOCK + 1)
+    assert counts["edges_in_place"] == 1 and driver.coordinator.relocations == 0
+    held = _state_blocks(driver, running)[-1]
+
+    too_long = driver.request("too_long", _one_off(11 * BLOCK, 2))
+    assert driver.admit(too_long) is None
+    _decode_to(driver, running, 4 * BLOCK + 1)
+    assert driver.coordinator.relocations == 1
+    assert counts["edges_in_place"] == 1
+    moved = _state_blocks(driver, running)[-1]
+    assert moved != held
+
+    short = driver.request("short", _one_off(BLOCK, 3))
+    assert driver.admit(short) == 0
+    _decode_to(driver, running, 5 * BLOCK + 1)
+    assert counts["edges_in_place"] == 2 and driver.coordinator.relocations == 1
+    assert _state_blocks(driver, running)[-1] == moved
+    driver.arena.check_invariants()

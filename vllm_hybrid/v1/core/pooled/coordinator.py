@@ -29,6 +29,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
+from vllm_hybrid.v1.core.pooled.eviction import RELOCATE_NEAR_BOUNDARY
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin, decode_edges_policy
 
@@ -79,6 +80,12 @@ class PooledCoordinatorMixin:
         #: how often a request crossed a state block edge in place: short of
         #: memory at an edge a policy keeps, or at an edge none keeps
         self.short_memory_counts = {"state_in_place": 0, "edges_in_place": 0}
+        #: whether the arena refused the latest admission of a request that
+        #: held no blocks (a waiting or preempted one)
+        self._refusing_new = False
+        #: running state blocks moved away from the boundary
+        #: (:data:`~.eviction.RELOCATE_NEAR_BOUNDARY`)
+        self.relocations = 0
         #: token-pool blocks the scheduler keeps free for running requests'
         #: growth when it admits another (upstream's watermark, set per step)
         self.admission_reserve = 0
@@ -169,11 +176,33 @@ class PooledCoordinatorMixin:
         # Prefix hits are touched only after this check; a boundary move must
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
+        new = not self._holds_blocks(request_id)
+        reservation = self._reserve(
+            request_id, needs, need_token, need_state, hits, total_computed_tokens
+        )
+        if new:
+            self._refusing_new = reservation is None
+        return reservation
+
+    def _reserve(
+        self,
+        request_id: str,
+        needs: list[int],
+        need_token: int,
+        need_state: int,
+        hits: list[KVCacheBlock],
+        total_computed_tokens: int,
+    ) -> Reservation | None:
+        """:meth:`_admit` once its needs are summed per pool."""
         if self._admits_with_reserve(request_id, need_token, need_state, hits):
             return Reservation(need_token, need_state)
         in_place = self._in_place_blocks(request_id, needs)
         advanced = Reservation(need_token, need_state - len(in_place), in_place)
-        if in_place and self._unkept_edge(request_id, total_computed_tokens):
+        unkept = in_place and self._unkept_edge(request_id, total_computed_tokens)
+        if unkept and self._pins_boundary(in_place):
+            # a fresh block away from the boundary (one copy) instead
+            self.relocations += 1
+        elif unkept:
             # an edge nobody keeps: advance in place, no copy
             admission = self.arena.boundary.admit(
                 need_token, advanced.state_blocks, keep=hits
@@ -209,15 +238,28 @@ class PooledCoordinatorMixin:
         boundary could hand over. False (and nothing moved) when there is no
         reserve, the request already runs, or the arena cannot serve both.
         """
-        if not self.admission_reserve or any(
-            manager.req_to_blocks.get(request_id)
-            for manager in self.single_type_managers
-        ):
+        if not self.admission_reserve or self._holds_blocks(request_id):
             return False
         admission = self.arena.boundary.admit(
             need_token + self.admission_reserve, need_state, keep=hits
         )
         return admission is Admission.SERVED
+
+    def _holds_blocks(self, request_id: str) -> bool:
+        return any(
+            manager.req_to_blocks.get(request_id)
+            for manager in self.single_type_managers
+        )
+
+    def _pins_boundary(self, in_place: Mapping[int, KVCacheBlock]) -> bool:
+        """Whether a running state block the request would advance in place
+        lies next to the boundary while new requests are refused
+        (:data:`~.eviction.RELOCATE_NEAR_BOUNDARY`): it then takes a fresh
+        block, which the state pool hands out away from the boundary."""
+        if not (self._refusing_new and in_place and RELOCATE_NEAR_BOUNDARY):
+            return False
+        near = self.arena.boundary.state_floor + RELOCATE_NEAR_BOUNDARY
+        return any(block.block_id < near for block in in_place.values())
 
     # -- advancing the state in place ------------------------------------------
 

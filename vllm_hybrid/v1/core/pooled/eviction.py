@@ -70,6 +70,17 @@ class Segment(Enum):
 #: orphan the rest.
 STATE_EVICTION_WINDOW = 8
 
+#: A running request's state block among this many ids above the state
+#: pool's lowest (next to the arena's boundary) moves to a fresh block, at the
+#: price of one state copy, at its next state block edge that no checkpoint
+#: keeps, while the arena refuses requests that hold no blocks yet; 0: never.
+#: Decode advances a state in place at such edges, so without a move a
+#: request keeps one block for its whole life, and a block next to the
+#: boundary stops the token pool from growing into the free state blocks
+#: beyond it: requests wait although the arena has room. Measured in
+#: docs/simulation.md (TTFT where memory is short).
+RELOCATE_NEAR_BOUNDARY = 4
+
 #: Segments in the order their blocks are handed out.
 HAND_OUT_ORDER: tuple[Segment, ...] = (
     Segment.CLEAN,
