@@ -40,12 +40,6 @@ ALLOWED = {
     # Open by design: options_error parses a stand-in that carries only
     # additional_config, and the plugin parses the environment with None.
     "config/hybrid_kv.py": "takes any object with additional_config",
-    # Being changed elsewhere now (allocation without side channels, the
-    # simulator's harness, capacity in one module); typed when those land.
-    "v1/core/pooled/block_pool.py": "typed with the allocation rework",
-    "v1/core/pooled/coordinator.py": "typed with the allocation rework",
-    "v1/core/retention.py": "typed with the allocation rework",
-    "v1/core/sched/scheduler.py": "typed with the allocation rework",
     "tools/simulate/clock.py": "typed with the one engine harness",
     "tools/simulate/drive.py": "typed with the one engine harness",
     "tools/simulate/executor.py": "typed with the one engine harness",

@@ -34,9 +34,12 @@ from vllm.v1.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     replay_boundaries,
 )
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import (
+    MambaManager,
+    SingleTypeKVCacheManager,
+)
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
 
 from vllm_hybrid import envs
@@ -56,7 +59,7 @@ from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
 _IS_MAMBA: dict[type, bool] = {}
 
 
-def _align_mode(manager: Any) -> bool:
+def _align_mode(manager: SingleTypeKVCacheManager) -> bool:
     """Whether ``manager`` is an align-mode state (Mamba) manager."""
     cls = type(manager)
     mamba = _IS_MAMBA.get(cls)
@@ -72,7 +75,7 @@ class DecodeCheckpoint:
     block: KVCacheBlock
     #: The block's cache key when it was cached; the block may have been
     #: evicted and reused since.
-    block_hash: Any
+    block_hash: BlockHashWithGroupId | None
     #: Tokens the checkpoint covers (a state block edge).
     num_tokens: int
     #: Ranked as a turn end in its pool's eviction order once freed.
@@ -110,10 +113,10 @@ class TurnEndRetentionMixin:
     their constructor calls :meth:`_init_turn_ends`.
     """
 
-    single_type_managers: tuple[Any, ...]
+    single_type_managers: tuple[SingleTypeKVCacheManager, ...]
     scheduler_block_size: int
     retention_interval: int | None
-    eagle_group_ids: Any
+    eagle_group_ids: set[int]
 
     def _init_turn_ends(
         self,
@@ -190,7 +193,7 @@ class TurnEndRetentionMixin:
     def _record_prefill(
         self,
         group_id: int,
-        manager: Any,
+        manager: SingleTypeKVCacheManager,
         request: Request,
         num_tokens: int,
         positions: range,
@@ -214,7 +217,9 @@ class TurnEndRetentionMixin:
         noted.append((group_id, DecodeCheckpoint(block, block.block_hash, num_tokens)))
         counts.prefill_cached += 1
 
-    def _prefill_boundaries(self, manager: Any, request: Request) -> range:
+    def _prefill_boundaries(
+        self, manager: SingleTypeKVCacheManager, request: Request
+    ) -> range:
         """Prefill checkpoints of an align-mode state group's request."""
         return prefill_checkpoints(
             request.num_prompt_tokens,
@@ -272,7 +277,7 @@ class TurnEndRetentionMixin:
     def _supersede(
         self,
         group_id: int,
-        manager: Any,
+        manager: SingleTypeKVCacheManager,
         request_id: str,
         num_tokens: int,
         prompt_len: int,
@@ -403,7 +408,7 @@ def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
     return envs.choice(envs.DECODE_EDGES_VAR, DECODE_EDGES, environ)
 
 
-def _drop_in_place_key(manager: Any, request_id: str) -> None:
+def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> None:
     """Take the cache key off a state block the request just advanced in
     place, if caching gave it one.
 
@@ -428,7 +433,7 @@ def _drop_in_place_key(manager: Any, request_id: str) -> None:
 RETAIN_ATTRIBUTE = "retain_turn_ends"
 
 
-def has_align_state_groups(kv_cache_config: Any) -> bool:
+def has_align_state_groups(kv_cache_config: KVCacheConfig) -> bool:
     """Whether the config has an align-mode state (Mamba) group next to other
     groups: the only groups that leave decode checkpoints behind. With a
     state cached at every block edge (``all``) or none cached (``none``)
@@ -441,7 +446,7 @@ def has_align_state_groups(kv_cache_config: Any) -> bool:
     )
 
 
-def mark_turn_end_retention(kv_cache_config: Any, retain: bool) -> None:
+def mark_turn_end_retention(kv_cache_config: KVCacheConfig, retain: bool) -> None:
     """Record the option on a hybrid single-pool config (registry:
     ADDED_ATTRIBUTES); other configs are left exactly as upstream made them."""
     if has_align_state_groups(kv_cache_config):

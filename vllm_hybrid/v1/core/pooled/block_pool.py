@@ -11,13 +11,16 @@ the pool itself knows nothing of the other pool's rules.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
@@ -38,10 +41,16 @@ class PrefixCacheListener(Protocol):
     """Who hears a pool's prefix-cache events (the coupling of the pools)."""
 
     def key_cached(
-        self, kind: PoolKind, key: Any, request: Any, num_tokens: int
+        self,
+        kind: PoolKind,
+        key: BlockHashWithGroupId,
+        request: Request,
+        num_tokens: int,
     ) -> None: ...
 
-    def keys_left_cache(self, kind: PoolKind, keys: list[Any]) -> None: ...
+    def keys_left_cache(
+        self, kind: PoolKind, keys: list[BlockHashWithGroupId]
+    ) -> None: ...
 
     def evict_dead(self, kind: PoolKind, blocks: Iterable[KVCacheBlock]) -> None: ...
 
@@ -74,7 +83,7 @@ class ArenaBlockPool(BlockPool):
         #: who hears this pool's prefix-cache events (set by the arena)
         self.listener: PrefixCacheListener | None = None
         #: request whose blocks are being cached (state side: links them)
-        self._caching: Any = None
+        self._caching: Request | None = None
         #: keys are being re-pointed to another block, not leaving the cache
         self._moving = False
         # Upstream builds its linked-list queue over every id and pops id 0 as
@@ -108,7 +117,7 @@ class ArenaBlockPool(BlockPool):
             window=1 if self.side is PoolKind.TOKEN else state_eviction_window(),
         )
 
-    def touch(self, blocks: Any) -> None:
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Upstream's touch (a prefix hit takes a reference), counting the
         hit of every cached block for the eviction order."""
         policy = self.free_block_queue.policy
@@ -141,14 +150,16 @@ class ArenaBlockPool(BlockPool):
 
     # -- prefix-cache events the coupling needs (see .coupling) --------------
 
-    def cache_full_blocks(self, request: Any, *args: Any, **kwargs: Any) -> None:
+    def cache_full_blocks(self, request: Request, *args: Any, **kwargs: Any) -> None:
         self._caching = request
         try:
             super().cache_full_blocks(request, *args, **kwargs)
         finally:
             self._caching = None
 
-    def cache_partial_block(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+    def cache_partial_block(
+        self, request: Request, *args: Any, **kwargs: Any
+    ) -> BlockHashWithGroupId | None:
         self._caching = request
         try:
             return super().cache_partial_block(request, *args, **kwargs)
@@ -165,7 +176,10 @@ class ArenaBlockPool(BlockPool):
             self._moving = False
 
     def _insert_block_hash(
-        self, block_hash_with_group_id: Any, block: KVCacheBlock, num_tokens: int | None
+        self,
+        block_hash_with_group_id: BlockHashWithGroupId,
+        block: KVCacheBlock,
+        num_tokens: int | None,
     ) -> None:
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
         listener = self.listener
@@ -174,7 +188,9 @@ class ArenaBlockPool(BlockPool):
                 self.side, block_hash_with_group_id, self._caching, num_tokens
             )
 
-    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[Any]:
+    def _remove_cached_block_hashes(
+        self, block: KVCacheBlock
+    ) -> list[BlockHashWithGroupId]:
         removed = super()._remove_cached_block_hashes(block)
         listener = self.listener
         if listener is not None and not self._moving:
@@ -270,11 +286,11 @@ class ArenaBlockPool(BlockPool):
         logger.info("Prefix cache of the %s pool reset", self.side.value)
         return True
 
-    def cached_keys(self) -> list[Any]:
+    def cached_keys(self) -> list[BlockHashWithGroupId]:
         """Every prefix-cache key this pool holds now."""
         return list(self.cached_block_hash_to_block._cache)
 
-    def blocks_with(self, key: Any) -> list[KVCacheBlock]:
+    def blocks_with(self, key: BlockHashWithGroupId) -> list[KVCacheBlock]:
         """Every block holding a prefix-cache key (duplicates included)."""
         held = self.cached_block_hash_to_block._cache.get(key)
         if held is None:

@@ -15,15 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
 )
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.single_type_kv_cache_manager import CrossAttentionManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    SingleTypeKVCacheManager,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
@@ -40,7 +46,7 @@ class PooledCoordinatorMixin:
     """Binds managers to arena pools and admits requests across both pools."""
 
     kv_cache_config: PooledKVCacheConfig
-    single_type_managers: tuple[Any, ...]
+    single_type_managers: tuple[SingleTypeKVCacheManager, ...]
 
     def _bind_arena(self) -> None:
         # no encoder blocks in the arena (checked once: the managers are fixed)
@@ -366,7 +372,9 @@ class Reservation:
     in_place: Mapping[int, KVCacheBlock] = field(default_factory=dict)
 
 
-def _own_slots(blocks: list[KVCacheBlock], manager: Any, request_id: str) -> int:
+def _own_slots(
+    blocks: list[KVCacheBlock], manager: SingleTypeKVCacheManager, request_id: str
+) -> int:
     """Slots of the request's block table that name its running state block.
 
     Usually one. After the request advanced in place, the slot it advanced
@@ -381,7 +389,7 @@ def _own_slots(blocks: list[KVCacheBlock], manager: Any, request_id: str) -> int
     return 1
 
 
-def arena_of(kv_cache_manager: Any) -> KVArena | None:
+def arena_of(kv_cache_manager: KVCacheManager) -> KVArena | None:
     """The arena behind a scheduler's KV cache manager (kept by the pooled
     coordinators); None with upstream's coordinators. The one way the
     scheduler's stats step and the benchmarks reach it."""

@@ -25,11 +25,16 @@ everything else stays upstream's.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.stats import SchedulerStats
 
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
@@ -54,7 +59,9 @@ from vllm_hybrid.v1.core.pooled.usage import usage_publisher
 logger = init_logger(__name__)
 
 
-def state_checkpoint_block(kv_cache_config: Any, mamba_cache_mode: str) -> int | None:
+def state_checkpoint_block(
+    kv_cache_config: KVCacheConfig, mamba_cache_mode: str
+) -> int | None:
     """The state block prefill chunks must end on, when it is longer than the
     attention block; None otherwise (upstream's alignment is then right).
 
@@ -156,7 +163,7 @@ class PooledSchedulerMixin:
 
     def _mamba_block_aligned_split(
         self,
-        request: Any,
+        request: Request,
         num_new_tokens: int,
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
@@ -200,7 +207,7 @@ class PooledSchedulerMixin:
         return num_new_tokens
 
     def _paced_checkpoint_stop(
-        self, request: Any, start: int, num_new_tokens: int
+        self, request: Request, start: int, num_new_tokens: int
     ) -> int:
         """A paced chunk ends on a page multiple, where a prefill checkpoint
         is kept without cutting the chunk short for it; only a chunk that
@@ -223,7 +230,7 @@ class PooledSchedulerMixin:
         self.prefill_checkpoint_cuts += 1
         return stop - start
 
-    def _paced_chunk(self, request: Any, start: int, num_new_tokens: int) -> int:
+    def _paced_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
         """The chunk a paced step's budget allows, ended on a multiple of the
         pacing page unless it finishes the prompt (as upstream's align split
         ends it on its block); 0 when no multiple lies inside it."""
@@ -233,7 +240,7 @@ class PooledSchedulerMixin:
             return num_new_tokens
         return max(end // self._pace_page * self._pace_page - start, 0)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._paced_step = self.paces_next_step()
         self.max_num_scheduled_tokens = (
             self._paced_budget if self._paced_step else self._full_budget
@@ -272,7 +279,7 @@ class PooledSchedulerMixin:
                 blocks += cdiv(grow, block)
         return blocks * groups
 
-    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+    def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         stats = super().make_stats(*args, **kwargs)
         arena = arena_of(self.kv_cache_manager)
         publish = self._publish_usage
@@ -281,13 +288,13 @@ class PooledSchedulerMixin:
         return stats
 
 
-def prefill_end(request: Any) -> int:
+def prefill_end(request: Request) -> int:
     """The position a request's prefill ends at: its prompt, or for a
     resumed request the output tokens it replays, as upstream's split."""
     return max(request.num_prompt_tokens, request.num_tokens - 1)
 
 
-def decode_room(running: list[Any]) -> dict[str, int]:
+def decode_room(running: list[Request]) -> dict[str, int]:
     """For each prefilling request in ``running``, the tokens the decoding
     requests after it schedule this step (one each, plus its draft tokens);
     prefilling requests without decodes after them are left out."""
@@ -302,7 +309,9 @@ def decode_room(running: list[Any]) -> dict[str, int]:
     return room
 
 
-def growth_reserve_geometry(kv_cache_config: Any) -> tuple[int, int, int] | None:
+def growth_reserve_geometry(
+    kv_cache_config: KVCacheConfig,
+) -> tuple[int, int, int] | None:
     """(horizon in tokens, token block, token groups) of admission's growth
     reserve for a pooled plan with a state pool; None otherwise or when
     :data:`~vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`
@@ -318,7 +327,7 @@ def growth_reserve_geometry(kv_cache_config: Any) -> tuple[int, int, int] | None
     return horizon, block.block_size, len(token.group_ids)
 
 
-def pacing_page(kv_cache_config: Any, mamba_cache_mode: str) -> int | None:
+def pacing_page(kv_cache_config: KVCacheConfig, mamba_cache_mode: str) -> int | None:
     """The page pooled mode paces steps on: the state page in tokens
     (upstream's state block), rounded up to the state block; None outside
     align mode or for a plan without a state pool."""
