@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import queue
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,7 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import mode_env
+from vllm_hybrid.tools.simulate.runner import run_logged
+from vllm_hybrid.tools.simulate.runner import worker_env as simulator_worker_env
 
 from .config import BENCH_SCRIPT, MODES, RESULT_PREFIX, SERVER_MODE, BenchConfig
 from .report import Row, comparison_rows, format_table, run_failures, start_error_notes
@@ -43,9 +43,11 @@ def parse_result(text: str) -> dict[str, Any] | None:
 
 
 def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, str]:
-    """Environment of a worker: the overlay switch, in-process engines and,
-    with ``threads`` > 0, that many OpenMP threads from ``first_core`` on."""
-    env = mode_env(SERVER_MODE[mode]) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    """Environment of a worker: the simulator's (the overlay switch,
+    in-process engines; vLLM's log lines all kept) and, with ``threads`` > 0,
+    that many OpenMP threads from ``first_core`` on."""
+    overlay = SERVER_MODE[mode] != "upstream"
+    env = simulator_worker_env(overlay, log_level=None)
     if threads > 0:
         last = first_core + threads - 1
         bind = str(first_core) if threads == 1 else f"{first_core}-{last}"
@@ -161,13 +163,13 @@ def spawn_worker(
     cmd = [sys.executable, str(BENCH_SCRIPT), "--worker", *sum(options.items(), ())]
     _say(f"{job.name}: worker started, log {log_path}")
     start = time.perf_counter()
-    with slots.first_core(job.threads) as first_core, open(log_path, "w") as log:
+    with slots.first_core(job.threads) as first_core:
         env = worker_env(mode, job.threads, first_core)
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        returncode = run_logged(cmd, env, log_path)
     wall = time.perf_counter() - start
     report = parse_result(log_path.read_text(errors="replace"))
-    _say(f"{job.name}: worker exited {proc.returncode} after {wall:.0f} s")
-    return WorkerRun(model, mode, proc.returncode, wall, str(log_path), report)
+    _say(f"{job.name}: worker exited {returncode} after {wall:.0f} s")
+    return WorkerRun(model, mode, returncode, wall, str(log_path), report)
 
 
 def _say(message: str) -> None:

@@ -11,6 +11,7 @@ The engines themselves are compared with real CPU engines in
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +31,12 @@ from vllm_hybrid.tools.simulate.report import (
     render_sweeps,
     render_table,
 )
-from vllm_hybrid.tools.simulate.runner import best_key, engine_variants
+from vllm_hybrid.tools.simulate.runner import (
+    best_key,
+    engine_variants,
+    run_logged,
+    worker_env,
+)
 from vllm_hybrid.tools.simulate.session import percentiles
 from vllm_hybrid.tools.simulate.sources import (
     ChatServerShape,
@@ -396,6 +402,31 @@ def test_best_is_fewest_prefill_tokens_and_failed_runs_lose() -> None:
     }
     assert min(runs, key=lambda n: best_key(runs[n])) == "b"
     assert best_key({"error": "x"}) > best_key(runs["a"])
+
+
+def test_worker_env_sets_the_switch_and_keeps_the_callers_log_level(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    on, off = worker_env(True), worker_env(False, log_level=None)
+    assert (on["VLLM_HYBRID_KV"], off["VLLM_HYBRID_KV"]) == ("1", "0")
+    assert on["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert on["VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert "VLLM_LOGGING_LEVEL" not in off
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert worker_env(True)["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_run_logged_keeps_the_output_and_returns_the_status(tmp_path: Path) -> None:
+    code = (
+        "import os, sys; print(os.environ['VLLM_HYBRID_KV']); "
+        "print('oops', file=sys.stderr); sys.exit(3)"
+    )
+    log = tmp_path / "w.log"
+    assert run_logged([sys.executable, "-c", code], worker_env(True), log) == 3
+    assert log.read_text().split() == ["1", "oops"]
+    run_logged([sys.executable, "-c", code], worker_env(False), log, stderr=False)
+    assert log.read_text().split() == ["0"]
 
 
 def test_table_gives_ratios_to_upstream_best() -> None:

@@ -124,16 +124,38 @@ def best_key(summary: Mapping[str, Any]) -> tuple:
     return (0, counted["prefill_tokens"], -counted["hit_tokens"])
 
 
-def worker_env(variant: Variant) -> dict[str, str]:
-    """A worker's environment: the overlay's switch for this variant,
-    in-process engines, vLLM's log lines kept to errors unless asked."""
+def worker_env(overlay: bool, log_level: str | None = "ERROR") -> dict[str, str]:
+    """A worker's environment: the overlay's switch (read once per process,
+    hence one process per mode), in-process engines (the worker steps its
+    engine core itself), offline, and vLLM's log lines kept to ``log_level``
+    unless the caller's environment says otherwise (None: vLLM's default).
+    ``vllm-hybrid simulate`` and ``benchmarks/bench_pooled.py`` start their
+    workers alike."""
     env = dict(os.environ)
-    env["VLLM_HYBRID_KV"] = "1" if variant.overlay else "0"
+    env["VLLM_HYBRID_KV"] = "1" if overlay else "0"
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if log_level is not None:
+        env.setdefault("VLLM_LOGGING_LEVEL", log_level)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     return env
+
+
+def run_logged(
+    argv: Sequence[str], env: Mapping[str, str], log: Path, stderr: bool = True
+) -> int:
+    """Run one worker process to its end, its output (and, with ``stderr``,
+    its errors) in the file ``log``; its exit status. A worker's result is
+    what it writes, not its exit status: the caller reads it."""
+    with log.open("w") as out:
+        proc = subprocess.run(
+            list(argv),
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT if stderr else None,
+            check=False,
+        )
+    return proc.returncode
 
 
 def run_in_process(
@@ -148,25 +170,18 @@ def run_in_process(
         json.dumps({"spec": spec.to_json(), "variant": asdict(variant), "line": line})
     )
     log = workdir / f"{name}.log"
-    with log.open("w") as stdout:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "vllm_hybrid.tools.simulate.worker",
-                str(spec_path),
-                str(out_path),
-            ],
-            env=worker_env(variant),
-            stdout=stdout,
-            stderr=None if spec.progress else subprocess.STDOUT,
-            check=False,
-        )
+    argv = [sys.executable, "-m", "vllm_hybrid.tools.simulate.worker"]
+    returncode = run_logged(
+        [*argv, str(spec_path), str(out_path)],
+        worker_env(variant.overlay),
+        log,
+        stderr=not spec.progress,
+    )
     if out_path.is_file():
         return json.loads(out_path.read_text())
     return {
         "variant": asdict(variant),
-        "error": f"worker exited with {proc.returncode}",
+        "error": f"worker exited with {returncode}",
         "traceback": log.read_text()[-4000:],
     }
 
