@@ -9,7 +9,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
-from vllm_hybrid.tools.simulate.sources import MultiTurnShape, MultiTurnWorkload
+from vllm_hybrid.tools.simulate.sources import (
+    ManyShortShape,
+    ManyShortWorkload,
+    MultiTurnShape,
+    MultiTurnWorkload,
+    SimRequest,
+)
 
 from .config import BenchConfig
 from .engine import DriveResult, Engine, Submission, drive
@@ -70,26 +76,23 @@ def check_finished(result: DriveResult, workload: str) -> None:
         )
 
 
+def submissions(requests: Sequence[SimRequest]) -> list[Submission]:
+    """The requests a simulator workload made due, as drive submissions."""
+    return [Submission(r.request_id, r.prompt, r.max_tokens) for r in requests]
+
+
 def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """64 random prompts at once under the 48 MiB budget."""
+    """The simulator's many_short prompts, all at once, under the main
+    engine's budget."""
     geometry = kv_geometry(engine.scheduler.kv_cache_config)
-    prompts = wl.many_short_prompts(
-        cfg.seed,
-        engine.vocab(),
-        cfg.many_short_requests,
-        cfg.many_short_min_len,
-        cfg.many_short_max_len,
-    )
-    subs = [
-        Submission(f"short-{i}", p, cfg.many_short_output)
-        for i, p in enumerate(prompts)
-    ]
+    shape = _shape(ManyShortShape, cfg, "many_short")
+    subs = submissions(ManyShortWorkload(shape, engine.vocab()).due(0.0))
     result = drive(engine, subs, cfg, geometry=geometry)
     check_finished(result, "many_short")
     metrics = {
         **_peak_samples(result.samples),
         **_totals([result]),
-        "prompt_tokens": sum(len(p) for p in prompts),
+        "prompt_tokens": sum(len(s.prompt) for s in subs),
         "attn_bytes_per_token": geometry.attn_bytes_per_token,
         "state_bytes_per_request": geometry.state_bytes_per_request,
     }
@@ -146,8 +149,7 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     per_turn: list[dict[str, Any]] = []
     results: list[DriveResult] = []
     for turn in range(cfg.multi_turn_turns):
-        due = workload.due(0.0)
-        subs = [Submission(r.request_id, r.prompt, r.max_tokens) for r in due]
+        subs = submissions(workload.due(0.0))
         result = drive(engine, subs, cfg)
         check_finished(result, f"multi_turn turn {turn}")
         turn_cached = sum(o.num_cached_tokens or 0 for o in result.outputs.values())
