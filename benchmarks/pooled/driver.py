@@ -17,8 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_hybrid.tools.simulate.runner import run_logged
-from vllm_hybrid.tools.simulate.runner import worker_env as simulator_worker_env
+from vllm_hybrid.tools.simulate import runner
 
 from .config import BENCH_SCRIPT, MODES, RESULT_PREFIX, SERVER_MODE, BenchConfig
 from .report import Row, comparison_rows, format_table, run_failures, start_error_notes
@@ -47,7 +46,7 @@ def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, st
     in-process engines; vLLM's log lines all kept) and, with ``threads`` > 0,
     that many OpenMP threads from ``first_core`` on."""
     overlay = SERVER_MODE[mode] != "upstream"
-    env = simulator_worker_env(overlay, log_level=None)
+    env = runner.worker_env(overlay, log_level=None)
     if threads > 0:
         last = first_core + threads - 1
         bind = str(first_core) if threads == 1 else f"{first_core}-{last}"
@@ -165,7 +164,7 @@ def spawn_worker(
     start = time.perf_counter()
     with slots.first_core(job.threads) as first_core:
         env = worker_env(mode, job.threads, first_core)
-        returncode = run_logged(cmd, env, log_path)
+        returncode = runner.run_logged(cmd, env, log_path)
     wall = time.perf_counter() - start
     report = parse_result(log_path.read_text(errors="replace"))
     _say(f"{job.name}: worker exited {returncode} after {wall:.0f} s")
