@@ -35,6 +35,7 @@ from vllm_hybrid.v1.core.pooled import eviction
 from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Reach
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
+from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 BLOCK = 16
 MAX_LEN = 12 * BLOCK
@@ -315,7 +316,7 @@ def _state_blocks(driver: Driver, request: Request) -> list[int]:
             driver.coordinator._group_kind,
             strict=True,
         )
-        if kind.value == "state"
+        if kind is PoolKind.STATE
     ]
     return [b.block_id for b in state.req_to_blocks[request.request_id]]
 

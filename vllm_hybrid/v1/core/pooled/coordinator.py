@@ -157,6 +157,9 @@ class PooledCoordinatorMixin:
         reservation = self._admit(
             request_id, needs, new_computed_blocks, total_computed_tokens
         )
+        if not self._holds_blocks(request_id):
+            # a waiting or preempted request (admission takes no block yet)
+            self._refusing_new = reservation is None
         if reservation is None:
             # upstream's "cannot allocate": more than the token pool has free
             return self.block_pool.get_num_free_blocks() + 1
@@ -182,29 +185,11 @@ class PooledCoordinatorMixin:
         # Prefix hits are touched only after this check; a boundary move must
         # not evict them or give their bytes to the other pool.
         hits = [block for blocks in new_computed_blocks for block in blocks]
-        new = not self._holds_blocks(request_id)
-        reservation = self._reserve(
-            request_id, needs, need_token, need_state, hits, total_computed_tokens
-        )
-        if new:
-            self._refusing_new = reservation is None
-        return reservation
-
-    def _reserve(
-        self,
-        request_id: str,
-        needs: list[int],
-        need_token: int,
-        need_state: int,
-        hits: list[KVCacheBlock],
-        total_computed_tokens: int,
-    ) -> Reservation | None:
-        """:meth:`_admit` once its needs are summed per pool."""
         if self._admits_with_reserve(request_id, need_token, need_state, hits):
             return Reservation(need_token, need_state)
         in_place = self._in_place_blocks(request_id, needs)
         advanced = Reservation(need_token, need_state - len(in_place), in_place)
-        unkept = in_place and self._unkept_edge(request_id, total_computed_tokens)
+        unkept = bool(in_place) and self._unkept_edge(request_id, total_computed_tokens)
         if unkept and self._pins_boundary(in_place):
             # a fresh block away from the boundary (one copy) instead
             self.relocations += 1
@@ -262,7 +247,7 @@ class PooledCoordinatorMixin:
         lies next to the boundary while new requests are refused
         (:data:`~.eviction.RELOCATE_NEAR_BOUNDARY`): it then takes a fresh
         block, which the state pool hands out away from the boundary."""
-        if not (self._refusing_new and in_place and RELOCATE_NEAR_BOUNDARY):
+        if not (self._refusing_new and RELOCATE_NEAR_BOUNDARY):
             return False
         near = self.arena.boundary.state_floor + RELOCATE_NEAR_BOUNDARY
         return any(block.block_id < near for block in in_place.values())
