@@ -297,6 +297,11 @@ PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
         "model_executor.layers.mamba.ops.cpu.gdn_spec (conv weight)",
     ),
     PrivateAttribute(
+        "vllm.v1.worker.gpu.warmup",
+        "_warmup_block_counter",
+        "v1.worker.v2_warmup (blocks of one warm-up request per group)",
+    ),
+    PrivateAttribute(
         "vllm.logger",
         "_last_configured_logging_config",
         "plugin (whether vLLM configured its log handlers yet)",
