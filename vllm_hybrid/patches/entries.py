@@ -212,31 +212,6 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="With the get_kv_cache_configs entry.",
     ),
-    PatchEntry(
-        target=(
-            "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
-        ),
-        replacement=(
-            "vllm_hybrid.v1.engine.model_runner_choice:"
-            "get_v2_model_runner_unsupported_features"
-        ),
-        bindings=(),
-        why=(
-            "Pooled mode's worker side is the V1 model runner, which the CPU "
-            "runner inherits, so one code path is tested here and runs on "
-            "CUDA. vLLM 0.32 picks Model Runner V2 on CUDA unless a feature "
-            "it does not support is configured; that list is a private method "
-            "with no registry."
-        ),
-        how=(
-            "Method on VllmConfig replaced by a function that appends "
-            "'vllm-hybrid pooled KV mode' to upstream's list when pooled mode "
-            "applies; vLLM then logs its usual fallback line and uses V1. "
-            "VLLM_USE_V2_MODEL_RUNNER still overrides, as upstream."
-        ),
-        upstream_status="none",
-        removal="When pooled mode's worker glue also covers Model Runner V2.",
-    ),
     # -- pooled mode on Model Runner V2 (CUDA default) ---------------------
     *V2_RUNNER_PATCHES,
     # -- TurboQuant KV cache on CPU, dtype validation ------------------------

@@ -10,6 +10,7 @@ request's ``NewRequestData`` followed by those of its cached steps.
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,10 @@ from cuda_startup import (
     plan_upstream,
     start_worker,
 )
+from vllm.config.compilation import CUDAGraphMode
 
 from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.tools.plan.config import current_platform_as
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.worker.v2_warmup import (
     PooledWarmupError,
@@ -167,3 +170,55 @@ def test_no_warmup_when_one_request_does_not_fit(flagship):
     assert warmup_request_limit(plan, [1, 3]) == 0
     assert warmup_request_limit(plan, [196, 1]) == 1
     assert warmup_request_limit(plan, [197, 1]) == 0
+
+
+def _runner_choice(config, monkeypatch, forced: str | None) -> bool:
+    """``VllmConfig.use_v2_model_runner`` as a CUDA host answers it: Triton
+    present (this host's vLLM reports none), ``VLLM_USE_V2_MODEL_RUNNER``
+    as given."""
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    if forced is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", forced)
+    return config.use_v2_model_runner
+
+
+def test_the_flagship_starts_pooled_on_model_runner_v2(flagship, monkeypatch):
+    """vLLM's CUDA default holds for pooled mode: nothing in V2's list of
+    unsupported features, pooled mode on, and with the V1 runner forced
+    (upstream's switch) pooled mode stays on as well."""
+    from vllm_hybrid.v1.core.pooled.engine import null_blocks_may_overlap
+    from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+
+    startup, plan = flagship
+    config = startup.vllm_config
+    assert config._get_v2_model_runner_unsupported_features() == []
+    assert _runner_choice(config, monkeypatch, None) is True
+    assert pooled_mode_decision(config).enabled
+    assert not plan.layout.null_blocks_overlap
+    assert _runner_choice(config, monkeypatch, "0") is False
+    assert pooled_mode_decision(config).enabled
+    # V2 writes through state id 0 in eager mode too (dummy runs): the null
+    # region stays clear of owned blocks unless the V1 runner is forced
+    eager = copy.deepcopy(config)
+    eager.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    with current_platform_as(startup.platform()):
+        assert null_blocks_may_overlap(eager) is True
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+        assert null_blocks_may_overlap(eager) is False
+
+
+def test_adaptive_verification_keeps_the_single_pool(flagship):
+    from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+
+    startup, _ = flagship
+    config = copy.copy(startup.vllm_config)
+    config.speculative_config = SimpleNamespace(
+        method="mtp", enable_adaptive_verification=True
+    )
+    decision = pooled_mode_decision(config)
+    assert not decision.enabled
+    assert decision.reason == "unsupported: adaptive speculative verification"
