@@ -204,6 +204,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "vllm_hybrid"
 REGISTRY_FILES = (
     PACKAGE / "patches" / "entries.py",
     PACKAGE / "patches" / "cuda_graph_entries.py",
+    PACKAGE / "patches" / "v2_runner_entries.py",
 )
 
 

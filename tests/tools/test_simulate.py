@@ -334,6 +334,24 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     assert one_state == pytest.approx(32.6e-6, rel=0.02)
 
 
+def test_an_edge_crossed_in_place_costs_a_state_on_v2_only(monkeypatch) -> None:
+    """Model Runner V2's fused pre-copy compares columns, so it copies a
+    block onto itself where pooled mode crossed an edge in place; the V1
+    runner skips that copy. Every engine is priced as V2 unless the
+    simulation runs with upstream's switch to V1."""
+    from vllm_hybrid.tools.simulate.session import cuda_runner
+
+    record = StepRecord(requests=64, decode_tokens=64)
+    record.state_copies, record.state_self_copies = 5, 3
+    v2 = CostModel(_qwen36_costs(), GPU_PROFILES["h200"])
+    v1 = CostModel(_qwen36_costs(), GPU_PROFILES["h200"], runner=Runner.V1)
+    assert (v2.copied_requests(record), v1.copied_requests(record)) == (5, 2)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert cuda_runner() is Runner.V2
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert cuda_runner() is Runner.V1
+
+
 def test_tensor_parallel_splits_work_and_adds_all_reduce() -> None:
     record = StepRecord(requests=1, prefill_tokens=4096)
     one = CostModel(_qwen36_costs(1), GPU_PROFILES["l4"]).step_seconds(record, 0)

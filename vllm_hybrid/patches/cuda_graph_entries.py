@@ -72,4 +72,28 @@ CUDA_GRAPH_PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="With the resolve_cudagraph_mode_and_sizes entry.",
     ),
+    PatchEntry(
+        target=("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager._init_candidates"),
+        replacement="vllm_hybrid.v1.worker.cudagraph_capacity:init_candidates",
+        bindings=(),
+        why=(
+            "Model Runner V2 does not use the dispatcher: its CudaGraphManager "
+            "builds the descriptors it captures and dispatches to from the "
+            "capture sizes and max_num_seqs in this method, which its "
+            "constructor calls. Without the cap there, V2 captures full decode "
+            "graphs with more state rows than the state views hold (the GDN "
+            "conv update asserts at capture). No option limits the full "
+            "descriptors separately from the piecewise ones."
+        ),
+        how=(
+            "Method on CudaGraphManager (inherited by V2's model, speculator "
+            "and DFlash managers; none overrides it) replaced by a function "
+            "that calls upstream's, then drops the FULL descriptors whose "
+            "sequences exceed the cap the resolution recorded for the same "
+            "CompilationConfig from the capture list and from every token "
+            "count's candidates (no cap: unchanged)."
+        ),
+        upstream_status="none",
+        removal="With the resolve_cudagraph_mode_and_sizes entry.",
+    ),
 ]

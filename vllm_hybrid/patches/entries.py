@@ -2,7 +2,8 @@
 
 Each entry says why no extension point serves, how the patch works, where
 upstream stands and when to drop it. Target paths are written here (and in
-:mod:`.cuda_graph_entries`, one group of them) and nowhere else:
+:mod:`.cuda_graph_entries` and :mod:`.v2_runner_entries`, one group of them
+each) and nowhere else:
 replacement modules reach upstream's object through
 :func:`vllm_hybrid.patches.registry.upstream_of`.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from vllm_hybrid.patches.cuda_graph_entries import CUDA_GRAPH_PATCHES
 from vllm_hybrid.patches.entry import PatchEntry
+from vllm_hybrid.patches.v2_runner_entries import V2_RUNNER_PATCHES
 
 #: Home of the replacements of ``vllm.v1.core.kv_cache_utils`` functions.
 _UTILS = "vllm_hybrid.v1.core.kv_cache_utils"
@@ -210,31 +212,8 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="With the get_kv_cache_configs entry.",
     ),
-    PatchEntry(
-        target=(
-            "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features"
-        ),
-        replacement=(
-            "vllm_hybrid.v1.engine.model_runner_choice:"
-            "get_v2_model_runner_unsupported_features"
-        ),
-        bindings=(),
-        why=(
-            "Pooled mode's worker side is the V1 model runner, which the CPU "
-            "runner inherits, so one code path is tested here and runs on "
-            "CUDA. vLLM 0.32 picks Model Runner V2 on CUDA unless a feature "
-            "it does not support is configured; that list is a private method "
-            "with no registry."
-        ),
-        how=(
-            "Method on VllmConfig replaced by a function that appends "
-            "'vllm-hybrid pooled KV mode' to upstream's list when pooled mode "
-            "applies; vLLM then logs its usual fallback line and uses V1. "
-            "VLLM_USE_V2_MODEL_RUNNER still overrides, as upstream."
-        ),
-        upstream_status="none",
-        removal="When pooled mode's worker glue also covers Model Runner V2.",
-    ),
+    # -- pooled mode on Model Runner V2 (CUDA default) ---------------------
+    *V2_RUNNER_PATCHES,
     # -- TurboQuant KV cache on CPU, dtype validation ------------------------
     PatchEntry(
         target="vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",

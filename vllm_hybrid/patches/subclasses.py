@@ -297,6 +297,21 @@ PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
         "model_executor.layers.mamba.ops.cpu.gdn_spec (conv weight)",
     ),
     PrivateAttribute(
+        "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager",
+        "_capture_descs",
+        "v1.worker.cudagraph_capacity (V2's full graphs above the cap)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager",
+        "_candidates",
+        "v1.worker.cudagraph_capacity (V2's full graphs above the cap)",
+    ),
+    PrivateAttribute(
+        "vllm.v1.worker.gpu.warmup",
+        "_warmup_block_counter",
+        "v1.worker.v2_warmup (blocks of one warm-up request per group)",
+    ),
+    PrivateAttribute(
         "vllm.logger",
         "_last_configured_logging_config",
         "plugin (whether vLLM configured its log handlers yet)",

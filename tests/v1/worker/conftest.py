@@ -1,12 +1,22 @@
 """Fixtures of the CUDA start-up tier: the checkpoint directory and the CUDA
-configs built from it (once per session; tests deep-copy what they change)."""
+configs built from it (once per session or module; tests deep-copy what they
+change)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
-from cuda_startup import cuda_config, cuda_request, write_qwen36_fp8
+from cuda_startup import (
+    backend_class,
+    cuda_config,
+    cuda_request,
+    current_platform_as,
+    write_qwen36_fp8,
+)
+
+from vllm_hybrid.tools.plan.config import platform_class
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +42,34 @@ def cuda_configs(qwen36_dir):
             )
             cache[key] = (request, cuda_config(request))
         request, config = cache[key]
+        return request, copy.deepcopy(config)
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def graph_configs(qwen36_dir):
+    """``graph_configs(max_num_seqs, max_capture) -> (request, config)``: the
+    CUDA config with the capture sizes a CUDA host computes (on this host
+    vLLM computed none: the CPU platform runs no graphs)."""
+    done: dict[tuple, tuple] = {}
+
+    def get(max_num_seqs: int, max_capture: int | None):
+        key = (max_num_seqs, max_capture)
+        if key not in done:
+            request = dataclasses.replace(
+                cuda_request(qwen36_dir, budget=2**30, block_size=None),
+                max_num_seqs=max_num_seqs,
+            )
+            config = cuda_config(request)
+            compilation = config.compilation_config
+            compilation.cudagraph_capture_sizes = None
+            compilation.max_cudagraph_capture_size = max_capture
+            platform = platform_class("cuda", backend_class("FLASH_ATTN"), None)
+            with current_platform_as(platform()):
+                config._set_cudagraph_sizes()
+            done[key] = (request, config)
+        request, config = done[key]
         return request, copy.deepcopy(config)
 
     return get

@@ -100,9 +100,14 @@ COMBOS = [
 def test_views_are_disjoint_and_inside_the_arena(
     cuda_configs, monkeypatch, backend, layout, block, eager
 ):
+    """``eager``: no CUDA graphs on the V1 runner, where the null blocks
+    overlap owned blocks (Model Runner V2 writes through state id 0 in
+    eager mode too: see the next test)."""
     requested = block
     startup = _startup(cuda_configs, backend, block, eager)
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)
+    if eager:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert resolve_layout(startup).name == layout
     config = plan_engine_core(startup).worker_configs[0]
     worker = allocate(config, startup.backend, KVCacheLayout[layout])
@@ -128,6 +133,24 @@ def test_views_are_disjoint_and_inside_the_arena(
         assert check.owned_runs == 10 * len(check.token_ids) + 30 * len(check.state_ids)
         assert check.null_runs == (0 if eager else 40)
         assert len(check.token_ids) > 0 and len(check.state_ids) >= 1
+
+
+def test_eager_on_model_runner_v2_keeps_the_null_region_clear(
+    cuda_configs, monkeypatch
+):
+    """vLLM's CUDA default runner without CUDA graphs: the plan reserves the
+    null region as with graphs (40 layer pages of the null blocks, clear of
+    owned blocks), and the token pool starts after one state block."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    startup = _startup(cuda_configs, "FLASH_ATTN", 16, eager=True)
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
+    resolve_layout(startup)
+    config = plan_engine_core(startup).worker_configs[0]
+    assert not config.layout.null_blocks_overlap
+    assert config.layout.first_token_id == 197
+    worker = allocate(config, startup.backend, KVCacheLayout.LBNHC)
+    checks = check_pooled_views(config, worker.kv_caches)
+    assert [c.null_runs for c in checks] == [40] * len(checks)
 
 
 def test_flashinfer_stand_ins_answer_like_the_real_class():

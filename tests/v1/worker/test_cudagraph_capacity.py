@@ -34,8 +34,6 @@ from cuda_startup import (
     backend_class,
     captured,
     conv_state_rows,
-    cuda_config,
-    cuda_request,
     current_platform_as,
     dispatcher_keys,
     gdn_backend,
@@ -47,7 +45,7 @@ from cuda_startup import (
 from vllm.config.compilation import CUDAGraphMode
 
 from vllm_hybrid.patches.registry import upstream_of
-from vllm_hybrid.tools.plan.config import overlay_off, platform_class
+from vllm_hybrid.tools.plan.config import overlay_off
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.worker import cudagraph_capacity
 from vllm_hybrid.v1.worker.cudagraph_capacity import full_graph_states
@@ -95,34 +93,6 @@ CASES = {
 ALL_CASES = pytest.mark.parametrize(
     "case", [pytest.param(case, id=name) for name, case in CASES.items()]
 )
-
-
-@pytest.fixture(scope="module")
-def graph_configs(qwen36_dir):
-    """``graph_configs(max_num_seqs, max_capture) -> (request, config)``: the
-    CUDA config with the capture sizes a CUDA host computes (on this host
-    vLLM computed none: the CPU platform runs no graphs)."""
-    done: dict[tuple, tuple] = {}
-
-    def get(max_num_seqs: int, max_capture: int | None):
-        key = (max_num_seqs, max_capture)
-        if key not in done:
-            request = dataclasses.replace(
-                cuda_request(qwen36_dir, budget=GiB, block_size=None),
-                max_num_seqs=max_num_seqs,
-            )
-            config = cuda_config(request)
-            compilation = config.compilation_config
-            compilation.cudagraph_capture_sizes = None
-            compilation.max_cudagraph_capture_size = max_capture
-            platform = platform_class("cuda", backend_class("FLASH_ATTN"), None)
-            with current_platform_as(platform()):
-                config._set_cudagraph_sizes()
-            done[key] = (request, config)
-        request, config = done[key]
-        return request, copy.deepcopy(config)
-
-    return get
 
 
 def _startup(graph_configs, case: Case) -> Startup:

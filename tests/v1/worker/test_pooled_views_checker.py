@@ -33,7 +33,9 @@ BUDGET = 256 * MiB
 
 @pytest.fixture(scope="module")
 def plans(cuda_configs):
-    """``plans(eager) -> (backend, pooled config)`` for FlashAttention, 16."""
+    """``plans(eager) -> (backend, pooled config)`` for FlashAttention, 16.
+    ``eager``: no CUDA graphs on the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``),
+    the CUDA plan whose null blocks overlap owned blocks."""
     done = {}
 
     def get(eager: bool):
@@ -41,7 +43,11 @@ def plans(cuda_configs):
             request, config = cuda_configs(BUDGET, 16, "auto")
             backend = backend_class("FLASH_ATTN")
             startup = start_worker(request, backend, eager=eager, base=config)
-            done[eager] = (backend, plan_engine_core(startup).worker_configs[0])
+            with pytest.MonkeyPatch.context() as env:
+                if eager:
+                    env.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+                plan = plan_engine_core(startup).worker_configs[0]
+            done[eager] = (backend, plan)
         return done[eager]
 
     return get

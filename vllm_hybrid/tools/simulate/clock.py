@@ -23,7 +23,11 @@ One step takes ``overhead + max(compute, memory) + copies + communication``:
   the V1 runner builds a copy list on the host (a fixed time per copied
   request) and runs ``batch_memcpy`` at ``copy`` of the bandwidth; Model
   Runner V2 runs one fused pre-copy kernel at ``fused_copy`` of it, with no
-  host list. An H200 measured all three (:class:`Efficiency`);
+  host list. An H200 measured all three (:class:`Efficiency`). A request
+  that crossed its edge in place (one block in both columns) costs nothing
+  on V1, which skips that copy, and a whole state on V2, whose kernel
+  compares columns and copies the block onto itself
+  (:meth:`CostModel.copied_requests`);
 * communication (TP > 1): two all-reduces of the hidden state per layer and
   token, over the GPU's link;
 * overhead: a fixed per-step cost (scheduling, launches).
@@ -235,8 +239,8 @@ def _state_layer(text: Any, hidden: int) -> tuple[int, float]:
 
 class Runner(Enum):
     """The model runner an engine runs on a GPU; it decides what a state
-    copy costs (module docstring). vLLM 0.32 runs Model Runner V2 on CUDA
-    unless a feature it lacks is on; pooled mode is such a feature."""
+    copy costs (module docstring). vLLM 0.32 runs Model Runner V2 on CUDA,
+    pooled mode included; ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1."""
 
     V1 = "v1"
     V2 = "v2"
@@ -281,6 +285,15 @@ class CostModel:
             volume = 2 * layers * tokens * m.hidden * 2 * (m.tp - 1) / m.tp
             comm = volume / (gpu.link_gb_s * 1e9 * eff.link)
         return eff.step_overhead_s + max(compute, memory) + copies + comm
+
+    def copied_requests(self, record: StepRecord) -> int:
+        """Requests whose state this runner copies in a step: V1 skips a
+        copy of a block onto itself (an edge crossed in place,
+        :mod:`vllm_hybrid.v1.worker.mamba_copies`), V2's fused pre-copy
+        makes it (it compares block columns, not block ids)."""
+        if self.runner is Runner.V2:
+            return record.state_copies
+        return record.state_copies - record.state_self_copies
 
     def copy_seconds(self, copy_bytes: float, copied_requests: int) -> float:
         """Modeled seconds of one step's state copies on this runner."""

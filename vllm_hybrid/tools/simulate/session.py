@@ -172,15 +172,17 @@ def cost_model(engine: SimEngine, spec: SimulationSpec) -> CostModel:
         if spec.gpu_profile
         else profile_for_memory(spec.request.gpu_memory_gib)
     )
-    return CostModel(costs, gpu, runner=runner_of(engine))
+    return CostModel(costs, gpu, runner=cuda_runner())
 
 
-def runner_of(engine: SimEngine) -> Runner:
-    """The model runner the engine would run on CUDA: V1 for pooled mode
-    (listed among Model Runner V2's unsupported features), V2 otherwise."""
-    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+def cuda_runner() -> Runner:
+    """The model runner an engine would run on CUDA: Model Runner V2,
+    vLLM 0.32's default, for every engine (pooled mode included); V1 where
+    the simulation runs with ``VLLM_USE_V2_MODEL_RUNNER=0``, as a CUDA
+    engine would. The one place the simulator picks a runner."""
+    import vllm.envs as envs
 
-    return Runner.V1 if arena_of(engine.scheduler.kv_cache_manager) else Runner.V2
+    return Runner.V1 if envs.VLLM_USE_V2_MODEL_RUNNER is False else Runner.V2
 
 
 def geometry_summary(engine: SimEngine) -> dict[str, Any]:
@@ -314,7 +316,9 @@ def run_variant(
 
         def seconds(record: StepRecord) -> float:
             return clock.step_seconds(
-                record, _copy_bytes(record, clock, cow_bytes), _copied(record)
+                record,
+                _copy_bytes(record, clock, cow_bytes),
+                clock.copied_requests(record),
             )
 
         progress = _progress_bar(spec, variant, workload, line)
@@ -342,15 +346,11 @@ def run_variant(
     return summary
 
 
-def _copied(record: StepRecord) -> int:
-    """Requests whose state a step copies: self copies (a request that
-    crossed its edge in place) move nothing and the runner skips them
-    (:mod:`vllm_hybrid.v1.worker.mamba_copies`)."""
-    return record.state_copies - record.state_self_copies
-
-
 def _copy_bytes(record: StepRecord, clock: CostModel, cow_bytes: int) -> float:
-    return _copied(record) * clock.model.state_bytes + record.cow_copies * cow_bytes
+    """Bytes a step's copies move on the clock's runner: the states it
+    copies (:meth:`CostModel.copied_requests`) and copy-on-write blocks."""
+    states = clock.copied_requests(record) * clock.model.state_bytes
+    return states + record.cow_copies * cow_bytes
 
 
 def _cow_block_bytes(engine: SimEngine) -> int:

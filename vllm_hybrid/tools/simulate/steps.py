@@ -15,7 +15,9 @@ of its last computed token; when a step moves that column (a block edge is
 crossed, or a new request starts from a cached checkpoint and runs past its
 block), the state is copied to the new column. When both columns name the
 same block id (pooled mode letting a request cross its edge in place) the
-copy moves nothing new; it is counted as a self copy too. Copy-on-write
+copy moves nothing new; it is counted as a self copy too. Model Runner V2's
+fused pre-copy copies at the same column changes; what each runner pays for
+a self copy is the cost model's (``CostModel.copied_requests``). Copy-on-write
 block copies (a sub-block prefix hit taking over a cached checkpoint) come
 from the output's ``kv_cache_block_copies``.
 """

@@ -28,9 +28,12 @@ this module only sets them against the graphs a worker captures.
 When the largest full graph has more rows than that, the full graphs are
 capped at that many sequences: the dispatcher's full keys above the cap are
 dropped (:func:`initialize_cudagraph_keys`), so such batches run the
-piecewise graphs, which are captured as before. One log line names both
-numbers and the options that change them. Only a KV cache that holds no
-request's state at all is refused.
+piecewise graphs, which are captured as before. Model Runner V2 builds its
+graphs' descriptors itself instead of the dispatcher's keys; there the full
+descriptors above the cap are dropped from what it captures and dispatches
+to (:func:`init_candidates`). One log line names both numbers and the
+options that change them. Only a KV cache that holds no request's state at
+all is refused.
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ if TYPE_CHECKING:
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu.cudagraph_utils import (
+        BatchExecutionDescriptor,
+        CudaGraphManager,
+    )
 
 logger = init_logger(__name__)
 
@@ -324,3 +331,32 @@ def initialize_cudagraph_keys(
         return
     full = self.cudagraph_keys[CUDAGraphMode.FULL]
     full -= {key for key in full if key.num_reqs is not None and key.num_reqs > cap}
+
+
+def init_candidates(self: CudaGraphManager) -> None:
+    """Model Runner V2's graph descriptors, without the full graphs above
+    the recorded cap.
+
+    V2's ``CudaGraphManager`` keeps what it captures (per mode) and, per
+    token count, the descriptors a batch may run, full ones first; with the
+    full ones above the cap gone, such a batch finds its piecewise graph
+    (or none in FULL-only mode), as with the V1 dispatcher's keys.
+    """
+    from vllm.config.compilation import CUDAGraphMode
+
+    upstream_of(__name__, "init_candidates")(self)
+    cap = full_graph_row_cap(self.compilation_config)
+    if cap is None:
+        return
+
+    def kept(desc: BatchExecutionDescriptor) -> bool:
+        return not (
+            desc.cg_mode == CUDAGraphMode.FULL
+            and desc.num_reqs is not None
+            and desc.num_reqs > cap
+        )
+
+    for mode, descs in self._capture_descs.items():
+        self._capture_descs[mode] = [d for d in descs if kept(d)]
+    for key, descs in self._candidates.items():
+        self._candidates[key] = [d for d in descs if kept(d)]

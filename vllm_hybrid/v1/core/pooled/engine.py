@@ -67,16 +67,23 @@ def null_blocks_may_overlap(vllm_config: VllmConfig) -> bool:
     Upstream pads CUDA-graph batches with state id 0 (``NULL_BLOCK_ID``).
     Its Triton state kernels skip that id (tests/kernels checks it), but not
     every state kernel a CUDA engine may run is a Triton kernel, so with CUDA
-    graphs the null region stays clear of owned blocks. Attention never
-    writes through a null block (padded slots are -1). Without CUDA graphs
-    (the CPU backend, or ``--enforce-eager``) the null blocks can overlap
-    owned blocks and the arena does not lose a whole state block to them.
+    graphs the null region stays clear of owned blocks. Model Runner V2
+    writes through state id 0 without CUDA graphs too: its dummy runs (the
+    start-up warm-up over the compile sizes, a data-parallel rank's idle
+    steps) run the state kernels on zeroed block tables. Attention never
+    writes through a null block (padded slots are -1). So only where the V1
+    runner runs without CUDA graphs (the CPU backend, or ``--enforce-eager``
+    with ``VLLM_USE_V2_MODEL_RUNNER=0``) can the null blocks overlap owned
+    blocks, and the arena not lose a whole state block to them.
     """
+    import vllm.envs as envs
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         return True
+    if envs.VLLM_USE_V2_MODEL_RUNNER is not False:
+        return False
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     return mode is None or mode == CUDAGraphMode.NONE
 

@@ -50,7 +50,10 @@ def _unsupported_feature(vllm_config: VllmConfig) -> str | None:
             "speculative decoding with a separate draft model (draft_model)",
         ),
         (cache.num_gpu_blocks_override is not None, "num_gpu_blocks_override"),
-        (_v2_runner_forced(), "Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
+        (
+            _adaptive_verification(vllm_config),
+            "adaptive speculative verification",
+        ),
     ]
     for unsupported, name in checks:
         if unsupported:
@@ -71,10 +74,15 @@ def _unpooled_drafts(vllm_config: VllmConfig) -> bool:
     return spec is not None and spec.method not in POOLED_DRAFT_METHODS
 
 
-def _v2_runner_forced() -> bool:
-    import vllm.envs as envs
-
-    return envs.VLLM_USE_V2_MODEL_RUNNER is True
+def _adaptive_verification(vllm_config: VllmConfig) -> bool:
+    """Model Runner V2 profiles adaptive verification's step costs on dummy
+    batches whose block ids for every group wrap at the one ``num_blocks``
+    (``set_dummy_context``), which in pooled mode is the token pool's id
+    space: state ids beyond the state pool."""
+    spec = vllm_config.speculative_config
+    return spec is not None and bool(
+        getattr(spec, "enable_adaptive_verification", False)
+    )
 
 
 _logged_fallbacks: set[str] = set()
