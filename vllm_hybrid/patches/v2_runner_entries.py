@@ -60,8 +60,10 @@ V2_RUNNER_PATCHES: list[PatchEntry] = [
         how=(
             "Class attribute on MambaSpecDecodeGPUContext replaced; the "
             "replacement calls upstream's method unchanged, then, for a "
-            "PooledKVCacheConfig only, keeps the block-table tensors it was "
-            "given in the context's pooled_state_tables (an added attribute)."
+            "PooledKVCacheConfig only and on the call that set the context up "
+            "(upstream ignores later ones), keeps the block-table tensors it "
+            "was given in the context's pooled_state_tables (an added "
+            "attribute)."
         ),
         upstream_status="none",
         removal="With the run_fused_precopy entry.",

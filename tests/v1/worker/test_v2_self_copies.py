@@ -101,6 +101,11 @@ def test_the_context_keeps_the_tables_of_a_pooled_config(monkeypatch, pooled):
     mamba_copies.initialize_from_forward_context(ctx, config, {}, {}, tables)
     assert calls == [(ctx, config, {}, {}, tables, None)]
     assert getattr(ctx, "pooled_state_tables", None) == (TABLES if pooled else None)
+    # a context already set up keeps what it has, as upstream's does
+    ctx = _context()
+    ctx.is_initialized = True
+    mamba_copies.initialize_from_forward_context(ctx, config, {}, {}, tables)
+    assert not hasattr(ctx, "pooled_state_tables") and len(calls) == 2
 
 
 @pytest.mark.parametrize(

@@ -148,7 +148,10 @@ def initialize_from_forward_context(
 ) -> None:
     """Upstream's set-up of the state-copy context; on a pooled config it
     also keeps the state groups' block tables (indexed by request slot) for
-    :func:`run_fused_precopy`, which upstream keeps as addresses only."""
+    :func:`run_fused_precopy`, which upstream keeps as addresses only.
+    Upstream sets a context up once and ignores later calls; so does this,
+    so the tables kept are always those whose addresses the kernel reads."""
+    first = not getattr(self, "is_initialized", False)
     upstream_of(__name__, "initialize_from_forward_context")(
         self,
         kv_cache_config,
@@ -157,7 +160,7 @@ def initialize_from_forward_context(
         block_tables,
         aligned_index_block_tables,
     )
-    if isinstance(kv_cache_config, PooledKVCacheConfig):
+    if first and isinstance(kv_cache_config, PooledKVCacheConfig):
         self.pooled_state_tables = tuple(block_tables)
 
 
