@@ -23,7 +23,7 @@ same id: a copy onto itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -31,6 +31,7 @@ import torch
 from arena_views import DEVICE, ArenaViews
 from state_check import state_spec_of
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker import mamba_utils
 
@@ -112,12 +113,22 @@ def spec_decode_context(
     arena: ArenaViews,
     states: Mapping[str, tuple[torch.Tensor, ...]],
     rows: Sequence[Sequence[int]],
+    *,
+    config: KVCacheConfig | None = None,
+    initialize: Callable[..., None] | None = None,
 ):
     """Upstream's speculative-decoding copy context over the bound views,
     with one block-table row (state ids per column) per request, and that
     table: the context keeps only its address, so the caller must hold it
-    while the kernels run."""
-    config, funcs = arena.config, copy_funcs(arena)
+    while the kernels run. ``config`` replaces the arena's pooled config and
+    ``initialize`` upstream's ``initialize_from_forward_context`` (called
+    with the context first), for the overlay's replacement of it."""
+    funcs = copy_funcs(arena)
+    config = arena.config if config is None else config
+    if initialize is None:
+        initialize = (
+            mamba_utils.MambaSpecDecodeGPUContext.initialize_from_forward_context
+        )
     n = len(rows)
     ctx = mamba_utils.MambaSpecDecodeGPUContext.create(
         n, config, funcs, DEVICE, _make_buffer
@@ -127,9 +138,7 @@ def spec_decode_context(
     )
     for i, row in enumerate(rows):
         table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    ctx.initialize_from_forward_context(
-        config, _forward_context(states), funcs, [table]
-    )
+    initialize(ctx, config, _forward_context(states), funcs, [table])
     return ctx, table
 
 

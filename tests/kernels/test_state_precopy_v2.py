@@ -17,14 +17,17 @@ outside the owned pages, and the pages each request should end with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from align_copy_ops import spec_decode_context
 from arena_views import DEVICE, gdn_spec
 from state_check import Case, case_arena, check_state_op, page_states, pick_ids
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.worker import mamba_utils
+
+from vllm_hybrid.v1.worker import mamba_copies
 
 BLOCK = 16
 
@@ -68,10 +71,22 @@ def _tensor(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
-def v2_preprocess(arena, states, requests: list[Slot]) -> torch.Tensor:
+def v2_preprocess(
+    arena, states, requests: list[Slot], overlay: Overlay | None = None
+) -> torch.Tensor:
     """``MambaHybridModelState.preprocess_state``'s two launches; returns
-    the slots' columns, sources, biases and accepted counts afterwards."""
-    ctx, _table = spec_decode_context(arena, states, [s.row for s in requests])
+    the slots' columns, sources, biases and accepted counts afterwards.
+    With ``overlay`` the context is set up and the pre-copy launched through
+    the overlay's replacements (:mod:`vllm_hybrid.v1.worker.mamba_copies`)."""
+    ctx, _table = spec_decode_context(
+        arena,
+        states,
+        [s.row for s in requests],
+        config=None if overlay is None else overlay.config,
+        initialize=None
+        if overlay is None
+        else mamba_copies.initialize_from_forward_context,
+    )
     order = idx_mapping(len(requests))
     batch = [requests[i] for i in order]
     state_idx = _tensor([s.state_col for s in requests])
@@ -93,7 +108,14 @@ def v2_preprocess(arena, states, requests: list[Slot]) -> torch.Tensor:
         BLOCK_SIZE=256,
         MAMBA_BLOCK_SIZE=BLOCK,
     )
-    ctx.run_fused_precopy(n, state_idx, src_col, src_off, _tensor(order))
+    if overlay is None:
+        ctx.run_fused_precopy(n, state_idx, src_col, src_off, _tensor(order))
+    else:
+        overlay.src_cols.append(src_col)
+        overlay.contexts.append(ctx)
+        mamba_copies.run_fused_precopy(
+            ctx, n, state_idx, src_col, src_off, _tensor(order)
+        )
     return torch.stack([state_idx, src_col, src_off, accepted]).cpu()
 
 
@@ -116,6 +138,63 @@ def expected_pages(arena, requests: list[Slot]) -> dict:
 
 
 CASES = [Case(True, "min", odd_budget=True), Case(False, "initial"), Case(False, "min")]
+
+
+@dataclass
+class Overlay:
+    """A run through the overlay's pre-copy with ``config`` (the arena's
+    pooled config, or a plain twin of it): the source-column tensors V2
+    hands ``run_fused_precopy``, and those the kernel receives (tensor and
+    values at launch), one per launch."""
+
+    config: KVCacheConfig
+    src_cols: list[torch.Tensor] = field(default_factory=list)
+    launched: list[tuple[torch.Tensor, list[int]]] = field(default_factory=list)
+    contexts: list = field(default_factory=list)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Records each pre-copy launch's source-column argument in
+    ``overlay.launched``, then launches the kernel as before."""
+
+    def record(overlay: Overlay) -> None:
+        kernel = mamba_utils.precopy_mamba_align_fused_kernel
+
+        class Recording:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    overlay.launched.append((args[1], args[1].tolist()))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(
+            mamba_utils, "precopy_mamba_align_fused_kernel", Recording()
+        )
+
+    return record
+
+
+def plain_config(arena) -> KVCacheConfig:
+    """The arena's groups and tensors in upstream's ``KVCacheConfig``: what
+    the overlay sees of an engine that is not pooled."""
+    config = arena.config
+    return KVCacheConfig(
+        num_blocks=config.num_blocks,
+        kv_cache_tensors=config.kv_cache_tensors,
+        kv_cache_groups=config.kv_cache_groups,
+    )
+
+
+def copied_slots(overlay: Overlay, requests: list[Slot]) -> list[list[int]]:
+    """Per launch, the slots the kernel copies: a source column of its own
+    (not -1) other than the slot's destination column."""
+    dst = [(s.computed + s.scheduled - 1) // BLOCK for s in requests]
+    return [
+        [i for i, src in enumerate(values) if src >= 0 and src != dst[i]]
+        for _tensor, values in overlay.launched
+    ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -180,3 +259,78 @@ def test_v2_precopy_of_a_lone_state_block(case):
         assert dst == x
         got_conv, got_ssm = page_states(arena, layer, x)
         assert torch.equal(got_conv, conv) and torch.equal(got_ssm, ssm)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_v2_precopy_skips_copies_onto_themselves_on_pooled_views(case, launches):
+    """Through the overlay on a pooled config the in-place crossing without
+    a bias (slot 0) leaves the kernel's copies; the crossing to a fresh
+    block (slot 1) and the in-place one with an accepted draft (slot 3, its
+    conv window shifted within the block) are copied as upstream copies
+    them, bitwise the expected pages on the views and their twins."""
+    arena = case_arena(case, gdn_spec(BLOCK), num_state_layers=2)
+    ids = pick_ids(arena, 5)
+    assert len(ids) == 5
+    requests = slots(ids)
+    overlay = Overlay(arena.config)
+    launches(overlay)
+    seeded: dict = {}
+
+    def op(states, _ids):
+        if not seeded:
+            seeded["expected"] = expected_pages(arena, requests)
+        out = v2_preprocess(arena, states, requests, overlay)
+        seeded.setdefault("bookkeeping", out)
+        return out
+
+    result = check_state_op(arena, op, ids)
+    assert result.ok, result
+    # each context kept its one state group's table, a row per slot
+    assert [len(ctx.pooled_state_tables) for ctx in overlay.contexts] == [1, 1]
+    assert overlay.contexts[0].pooled_state_tables[0][0].tolist() == [ids[0]] * 2
+    # V2's own buffers keep upstream's values: slot 0 left column 0
+    assert seeded["bookkeeping"].tolist() == [
+        [1, 1, 1, 1],
+        [0, 0, 1, 0],
+        [0, 0, 0, 1],
+        [1, 1, 1, 1],
+    ]
+    # the kernel got another tensor, slot 0's source set to its destination
+    assert len(overlay.launched) == 2  # the views, then the twins
+    for (handed, values), src_col in zip(
+        overlay.launched, overlay.src_cols, strict=True
+    ):
+        assert handed is not src_col
+        assert values == [1, 0, 1, 0]
+    # two copies a launch where upstream makes three (test above)
+    assert copied_slots(overlay, requests) == [[1, 3], [1, 3]]
+    for (layer, dst), (conv, ssm) in seeded["expected"].items():
+        got_conv, got_ssm = page_states(arena, layer, dst)
+        assert torch.equal(got_conv, conv), (layer, dst)
+        assert torch.equal(got_ssm, ssm), (layer, dst)
+
+
+def test_v2_precopy_of_a_plain_config_is_upstreams(launches):
+    """On a config that is not pooled the overlay keeps no tables and hands
+    the kernel V2's own source columns, the copy onto itself included."""
+    case = Case(False, "initial")
+    arena = case_arena(case, gdn_spec(BLOCK), num_state_layers=2)
+    ids = pick_ids(arena, 5)
+    requests = slots(ids)
+    overlay = Overlay(plain_config(arena))
+    launches(overlay)
+
+    def op(states, _ids):
+        return v2_preprocess(arena, states, requests, overlay)
+
+    result = check_state_op(arena, op, ids)
+    assert result.ok, result
+    assert len(overlay.contexts) == 2
+    assert not any(hasattr(ctx, "pooled_state_tables") for ctx in overlay.contexts)
+    assert len(overlay.launched) == 2
+    for (handed, values), src_col in zip(
+        overlay.launched, overlay.src_cols, strict=True
+    ):
+        assert handed is src_col
+        assert values == [0, 0, 1, 0]
+    assert copied_slots(overlay, requests) == [[0, 1, 3], [0, 1, 3]]

@@ -334,10 +334,11 @@ def test_decode_is_memory_bound_and_prefill_compute_bound() -> None:
     assert one_state == pytest.approx(32.6e-6, rel=0.02)
 
 
-def test_an_edge_crossed_in_place_costs_a_state_on_v2_only(monkeypatch) -> None:
-    """Model Runner V2's fused pre-copy compares columns, so it copies a
-    block onto itself where pooled mode crossed an edge in place; the V1
-    runner skips that copy. Every engine is priced as V2 unless the
+def test_an_edge_crossed_in_place_costs_nothing_on_either_runner(monkeypatch) -> None:
+    """Where pooled mode crossed an edge in place, the overlay skips the copy
+    of the block onto itself on the V1 runner (host list) and on Model
+    Runner V2 (fused pre-copy): of 5 copies with 3 in place, 2 are paid on
+    both, at each runner's price. Every engine is priced as V2 unless the
     simulation runs with upstream's switch to V1."""
     from vllm_hybrid.tools.simulate.session import cuda_runner
 
@@ -345,7 +346,13 @@ def test_an_edge_crossed_in_place_costs_a_state_on_v2_only(monkeypatch) -> None:
     record.state_copies, record.state_self_copies = 5, 3
     v2 = CostModel(_qwen36_costs(), GPU_PROFILES["h200"])
     v1 = CostModel(_qwen36_costs(), GPU_PROFILES["h200"], runner=Runner.V1)
-    assert (v2.copied_requests(record), v1.copied_requests(record)) == (5, 2)
+    assert (v2.copied_requests(record), v1.copied_requests(record)) == (2, 2)
+    state = v2.model.state_bytes
+    # V2: two states through the fused pre-copy, 0.0326 ms each on an H200
+    assert v2.copy_seconds(2 * state, 2) == pytest.approx(2 * 32.6e-6, rel=0.02)
+    # V1: batch_memcpy of the same two plus 0.35 ms of host list each
+    v1_copies = 2 * 2 * state / (4.8e12 * 0.5) + 2 * 0.00035
+    assert v1.copy_seconds(2 * state, 2) == pytest.approx(v1_copies, rel=1e-6)
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     assert cuda_runner() is Runner.V2
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")

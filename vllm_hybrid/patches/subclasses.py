@@ -242,6 +242,16 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
 #: Attributes the overlay adds to upstream instances.
 ADDED_ATTRIBUTES: list[AddedAttribute] = [
     AddedAttribute(
+        cls="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext",
+        name="pooled_state_tables",
+        where=("vllm_hybrid.v1.worker.mamba_copies (initialize_from_forward_context)"),
+        why=(
+            "The state groups' block tables (rows by request slot) of a "
+            "pooled config, which run_fused_precopy compares to drop copies "
+            "of a block onto itself; upstream keeps only their addresses."
+        ),
+    ),
+    AddedAttribute(
         cls="vllm.v1.kv_cache_interface:KVCacheConfig",
         name="retain_turn_ends",
         where="vllm_hybrid.v1.core.retention (mark_turn_end_retention)",

@@ -25,9 +25,9 @@ One step takes ``overhead + max(compute, memory) + copies + communication``:
   Runner V2 runs one fused pre-copy kernel at ``fused_copy`` of it, with no
   host list. An H200 measured all three (:class:`Efficiency`). A request
   that crossed its edge in place (one block in both columns) costs nothing
-  on V1, which skips that copy, and a whole state on V2, whose kernel
-  compares columns and copies the block onto itself
-  (:meth:`CostModel.copied_requests`);
+  on either runner: the overlay drops that copy of a block onto itself from
+  V1's host list and from V2's pre-copy (:meth:`CostModel.copied_requests`,
+  :mod:`vllm_hybrid.v1.worker.mamba_copies`);
 * communication (TP > 1): two all-reduces of the hidden state per layer and
   token, over the GPU's link;
 * overhead: a fixed per-step cost (scheduling, launches).
@@ -287,12 +287,11 @@ class CostModel:
         return eff.step_overhead_s + max(compute, memory) + copies + comm
 
     def copied_requests(self, record: StepRecord) -> int:
-        """Requests whose state this runner copies in a step: V1 skips a
-        copy of a block onto itself (an edge crossed in place,
-        :mod:`vllm_hybrid.v1.worker.mamba_copies`), V2's fused pre-copy
-        makes it (it compares block columns, not block ids)."""
-        if self.runner is Runner.V2:
-            return record.state_copies
+        """Requests whose state the runner copies in a step: every copy but
+        those of a block onto itself (an edge crossed in place), which the
+        overlay skips on V1 (host copy list) and V2 (fused pre-copy) alike,
+        :mod:`vllm_hybrid.v1.worker.mamba_copies`. The runners differ in
+        what a copy costs (:meth:`copy_seconds`)."""
         return record.state_copies - record.state_self_copies
 
     def copy_seconds(self, copy_bytes: float, copied_requests: int) -> float:

@@ -16,8 +16,9 @@ crossed, or a new request starts from a cached checkpoint and runs past its
 block), the state is copied to the new column. When both columns name the
 same block id (pooled mode letting a request cross its edge in place) the
 copy moves nothing new; it is counted as a self copy too. Model Runner V2's
-fused pre-copy copies at the same column changes; what each runner pays for
-a self copy is the cost model's (``CostModel.copied_requests``). Copy-on-write
+fused pre-copy copies at the same column changes; the overlay drops self
+copies on both runners, so they cost nothing (``CostModel.copied_requests``).
+Copy-on-write
 block copies (a sub-block prefix hit taking over a cached checkpoint) come
 from the output's ``kv_cache_block_copies``.
 """
