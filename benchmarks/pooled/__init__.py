@@ -5,7 +5,7 @@ runs, in layers:
 
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
-* :mod:`.engine`: engines and the step-by-step drive loop;
+* :mod:`.engine`: engines, driven by the simulator's ``Driver``;
 * :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
   (many_short, one_long, multi_turn, same_tokens), with the prompts of
   :mod:`vllm_hybrid.tools.workloads` and the step and checkpoint counts of

@@ -5,6 +5,7 @@ token ids random prompts may use, and how close greedy decoding was to a tie.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from vllm_hybrid.tools.workloads import allowed_token_ids
@@ -29,12 +30,18 @@ def llm_vocab(llm: LLM) -> list[int]:
     return allowed_token_ids(min(len(tokenizer), model_size), tokenizer.all_special_ids)
 
 
+def top2_gap(logprobs: Iterable[float]) -> float | None:
+    """The best of one position's log-probabilities (one per token id) minus
+    the second best; how close greedy decoding was to a tie there (None with
+    fewer than two)."""
+    best = sorted(logprobs, reverse=True)
+    return best[0] - best[1] if len(best) > 1 else None
+
+
 def top2_gaps(completion: CompletionOutput) -> list[float | None]:
-    """Per output token of a vLLM ``CompletionOutput``: log-probability of
-    the best token minus the second best (needs ``logprobs >= 2``); how
-    close greedy decoding was to a tie there."""
-    gaps: list[float | None] = []
-    for position in completion.logprobs or []:
-        best = sorted((lp.logprob for lp in position.values()), reverse=True)
-        gaps.append(best[0] - best[1] if len(best) > 1 else None)
-    return gaps
+    """:func:`top2_gap` per output token of a vLLM ``CompletionOutput``
+    (needs ``logprobs >= 2``)."""
+    return [
+        top2_gap(lp.logprob for lp in position.values())
+        for position in completion.logprobs or []
+    ]

@@ -12,12 +12,18 @@ Everything else is the planner's: :func:`engine_config` builds the config
 from ``config.json`` on this host, :func:`as_cuda_config` turns it into a
 CUDA host's, :func:`platform_class` stands in for the device's platform with
 the attention backend fixed, :func:`layer_specs` gives every layer's spec.
+
+:func:`kv_geometry` reads what a request truly needs from an engine's
+``KVCacheConfig`` (attention bytes per token, state bytes per request, both
+unpadded), once for the simulator's cost model and ``bench_pooled``'s
+needed-over-reserved figures.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +46,7 @@ from vllm_hybrid.tools.plan.request import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: Engine options a simulated engine may set, by the vLLM config that holds
 #: them. Anything else is refused, so a typo is not silently ignored.
@@ -224,4 +231,63 @@ def engine_geometry(
         platform=platform,
         notes=notes,
         architecture=str(architecture or config.model_config.architecture),
+    )
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one request really needs, from the model's layer specs, unpadded:
+    the benchmark's ``needed/reserved`` shows padding, rounding and
+    fragmentation against it, and the simulator prices a state copy with it."""
+
+    #: Bytes one token occupies summed over all attention layers.
+    attn_bytes_per_token: float
+    #: Bytes of one request's recurrent state summed over all state layers.
+    state_bytes_per_request: int
+    num_attention_layers: int
+    num_state_layers: int
+    #: Layers of other spec types; they are not counted in "needed".
+    other_layers: tuple[str, ...] = ()
+
+    def bytes_needed(self, num_computed_tokens: Iterable[int]) -> float:
+        """Bytes the running requests with these token counts truly need."""
+        counts = list(num_computed_tokens)
+        return sum(counts) * self.attn_bytes_per_token + len(counts) * (
+            self.state_bytes_per_request
+        )
+
+    def token_bound(self, budget_bytes: int) -> int:
+        """Longest sequence one request could have if bytes were exact."""
+        if self.attn_bytes_per_token <= 0:
+            return 0
+        free = budget_bytes - self.state_bytes_per_request
+        return max(0, math.floor(free / self.attn_bytes_per_token))
+
+
+def _layer_specs(kv_cache_config: KVCacheConfig) -> Iterator[tuple[str, Any]]:
+    """(layer name, spec) of every layer of a ``KVCacheConfig``."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            yield from spec.kv_cache_specs.items()
+        else:
+            yield from ((name, spec) for name in group.layer_names)
+
+
+def kv_geometry(kv_cache_config: KVCacheConfig) -> KVGeometry:
+    """Per-token and per-request bytes of a ``KVCacheConfig``'s layers,
+    unpadded (``real_page_size_bytes``)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    layers = list(_layer_specs(kv_cache_config))
+    attention = [spec for _, spec in layers if isinstance(spec, AttentionSpec)]
+    state = [spec for _, spec in layers if isinstance(spec, MambaSpec)]
+    return KVGeometry(
+        sum((spec.real_page_size_bytes / spec.block_size for spec in attention), 0.0),
+        sum(spec.real_page_size_bytes for spec in state),
+        len(attention),
+        len(state),
+        tuple(n for n, s in layers if not isinstance(s, (AttentionSpec, MambaSpec))),
     )
