@@ -22,7 +22,6 @@ bench_pooled measures". Other benchmarks and the tests reuse the names below.
 
 from .config import MIB, BenchConfig
 from .engine import EngineSpec, open_engine
-from .same_tokens import first_difference
 from .worker import WorkerReport, one_long_part
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "BenchConfig",
     "EngineSpec",
     "WorkerReport",
-    "first_difference",
     "one_long_part",
     "open_engine",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_hybrid.tools.inproc import first_difference
 from vllm_hybrid.tools.simulate.sources import SimRequest
 from vllm_hybrid.tools.workloads import same_tokens_prompts
 
@@ -78,17 +79,6 @@ def tokens_verdict(upstream: Sequence[list[int]], overlay: Sequence[list[int]]) 
     n = max(len(upstream), len(overlay))
     same = sum(a == b for a, b in zip(upstream, overlay, strict=False))
     return f"{same}/{n} prompts equal"
-
-
-def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int | None:
-    """Index of the first token where two completions differ (the shorter
-    one's length if one is a prefix of the other); None if they are equal."""
-    if list(mine) == list(theirs):
-        return None
-    return next(
-        (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
-        min(len(mine), len(theirs)),
-    )
 
 
 def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str:

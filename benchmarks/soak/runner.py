@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 
 from benchmarks.harness import MIB, server_args, tiny_model
-from benchmarks.pooled.same_tokens import first_difference
+from vllm_hybrid.tools.inproc import first_difference
 from vllm_hybrid.tools.loopback import (
     PREEMPTIONS,
     ServerHandle,
