@@ -8,10 +8,12 @@ process has installed, and the engine options a simulation varies (prefix
 match unit, retention interval, checkpoint interval, scheduler limits,
 ``hybrid_kv`` options) are set on the config before the engine sees it.
 
-Everything else is the planner's: :func:`engine_config` builds the config
-from ``config.json`` on this host, :func:`as_cuda_config` turns it into a
-CUDA host's, :func:`platform_class` stands in for the device's platform with
-the attention backend fixed, :func:`layer_specs` gives every layer's spec.
+Everything else is the planner's: :func:`planned_config` is the one path
+from a plan request to the config both the planner and a simulated engine
+start from (:func:`engine_config` on this host, then on CUDA ``vllm
+serve``'s batch limits, :func:`as_cuda_config` and the CUDA graph sizes);
+:func:`platform_class` stands in for the device's platform with the
+attention backend fixed, :func:`layer_specs` gives every layer's spec.
 
 :func:`kv_geometry` reads what a request truly needs from an engine's
 ``KVCacheConfig`` (attention bytes per token, state bytes per request, both
@@ -28,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_hybrid.tools.plan.compute import with_serve_defaults
 from vllm_hybrid.tools.plan.config import (
     as_cuda_config,
     attention_backend,
@@ -37,7 +38,10 @@ from vllm_hybrid.tools.plan.config import (
     layer_specs,
     platform_class,
 )
-from vllm_hybrid.tools.plan.cuda_defaults import set_cuda_graph_sizes
+from vllm_hybrid.tools.plan.cuda_defaults import (
+    set_cuda_graph_sizes,
+    with_serve_defaults,
+)
 from vllm_hybrid.tools.plan.request import (
     PlanError,
     PlanRequest,
@@ -199,6 +203,24 @@ def apply_options(vllm_config: VllmConfig, options: EngineOptions) -> None:
         vllm_config.additional_config = additional
 
 
+def planned_config(
+    request: PlanRequest, directory: Path
+) -> tuple[PlanRequest, VllmConfig, list[str], str | None]:
+    """The config the planner plans and a simulated engine starts from, built
+    once for both: vLLM's config on this host and, for a CUDA plan,
+    ``vllm serve``'s batch limits for the GPU size (filled into the request
+    returned), the CUDA host's config and its CUDA graph capture sizes. Also
+    the planner's notes and the checkpoint's own architecture."""
+    if request.device == "cuda":
+        request = with_serve_defaults(request)
+    config, notes = engine_config(request, directory)
+    architecture = checkpoint_architecture(directory)
+    if request.device == "cuda":
+        config = as_cuda_config(config, request, architecture)
+        set_cuda_graph_sizes(config, request.gpu_memory_gib)
+    return request, config, notes, architecture
+
+
 def engine_geometry(
     request: PlanRequest, directory: Path, options: EngineOptions, *, pooled: bool
 ) -> EngineGeometry:
@@ -212,13 +234,7 @@ def engine_geometry(
     """
     from vllm_hybrid.config.hybrid_kv import options_error
 
-    if request.device == "cuda":
-        request = with_serve_defaults(request)
-    config, notes = engine_config(request, directory)
-    architecture = checkpoint_architecture(directory)
-    if request.device == "cuda":
-        config = as_cuda_config(config, request, architecture)
-        set_cuda_graph_sizes(config, request.gpu_memory_gib)
+    request, config, notes, architecture = planned_config(request, directory)
     problem = options_error({"hybrid_kv": dict(options.hybrid_kv)})
     if problem is not None:
         raise PlanError(problem)
