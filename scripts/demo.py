@@ -2,7 +2,7 @@
 
 Builds the tiny random-weight ``qwen3_5`` model (offline, seconds), serves it
 with ``vllm-hybrid serve --kv-cache-dtype turboquant_k8v4`` on loopback
-(through the benchmarks' server harness, as the tests do), sends one chat
+(through :mod:`vllm_hybrid.tools.loopback`, as the tests do), sends one chat
 completion, prints the answer (random weights: expect word salad) and the
 engine's KV cache plan lines, then shuts the server down and reports what its
 exit code and log say about the shutdown. ``bash scripts/demo.sh`` sets up
@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 # Run as a script: the repository root takes the folder's place on sys.path,
-# so the benchmarks' harness imports as ``benchmarks.harness``.
+# so the checkout's vllm_hybrid is the one imported.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.harness import MIB, serve, shutdown_report, stop  # noqa: E402
+from vllm_hybrid.tools.loopback import serve, shutdown_report, stop  # noqa: E402
 from vllm_hybrid.tools.tiny_models import build_tiny_model  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", default=".tiny-models/qwen3_5")
     # The project's headline command: packed TurboQuant KV on CPU_TURBOQUANT.
     parser.add_argument("--kv-cache-dtype", default="turboquant_k8v4")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=48 * MIB)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=48 * 2**20)
     parser.add_argument("--prompt", default="Hello! What can a hybrid model do?")
     args = parser.parse_args(argv)
 

@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
-# engine_core: re-exported for the engine tests
-from vllm_hybrid.tools.inproc import engine_core, top2_gaps
+# engine_core and NEAR_TIE: re-exported for the engine tests
+from vllm_hybrid.tools.inproc import (
+    NEAR_TIE,
+    engine_core,
+    first_difference,
+    top2_gaps,
+)
 
 T = TypeVar("T")
 
@@ -140,17 +145,6 @@ def bench_pooled() -> ModuleType:
     return importlib.import_module("benchmarks.pooled")
 
 
-#: Largest best-minus-second log-probability at which greedy decoding counts
-#: as a near-tie: one bf16 step of a logit in [4, 8) (four in [1, 2)).
-#: Logits are bf16, so a gap this small flips when a kernel sums in another
-#: order, which vLLM's CPU kernels do when the batch around a request
-#: changes (with more than one thread everywhere, and with one thread in the
-#: AVX2 fallbacks). Flips measured on an AVX2 host: at gaps of 2**-7 (bf16
-#: KV cache) and 3 * 2**-7 (TurboQuant k8v4, whose dequantized keys pass
-#: through more bf16 roundings).
-NEAR_TIE = 2**-5
-
-
 @dataclass
 class Greedy:
     """Greedy completions of a batch of prompts."""
@@ -196,7 +190,6 @@ def near_tie_differences(
     rounding step. Runs that score a token in batches of another shape
     (speculative decoding verifies several tokens per forward pass) round
     both ways."""
-    first_difference = bench_pooled().first_difference
     found = []
     for i, (ref, ids) in enumerate(zip(reference.tokens, tokens, strict=True)):
         at = first_difference(ref, ids)

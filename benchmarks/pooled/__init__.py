@@ -5,7 +5,7 @@ runs, in layers:
 
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
-* :mod:`.engine`: engines and the step-by-step drive loop;
+* :mod:`.engine`: engines, driven by the simulator's ``Driver``;
 * :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
   (many_short, one_long, multi_turn, same_tokens), with the prompts of
   :mod:`vllm_hybrid.tools.workloads` and the step and checkpoint counts of
@@ -22,7 +22,6 @@ bench_pooled measures". Other benchmarks and the tests reuse the names below.
 
 from .config import MIB, BenchConfig
 from .engine import EngineSpec, open_engine
-from .same_tokens import first_difference
 from .worker import WorkerReport, one_long_part
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "BenchConfig",
     "EngineSpec",
     "WorkerReport",
-    "first_difference",
     "one_long_part",
     "open_engine",
 ]

@@ -1,5 +1,6 @@
-"""Engines and the loop that drives them step by step (vLLM is imported
-lazily so the pure helpers load fast)."""
+"""Engines, and how the benchmark drives them: with the simulator's
+:class:`~vllm_hybrid.tools.simulate.drive.Driver` on the engine's core (vLLM
+is imported lazily so the pure helpers load fast)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,22 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gaps
+from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gap
+from vllm_hybrid.tools.plan.geometry import KVGeometry
+from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
 from vllm_hybrid.tools.simulate.probes import (
     CheckpointCount,
     count_state_checkpoints,
 )
-from vllm_hybrid.tools.simulate.steps import StepObserver, state_geometry
+from vllm_hybrid.tools.simulate.sources import SimRequest, Workload
+from vllm_hybrid.tools.simulate.steps import (
+    StepObserver,
+    StepRecord,
+    state_geometry,
+)
 
 from .config import BenchConfig
 from .pools import (
-    KVGeometry,
     KVSample,
     kv_layout_name,
     kv_pools,
@@ -110,10 +117,16 @@ class Engine:
     start_s: float
     #: measurement helpers attached to this engine (step observer, probe)
     probes: dict[str, Any] = field(default_factory=dict)
+    #: step records not yet taken by a drive
+    records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def core(self) -> Any:
+        return engine_core(self.llm)
 
     @property
     def scheduler(self) -> Any:
-        return engine_core(self.llm).scheduler
+        return self.core.scheduler
 
     @property
     def vllm_config(self) -> Any:
@@ -149,7 +162,8 @@ class Engine:
     def steps(self) -> StepObserver:
         """The simulator's step observer on this engine's scheduler outputs
         (prefill and decode tokens, preemptions, align-mode state copies),
-        attached on first use; ``total`` sums every step since."""
+        attached on first use; ``total`` sums every step since, and each
+        step's record waits in ``records`` for :meth:`take_records`."""
         observer = self.probes.get("steps")
         if observer is None:
             scheduler = self.scheduler
@@ -159,12 +173,17 @@ class Engine:
 
             def observed(*args: Any, **kwargs: Any) -> Any:
                 output = schedule(*args, **kwargs)
-                observer.observe(output)
+                self.records.append(observer.observe(output))
                 return output
 
             self.probes["steps"] = observer
             scheduler.schedule = observed
         return observer
+
+    def take_records(self) -> list[StepRecord]:
+        """The step records since the last call (what the driver sums)."""
+        taken, self.records = self.records, []
+        return taken
 
     def count_checkpoints(self) -> CheckpointCount | None:
         """Count state checkpoints entered into the prefix cache with the
@@ -209,120 +228,101 @@ def start_error(spec: EngineSpec) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-@dataclass(frozen=True)
-class Submission:
-    """One request to add: our id, its prompt ids and its output length."""
+class Batch(Workload):
+    """Requests all due at once, their replies kept: one drive of one_long
+    or same_tokens."""
 
-    key: str
-    prompt: list[int]
-    max_tokens: int
-    #: top log-probabilities to return per output token (None: none)
-    logprobs: int | None = None
+    needs_replies = True
+
+    def __init__(self, requests: Iterable[SimRequest]) -> None:
+        self.requests = list(requests)
+        self.replies: dict[str, list[int]] = {}
+
+    def due(self, now: float) -> list[SimRequest]:
+        due, self.requests = self.requests, []
+        return due
+
+    def finished(self, request_id: str, reply: Sequence[int], now: float) -> None:
+        self.replies[request_id] = [int(t) for t in reply]
 
 
 @dataclass
-class DriveResult:
-    """Outcome of driving a batch of requests to completion (or a limit)."""
+class Drive:
+    """One drive: what the simulator's driver observed, and this process's
+    times."""
 
-    outputs: dict[str, Any]
-    steps: int
+    result: DriveResult
     wall_s: float
-    samples: list[KVSample]
-    preemptions: int
-    #: finished | stalled | time_limit | preempted | rejected
-    outcome: str
-    detail: str = ""
     #: CPU seconds of this process during the drive; unlike wall time it
     #: barely moves when other jobs share the machine's cores.
-    cpu_s: float = 0.0
+    cpu_s: float
+    samples: list[KVSample]
+
+    @property
+    def outcome(self) -> str:
+        """finished | stalled | time_limit | preempted | rejected"""
+        return "rejected" if self.result.rejected else self.result.outcome
+
+    @property
+    def steps(self) -> int:
+        return self.result.engine_steps
+
+    @property
+    def preemptions(self) -> int:
+        return self.result.steps.preemptions
 
     def output_tokens(self) -> int:
-        return sum(len(o.outputs[0].token_ids) for o in self.outputs.values())
+        return sum(t.output_tokens for t in self.result.timings.values())
 
-    def token_ids(self, key: str) -> list[int]:
-        return [int(t) for t in self.outputs[key].outputs[0].token_ids]
+    def cached_tokens(self) -> int:
+        return sum(t.cached_tokens for t in self.result.timings.values())
 
     def top2_gaps(self, key: str) -> list[float | None]:
-        return top2_gaps(self.outputs[key].outputs[0])
+        return [top2_gap(p.values()) for p in self.result.logprobs.get(key, [])]
 
 
-def _progress(scheduler: Any) -> int:
-    """A number that grows whenever the engine computes any token."""
-    return sum(
-        r.num_computed_tokens + r.num_output_tokens for r in scheduler.requests.values()
-    )
+def _work(record: StepRecord) -> float:
+    """Tokens a step computed: the driver counts a step that computed none
+    towards a stall."""
+    return float(record.prefill_tokens + record.decode_tokens)
 
 
 def drive(
     engine: Engine,
-    submissions: Sequence[Submission],
+    workload: Workload,
     cfg: BenchConfig,
     geometry: KVGeometry | None = None,
     stop_on_preemption: bool = False,
-) -> DriveResult:
-    """Add every request, then step the engine by hand, sampling the
-    scheduler, until all are finished, stalled, out of time or (if asked)
-    preempted (docs/benchmarks.md, "How it works"); the rest is aborted."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm_engine = engine.llm.llm_engine
-    scheduler = engine.scheduler
-    internal: dict[str, str] = {}
-
-    for sub in submissions:
-        # Random weights emit EOS at random: ignore it so lengths are fixed.
-        params = SamplingParams(
-            max_tokens=sub.max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            logprobs=sub.logprobs,
-        )
-        try:
-            internal[sub.key] = llm_engine.add_request(
-                sub.key, TokensPrompt(prompt_token_ids=sub.prompt), params
-            )
-        except Exception as exc:  # validation (e.g. longer than max_model_len)
-            _abort(llm_engine, internal.values())
-            error = f"{type(exc).__name__}: {exc}"
-            return DriveResult({}, 0, 0.0, [], 0, "rejected", error)
-    outputs: dict[str, Any] = {}
+) -> Drive:
+    """Run what ``workload`` makes due now, one engine step at a time,
+    sampling the scheduler, until all of it has finished, stalled, run out of
+    time or (if asked) been preempted (docs/benchmarks.md, "How it works");
+    the driver aborts what is left."""
+    engine.steps()
+    engine.take_records()
     samples: list[KVSample] = []
-    observed = engine.steps().total
-    preempted_before = observed.preemptions
     start = time.perf_counter()
     cpu_start = time.process_time()
-    steps = idle = 0
-    last_progress = -1
-    outcome, detail = "finished", ""
-    while llm_engine.has_unfinished_requests():
-        for out in llm_engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-        steps += 1
+
+    def on_step(result: DriveResult) -> str | None:
         if geometry is not None:
-            samples.append(sample_kv(scheduler, geometry, steps))
-        progress = _progress(scheduler) + len(outputs)
-        idle = idle + 1 if progress == last_progress else 0
-        last_progress = progress
-        if stop_on_preemption and observed.preemptions > preempted_before:
-            outcome = "preempted"
-        elif idle >= cfg.stall_steps:
-            outcome = "stalled"
-        elif time.perf_counter() - start > cfg.drive_time_limit_s:
-            outcome = "time_limit"
-        if outcome != "finished":
-            _abort(llm_engine, [internal[k] for k in internal if k not in outputs])
-            break
+            step = result.engine_steps
+            samples.append(sample_kv(engine.scheduler, geometry, step))
+        if stop_on_preemption and result.steps.preemptions:
+            return "preempted"
+        if all(t.finished is not None for t in result.timings.values()):
+            return "finished"
+        if time.perf_counter() - start > cfg.drive_time_limit_s:
+            return "time_limit"
+        return None
+
+    result = Driver(
+        engine.core,
+        workload,
+        engine.take_records,
+        _work,
+        stall_steps=cfg.stall_steps,
+        on_step=on_step,
+    ).run()
     wall = time.perf_counter() - start
-    cpu = time.process_time() - cpu_start
-    preemptions = observed.preemptions - preempted_before
-    return DriveResult(
-        outputs, steps, wall, samples, preemptions, outcome, detail, cpu_s=cpu
-    )
-
-
-def _abort(llm_engine: Any, internal_ids: Iterable[str]) -> None:
-    ids = list(internal_ids)
-    if ids:
-        llm_engine.abort_request(ids, internal=True)
+    return Drive(result, wall, time.process_time() - cpu_start, samples)

@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_hybrid.tools.inproc import first_difference
+from vllm_hybrid.tools.simulate.sources import SimRequest
 from vllm_hybrid.tools.workloads import same_tokens_prompts
 
 from .config import MIB, BenchConfig
-from .engine import Engine, Submission, drive
+from .engine import Batch, Engine, drive
 from .workloads import check_finished
 
 #: KV budget of the forced-preemption run per model kind: room for about
@@ -30,17 +32,18 @@ def _same_tokens_pass(
     engine: Engine, cfg: BenchConfig, prompts: Sequence[list[int]]
 ) -> dict[str, Any]:
     """One batch of the fixed prompts; token ids per prompt."""
-    subs = [
-        Submission(f"fixed-{i}", p, cfg.same_tokens_output, logprobs=2)
-        for i, p in enumerate(prompts)
-    ]
-    result = drive(engine, subs, cfg)
+    keys = [f"fixed-{i}" for i in range(len(prompts))]
+    batch = Batch(
+        SimRequest(key, p, cfg.same_tokens_output, 0.0, logprobs=2)
+        for key, p in zip(keys, prompts, strict=True)
+    )
+    result = drive(engine, batch, cfg)
     check_finished(result, "same_tokens")
     return {
-        "tokens": [result.token_ids(s.key) for s in subs],
-        "top2_gaps": [result.top2_gaps(s.key) for s in subs],
+        "tokens": [batch.replies[key] for key in keys],
+        "top2_gaps": [result.top2_gaps(key) for key in keys],
         "preemptions": result.preemptions,
-        "cached_tokens": sum(o.num_cached_tokens or 0 for o in result.outputs.values()),
+        "cached_tokens": result.cached_tokens(),
         "wall_s": result.wall_s,
     }
 
@@ -76,17 +79,6 @@ def tokens_verdict(upstream: Sequence[list[int]], overlay: Sequence[list[int]]) 
     n = max(len(upstream), len(overlay))
     same = sum(a == b for a, b in zip(upstream, overlay, strict=False))
     return f"{same}/{n} prompts equal"
-
-
-def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int | None:
-    """Index of the first token where two completions differ (the shorter
-    one's length if one is a prefix of the other); None if they are equal."""
-    if list(mine) == list(theirs):
-        return None
-    return next(
-        (i for i, (x, y) in enumerate(zip(mine, theirs, strict=False)) if x != y),
-        min(len(mine), len(theirs)),
-    )
 
 
 def first_difference_gap(run: dict[str, Any], other: Sequence[list[int]]) -> str:

@@ -13,10 +13,10 @@ from typing import Any
 
 from benchmarks.harness import tiny_model
 from vllm_hybrid import plugin
+from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
 
 from .config import NO_PREFIX_CACHING_KINDS, RESULT_PREFIX, BenchConfig
 from .engine import Engine, EngineSpec, open_engine, start_error
-from .pools import KVGeometry, kv_geometry
 from .same_tokens import preempt_budget_bytes, run_same_tokens
 from .workloads import (
     longest_completing,

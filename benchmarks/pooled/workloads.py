@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
+from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
 from vllm_hybrid.tools.simulate.sources import (
     ManyShortShape,
     ManyShortWorkload,
@@ -18,8 +19,8 @@ from vllm_hybrid.tools.simulate.sources import (
 )
 
 from .config import BenchConfig
-from .engine import DriveResult, Engine, Submission, drive
-from .pools import KVGeometry, KVSample, coupled_evictions, kv_geometry
+from .engine import Batch, Drive, Engine, drive
+from .pools import KVSample, coupled_evictions
 
 
 def _peak_samples(samples: Sequence[KVSample]) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def _per(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def _totals(results: Sequence[DriveResult]) -> dict[str, Any]:
+def _totals(results: Sequence[Drive]) -> dict[str, Any]:
     """Steps, preemptions, decoded tokens and their rates over drives."""
     out_tokens = sum(r.output_tokens() for r in results)
     wall, cpu = sum(r.wall_s for r in results), sum(r.cpu_s for r in results)
@@ -67,18 +68,13 @@ def _shape(cls: type, cfg: BenchConfig, workload: str) -> Any:
     return cls(**{n: getattr(cfg, f"{workload}_{n}") for n in names}, seed=cfg.seed)
 
 
-def check_finished(result: DriveResult, workload: str) -> None:
+def check_finished(result: Drive, workload: str) -> None:
     """Raise unless every request of the drive finished."""
     if result.outcome != "finished":
         raise RuntimeError(
             f"{workload}: engine drive ended {result.outcome} after "
-            f"{result.steps} steps {result.detail}".rstrip()
+            f"{result.steps} steps"
         )
-
-
-def submissions(requests: Sequence[SimRequest]) -> list[Submission]:
-    """The requests a simulator workload made due, as drive submissions."""
-    return [Submission(r.request_id, r.prompt, r.max_tokens) for r in requests]
 
 
 def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
@@ -86,13 +82,13 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     engine's budget."""
     geometry = kv_geometry(engine.scheduler.kv_cache_config)
     shape = _shape(ManyShortShape, cfg, "many_short")
-    subs = submissions(ManyShortWorkload(shape, engine.vocab()).due(0.0))
-    result = drive(engine, subs, cfg, geometry=geometry)
+    workload = ManyShortWorkload(shape, engine.vocab())
+    result = drive(engine, workload, cfg, geometry=geometry)
     check_finished(result, "many_short")
     metrics = {
         **_peak_samples(result.samples),
         **_totals([result]),
-        "prompt_tokens": sum(len(s.prompt) for s in subs),
+        "prompt_tokens": sum(len(p) for p in workload.prompts),
         "attn_bytes_per_token": geometry.attn_bytes_per_token,
         "state_bytes_per_request": geometry.state_bytes_per_request,
     }
@@ -147,13 +143,14 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     shape = _shape(MultiTurnShape, cfg, "multi_turn")
     workload = MultiTurnWorkload(shape, engine.vocab())
     per_turn: list[dict[str, Any]] = []
-    results: list[DriveResult] = []
+    results: list[Drive] = []
     for turn in range(cfg.multi_turn_turns):
-        subs = submissions(workload.due(0.0))
-        result = drive(engine, subs, cfg)
+        # one drive per turn: the workload sends the next turn once this
+        # one has finished, and the driver ends when it has
+        result = drive(engine, workload, cfg)
         check_finished(result, f"multi_turn turn {turn}")
-        turn_cached = sum(o.num_cached_tokens or 0 for o in result.outputs.values())
-        turn_prompt = sum(len(s.prompt) for s in subs)
+        turn_cached = result.cached_tokens()
+        turn_prompt = sum(t.prompt_tokens for t in result.result.timings.values())
         per_turn.append(
             {
                 "turn": turn,
@@ -163,8 +160,6 @@ def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
                 "preemptions": result.preemptions,
             }
         )
-        for sub in subs:
-            workload.finished(sub.key, result.token_ids(sub.key), 0.0)
         results.append(result)
     cached = sum(t["cached_tokens"] for t in per_turn)
     prompt_tokens = sum(t["prompt_tokens"] for t in per_turn)
@@ -203,18 +198,19 @@ class Try:
 def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
     """Can a ``length``-token prompt finish alone, without preemption?"""
     prompt = wl.one_long_prompt(cfg.seed, engine.vocab(), length)
-    sub = Submission(f"long-{length}", prompt, cfg.one_long_output)
+    key = f"long-{length}"
+    batch = Batch([SimRequest(key, prompt, cfg.one_long_output, 0.0)])
     try:
-        result = drive(engine, [sub], cfg, stop_on_preemption=True)
+        result = drive(engine, batch, cfg, stop_on_preemption=True)
     except Exception as exc:  # the engine itself failed on this request
         return Try(length, "error", 0, 0.0, f"{type(exc).__name__}: {exc}")
     outcome = result.outcome
     if outcome == "finished":
-        produced = len(result.token_ids(sub.key))
+        produced = len(batch.replies[key])
         if produced != cfg.one_long_output:
             outcome = "short_output"
     engine.reset_prefix_cache()
-    return Try(length, outcome, result.steps, round(result.wall_s, 2), result.detail)
+    return Try(length, outcome, result.steps, round(result.wall_s, 2))
 
 
 def longest_completing(

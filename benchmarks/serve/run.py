@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import (
+from benchmarks.harness import server_args, tiny_model
+from vllm_hybrid.tools.loopback import (
     POOL_USED,
     PREEMPTIONS,
     PREFIX_HITS,
@@ -22,9 +23,7 @@ from benchmarks.harness import (
     read_log,
     scrape,
     serve,
-    server_args,
     shutdown_report,
-    tiny_model,
 )
 
 from .config import UPSTREAM_CPU_DTYPES, BenchConfig, rate_key, warmup

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from benchmarks.harness import KV_CACHE_DTYPES, MIB, MODELS, MODES
+from benchmarks.harness import KV_CACHE_DTYPES, MIB, MODELS
+from vllm_hybrid.tools.loopback import MODES
 
 from .client import RESULTS
 from .config import SoakConfig

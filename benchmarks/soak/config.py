@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import MODES, TINY_MODELS
+from benchmarks.harness import TINY_MODELS
+from vllm_hybrid.tools.loopback import MODES
 
 
 @dataclass(frozen=True)

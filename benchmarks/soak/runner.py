@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from benchmarks.harness import (
-    MIB,
+from benchmarks.harness import MIB, server_args, tiny_model
+from vllm_hybrid.tools.inproc import first_difference
+from vllm_hybrid.tools.loopback import (
     PREEMPTIONS,
     ServerHandle,
     held_requests,
@@ -24,13 +25,10 @@ from benchmarks.harness import (
     request,
     scrape,
     serve,
-    server_args,
     shutdown_report,
     stop,
-    tiny_model,
     wait_idle,
 )
-from benchmarks.pooled.same_tokens import first_difference
 
 from .client import FAILURES, Target, run_phase, submit
 from .config import SoakConfig, middle_phase, phase_plan

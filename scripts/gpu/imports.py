@@ -63,7 +63,7 @@ MODULES = (
     "vllm.model_executor.layers.fused_moe.fused_moe",
     "vllm_hybrid.tools.shaped_models",
     "vllm_hybrid.cli",
-    "benchmarks.harness",
+    "vllm_hybrid.tools.loopback",
     "benchmarks.serve.run",
     "serve",
 )

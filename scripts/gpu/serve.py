@@ -42,13 +42,13 @@ from tier_env import ROOT, write_json
 
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (  # noqa: E402
+from vllm_hybrid.tools.loopback import (
     PREFIX_HITS,
     PREFIX_QUERIES,
     read_log,
     scrape,
     serve,
-)
+)  # noqa: E402
 from vllm_hybrid.tools.verify import MODES  # noqa: E402
 
 #: Start-up stages, each reached at the first log line holding its marker.

@@ -25,6 +25,7 @@ from benchmarks.pooled import (
     worker,
     workloads,
 )
+from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
 from vllm_hybrid.v1.core.pooled.usage import PoolUsage
@@ -95,7 +96,7 @@ def _qwen3_5_like_config(block_size: int = 256, padded: int | None = 524288):
 
 
 def test_geometry_uses_unpadded_sizes():
-    geometry = pools.kv_geometry(_qwen3_5_like_config())
+    geometry = kv_geometry(_qwen3_5_like_config())
     # 2 layers x 2 KV heads x (K 256 + V 256) x 2 bytes
     assert geometry.attn_bytes_per_token == 2 * 2 * 512 * 2 == 4096
     # per GDN layer: conv 3x1024 bf16 + ssm 4x128x128 fp32, not the 524288 pad
@@ -106,14 +107,14 @@ def test_geometry_uses_unpadded_sizes():
 
 
 def test_geometry_does_not_depend_on_block_size_or_padding():
-    a = pools.kv_geometry(_qwen3_5_like_config(256, 524288))
-    b = pools.kv_geometry(_qwen3_5_like_config(16, None))
+    a = kv_geometry(_qwen3_5_like_config(256, 524288))
+    b = kv_geometry(_qwen3_5_like_config(16, None))
     assert a.attn_bytes_per_token == b.attn_bytes_per_token
     assert a.state_bytes_per_request == b.state_bytes_per_request
 
 
 def test_bytes_needed_and_token_bound():
-    geometry = pools.kv_geometry(_qwen3_5_like_config())
+    geometry = kv_geometry(_qwen3_5_like_config())
     assert geometry.bytes_needed([]) == 0
     assert geometry.bytes_needed([100, 300]) == 400 * 4096 + 2 * 1_609_728
     # (5 MiB - one state) / bytes per token, rounded down
@@ -194,7 +195,7 @@ def test_sample_kv_reserves_the_used_blocks_of_every_pool():
     arena.state_pool.get_new_blocks(1)
     scheduler = _pooled_scheduler(arena)
     scheduler.running = [SimpleNamespace(num_computed_tokens=5)]
-    geometry = pools.KVGeometry(0.5, 7, 1, 1)
+    geometry = KVGeometry(0.5, 7, 1, 1)
     sample = pools.sample_kv(scheduler, geometry, step=3)
     assert sample == pools.KVSample(3, 1, 3 * 4 + 10, 5 * 0.5 + 7)
 

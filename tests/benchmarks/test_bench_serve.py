@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
-from benchmarks.harness import REPO_ROOT, Metrics, server_args
+from benchmarks.harness import REPO_ROOT, server_args
 from benchmarks.serve import cli, config, report, run
+from vllm_hybrid.tools.loopback import Metrics
 
 
 def _vllm_args(argv):

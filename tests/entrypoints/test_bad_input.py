@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from benchmarks.harness import serve
+from vllm_hybrid.tools.loopback import serve
 
 pytestmark = pytest.mark.slow
 

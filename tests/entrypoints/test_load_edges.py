@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from benchmarks.harness import (
+from vllm_hybrid.tools.loopback import (
     LOOPBACK,
     free_port,
     held_requests,

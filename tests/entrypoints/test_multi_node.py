@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import free_port, serve
+from vllm_hybrid.tools.loopback import free_port, serve
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from benchmarks.harness import serve
+from vllm_hybrid.tools.loopback import serve
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

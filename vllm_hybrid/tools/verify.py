@@ -33,14 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_hybrid.tools.inproc import engine_core, top2_gaps
+from vllm_hybrid.tools.inproc import (
+    NEAR_TIE,
+    engine_core,
+    first_difference,
+    top2_gaps,
+)
 
 if TYPE_CHECKING:
     from vllm import LLM
 
-#: Top-2 log-probability gap below which two engines may pick different
-#: greedy tokens without either being wrong (bf16 rounding of a near-tie).
-NEAR_TIE = 2**-5
 RESULT_PREFIX = "VERIFY_RESULT "
 #: Mode -> (value of VLLM_HYBRID_KV, extra engine arguments).
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -179,11 +181,7 @@ def token_differences(reference: dict, tokens: list[list[int]]) -> list[str]:
     """Differences that do not start at one of the reference's near-ties."""
     found = []
     for i, (ref, ids) in enumerate(zip(reference["tokens"], tokens, strict=True)):
-        at = next(
-            (k for k, (a, b) in enumerate(zip(ref, ids, strict=False)) if a != b), None
-        )
-        if at is None and len(ref) != len(ids):
-            at = min(len(ref), len(ids))
+        at = first_difference(ref, ids)
         if at is None:
             continue
         gaps = reference["gaps"][i]

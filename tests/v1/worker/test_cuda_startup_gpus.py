@@ -37,9 +37,11 @@ from vllm.config.compilation import CUDAGraphMode
 
 from vllm_hybrid.tools.plan import PRESETS, PlanRequest, kv_budget_from_gpu
 from vllm_hybrid.tools.plan import main as plan_main
-from vllm_hybrid.tools.plan.compute import with_serve_defaults
 from vllm_hybrid.tools.plan.config import overlay_off
-from vllm_hybrid.tools.plan.cuda_defaults import set_cuda_graph_sizes
+from vllm_hybrid.tools.plan.cuda_defaults import (
+    set_cuda_graph_sizes,
+    with_serve_defaults,
+)
 from vllm_hybrid.tools.plan.request import VLLM_GPU_MEMORY_UTILIZATION
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.worker import cudagraph_capacity

@@ -16,7 +16,9 @@ sizes. No model is instantiated, so no GPU, no weights, seconds.
 
 Modules: :mod:`.request` (inputs), :mod:`.precheck` (what ``config.json``
 settles before vLLM is imported), :mod:`.config` (vLLM config, stand-in
-platform, layer specs), :mod:`.compute` (the two plans), :mod:`.messages`
+platform, layer specs), :mod:`.geometry` (the config a plan request gives,
+shared with the simulator; KV bytes per token and per request),
+:mod:`.compute` (the two plans), :mod:`.messages`
 (errors in the planner's option names), :mod:`.render` (table, PNG),
 :mod:`.cli` (options, :func:`main`), :mod:`.presets`.
 """

@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.config import (
-    as_cuda_config,
     attention_backend,
     current_platform_as,
-    engine_config,
     layer_kinds,
     layer_specs,
     overlay_off,
@@ -29,7 +27,7 @@ from vllm_hybrid.tools.plan.config import (
     resolve_layout,
     upstream_align,
 )
-from vllm_hybrid.tools.plan.cuda_defaults import serve_defaults, set_cuda_graph_sizes
+from vllm_hybrid.tools.plan.geometry import planned_config
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.precheck import check_before_vllm
 from vllm_hybrid.tools.plan.request import PlanError, PlanRequest, model_dir
@@ -329,20 +327,6 @@ def _graph_figures(
     }
 
 
-def with_serve_defaults(request: PlanRequest) -> PlanRequest:
-    """``request`` with the batch limits ``vllm serve`` picks on its GPU
-    where the user left them open (the CPU engine's defaults are not a CUDA
-    host's)."""
-    defaults = serve_defaults(request.gpu_memory_gib)
-    return dataclasses.replace(
-        request,
-        max_num_seqs=request.max_num_seqs or defaults.max_num_seqs,
-        max_num_batched_tokens=(
-            request.max_num_batched_tokens or defaults.max_num_batched_tokens
-        ),
-    )
-
-
 def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
     same = dataclasses.replace(upstream_plan, mode="pooled")
     same.note = f"pooled mode does not apply ({reason}): upstream plan"
@@ -357,16 +341,10 @@ def build_plan(request: PlanRequest) -> Plan:
     if request.device not in ("cuda", "cpu"):
         raise PlanError(f"--device must be cuda or cpu, got {request.device!r}")
     with model_dir(request.model) as (directory, preset):
-        facts = check_before_vllm(request, directory)
-        if request.device == "cuda":
-            request = with_serve_defaults(request)
-        config, notes = engine_config(request, directory)
+        check_before_vllm(request, directory)
+        request, config, notes, checkpoint = planned_config(request, directory)
         # the checkpoint's own architecture, even where a stand-in computes
-        checkpoint = facts.architecture
         architecture = checkpoint or config.model_config.architecture
-        if request.device == "cuda":
-            config = as_cuda_config(config, request, checkpoint)
-            set_cuda_graph_sizes(config, request.gpu_memory_gib)
         kinds = layer_kinds(config)
         max_len = config.model_config.max_model_len
         lens = sorted({*request.prompt_lens, max_len})

@@ -15,10 +15,12 @@ sizes against its states (:mod:`vllm_hybrid.v1.worker.cudagraph_capacity`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.config import current_platform_as, platform_class
+from vllm_hybrid.tools.plan.request import PlanRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,3 +92,17 @@ def set_cuda_graph_sizes(vllm_config: VllmConfig, gpu_memory_gib: float | None) 
     platform = cuda_platform(object, None, gpu_memory_gib)
     with current_platform_as(platform()):
         vllm_config._set_cudagraph_sizes()
+
+
+def with_serve_defaults(request: PlanRequest) -> PlanRequest:
+    """``request`` with the batch limits ``vllm serve`` picks on its GPU
+    where the user left them open (the CPU engine's defaults are not a CUDA
+    host's)."""
+    defaults = serve_defaults(request.gpu_memory_gib)
+    return dataclasses.replace(
+        request,
+        max_num_seqs=request.max_num_seqs or defaults.max_num_seqs,
+        max_num_batched_tokens=(
+            request.max_num_batched_tokens or defaults.max_num_batched_tokens
+        ),
+    )

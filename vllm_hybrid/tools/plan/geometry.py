@@ -8,21 +8,28 @@ process has installed, and the engine options a simulation varies (prefix
 match unit, retention interval, checkpoint interval, scheduler limits,
 ``hybrid_kv`` options) are set on the config before the engine sees it.
 
-Everything else is the planner's: :func:`engine_config` builds the config
-from ``config.json`` on this host, :func:`as_cuda_config` turns it into a
-CUDA host's, :func:`platform_class` stands in for the device's platform with
-the attention backend fixed, :func:`layer_specs` gives every layer's spec.
+Everything else is the planner's: :func:`planned_config` is the one path
+from a plan request to the config both the planner and a simulated engine
+start from (:func:`engine_config` on this host, then on CUDA ``vllm
+serve``'s batch limits, :func:`as_cuda_config` and the CUDA graph sizes);
+:func:`platform_class` stands in for the device's platform with the
+attention backend fixed, :func:`layer_specs` gives every layer's spec.
+
+:func:`kv_geometry` reads what a request truly needs from an engine's
+``KVCacheConfig`` (attention bytes per token, state bytes per request, both
+unpadded), once for the simulator's cost model and ``bench_pooled``'s
+needed-over-reserved figures.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_hybrid.tools.plan.compute import with_serve_defaults
 from vllm_hybrid.tools.plan.config import (
     as_cuda_config,
     attention_backend,
@@ -31,7 +38,10 @@ from vllm_hybrid.tools.plan.config import (
     layer_specs,
     platform_class,
 )
-from vllm_hybrid.tools.plan.cuda_defaults import set_cuda_graph_sizes
+from vllm_hybrid.tools.plan.cuda_defaults import (
+    set_cuda_graph_sizes,
+    with_serve_defaults,
+)
 from vllm_hybrid.tools.plan.request import (
     PlanError,
     PlanRequest,
@@ -40,6 +50,7 @@ from vllm_hybrid.tools.plan.request import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 #: Engine options a simulated engine may set, by the vLLM config that holds
 #: them. Anything else is refused, so a typo is not silently ignored.
@@ -192,6 +203,24 @@ def apply_options(vllm_config: VllmConfig, options: EngineOptions) -> None:
         vllm_config.additional_config = additional
 
 
+def planned_config(
+    request: PlanRequest, directory: Path
+) -> tuple[PlanRequest, VllmConfig, list[str], str | None]:
+    """The config the planner plans and a simulated engine starts from, built
+    once for both: vLLM's config on this host and, for a CUDA plan,
+    ``vllm serve``'s batch limits for the GPU size (filled into the request
+    returned), the CUDA host's config and its CUDA graph capture sizes. Also
+    the planner's notes and the checkpoint's own architecture."""
+    if request.device == "cuda":
+        request = with_serve_defaults(request)
+    config, notes = engine_config(request, directory)
+    architecture = checkpoint_architecture(directory)
+    if request.device == "cuda":
+        config = as_cuda_config(config, request, architecture)
+        set_cuda_graph_sizes(config, request.gpu_memory_gib)
+    return request, config, notes, architecture
+
+
 def engine_geometry(
     request: PlanRequest, directory: Path, options: EngineOptions, *, pooled: bool
 ) -> EngineGeometry:
@@ -205,13 +234,7 @@ def engine_geometry(
     """
     from vllm_hybrid.config.hybrid_kv import options_error
 
-    if request.device == "cuda":
-        request = with_serve_defaults(request)
-    config, notes = engine_config(request, directory)
-    architecture = checkpoint_architecture(directory)
-    if request.device == "cuda":
-        config = as_cuda_config(config, request, architecture)
-        set_cuda_graph_sizes(config, request.gpu_memory_gib)
+    request, config, notes, architecture = planned_config(request, directory)
     problem = options_error({"hybrid_kv": dict(options.hybrid_kv)})
     if problem is not None:
         raise PlanError(problem)
@@ -224,4 +247,63 @@ def engine_geometry(
         platform=platform,
         notes=notes,
         architecture=str(architecture or config.model_config.architecture),
+    )
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one request really needs, from the model's layer specs, unpadded:
+    the benchmark's ``needed/reserved`` shows padding, rounding and
+    fragmentation against it, and the simulator prices a state copy with it."""
+
+    #: Bytes one token occupies summed over all attention layers.
+    attn_bytes_per_token: float
+    #: Bytes of one request's recurrent state summed over all state layers.
+    state_bytes_per_request: int
+    num_attention_layers: int
+    num_state_layers: int
+    #: Layers of other spec types; they are not counted in "needed".
+    other_layers: tuple[str, ...] = ()
+
+    def bytes_needed(self, num_computed_tokens: Iterable[int]) -> float:
+        """Bytes the running requests with these token counts truly need."""
+        counts = list(num_computed_tokens)
+        return sum(counts) * self.attn_bytes_per_token + len(counts) * (
+            self.state_bytes_per_request
+        )
+
+    def token_bound(self, budget_bytes: int) -> int:
+        """Longest sequence one request could have if bytes were exact."""
+        if self.attn_bytes_per_token <= 0:
+            return 0
+        free = budget_bytes - self.state_bytes_per_request
+        return max(0, math.floor(free / self.attn_bytes_per_token))
+
+
+def _layer_specs(kv_cache_config: KVCacheConfig) -> Iterator[tuple[str, Any]]:
+    """(layer name, spec) of every layer of a ``KVCacheConfig``."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            yield from spec.kv_cache_specs.items()
+        else:
+            yield from ((name, spec) for name in group.layer_names)
+
+
+def kv_geometry(kv_cache_config: KVCacheConfig) -> KVGeometry:
+    """Per-token and per-request bytes of a ``KVCacheConfig``'s layers,
+    unpadded (``real_page_size_bytes``)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    layers = list(_layer_specs(kv_cache_config))
+    attention = [spec for _, spec in layers if isinstance(spec, AttentionSpec)]
+    state = [spec for _, spec in layers if isinstance(spec, MambaSpec)]
+    return KVGeometry(
+        sum((spec.real_page_size_bytes / spec.block_size for spec in attention), 0.0),
+        sum(spec.real_page_size_bytes for spec in state),
+        len(attention),
+        len(state),
+        tuple(n for n, s in layers if not isinstance(s, (AttentionSpec, MambaSpec))),
     )

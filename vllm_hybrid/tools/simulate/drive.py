@@ -7,11 +7,17 @@ cost of the steps the executor ran, and reads what happened from the
 engine's outputs (first token, prefix hits, finished requests) and its
 scheduler (running requests). Nothing here decides anything the engine
 decides.
+
+``benchmarks/bench_pooled.py`` drives its real CPU engines with this loop
+too: it asks for log-probabilities on some requests, ends a drive from a
+per-step hook (all of its requests finished, a preemption, a time limit) and
+uses its own stall rule; requests still in flight when a run ends early are
+aborted, so the engine can take the next batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +67,12 @@ class DriveResult:
     engine_steps: int = 0
     makespan_s: float = 0.0
     rejected: list[str] = field(default_factory=list)
+    #: finished | stalled, or what the per-step hook ended the run with
     outcome: str = "finished"
     timeline: list[TimelinePoint] = field(default_factory=list)
+    #: per request that asked for them, per output token: token id ->
+    #: log-probability (the sampled token and the top ones)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def _add(core: Any, request: SimRequest) -> None:
@@ -70,7 +80,10 @@ def _add(core: Any, request: SimRequest) -> None:
     from vllm.v1.engine import EngineCoreRequest
 
     params = SamplingParams(
-        max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True
+        max_tokens=request.max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=request.logprobs,
     )
     engine_request = EngineCoreRequest(
         request_id=request.request_id,
@@ -91,7 +104,10 @@ class Driver:
     """One run of one workload on one engine core (module docstring).
 
     ``take_records`` returns the executor's step records since the last
-    call; ``step_seconds`` prices one of them on the modeled clock.
+    call; ``step_seconds`` prices one of them on the modeled clock. A run is
+    stalled after ``stall_steps`` steps in a row that ran nothing; ``on_step``
+    sees the result after every step and ends the run with the outcome it
+    returns (None: go on).
     """
 
     def __init__(
@@ -102,6 +118,8 @@ class Driver:
         step_seconds: Callable[[StepRecord], float],
         sample_every_s: float = 0.0,
         progress: Any = None,
+        stall_steps: int = STALL_STEPS,
+        on_step: Callable[[DriveResult], str | None] | None = None,
     ) -> None:
         self.core = core
         self.workload = workload
@@ -109,6 +127,8 @@ class Driver:
         self.step_seconds = step_seconds
         self.sample_every_s = sample_every_s
         self.progress = progress
+        self.stall_steps = stall_steps
+        self.on_step = on_step
         self.now = 0.0
         self.result = DriveResult(StepRecord(), {})
         self.replies: dict[str, list[int]] = {}
@@ -142,6 +162,10 @@ class Driver:
             self._count_running(seconds)
             if outputs:
                 self._read(outputs)
+            stop = None if self.on_step is None else self.on_step(result)
+            if stop is not None:
+                result.outcome = stop
+                break
             if seconds > 0 or outputs:
                 idle = 0
                 continue
@@ -151,9 +175,12 @@ class Driver:
                 self.now = max(self.now, upcoming)
                 continue
             idle += 1
-            if idle >= STALL_STEPS:
+            if idle >= self.stall_steps:
                 result.outcome = "stalled"
                 break
+        if result.outcome != "finished":
+            unfinished = (r for r, t in result.timings.items() if t.finished is None)
+            _abort(core, unfinished)
         result.makespan_s = self.now
         return result
 
@@ -195,6 +222,9 @@ class Driver:
                     timing.cached_tokens = out.prefill_stats.num_cached_tokens
                     self._hit += timing.cached_tokens
                     self._prompt += timing.prompt_tokens
+                if out.new_logprobs is not None:
+                    rows = self.result.logprobs.setdefault(out.request_id, [])
+                    rows.extend(_positions(out.new_logprobs))
                 if out.new_token_ids:
                     if timing.first_token is None:
                         timing.first_token = self.now
@@ -212,3 +242,21 @@ class Driver:
                     self.workload.finished(out.request_id, reply, self.now)
                     if self.progress is not None:
                         self.progress.update(1)
+
+
+def _positions(logprobs: Any) -> list[dict[int, float]]:
+    """Token id -> log-probability per output position of an output's
+    ``LogprobsLists`` (the sampled token first, then the top ones; greedy
+    sampling names the best token twice)."""
+    return [
+        dict(zip(ids.tolist(), values.tolist(), strict=True))
+        for ids, values in zip(
+            logprobs.logprob_token_ids, logprobs.logprobs, strict=True
+        )
+    ]
+
+
+def _abort(core: Any, request_ids: Iterable[str]) -> None:
+    ids = list(request_ids)
+    if ids:
+        core.abort_requests(ids)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_hybrid.tools.plan.geometry import EngineOptions
+from vllm_hybrid.tools.plan.geometry import EngineOptions, kv_geometry
 from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
 from vllm_hybrid.tools.simulate.clock import (
     GPU_PROFILES,
@@ -47,7 +47,7 @@ from vllm_hybrid.tools.simulate.sources import (
     TraceWorkload,
     Workload,
 )
-from vllm_hybrid.tools.simulate.steps import StepRecord, state_bytes_per_request
+from vllm_hybrid.tools.simulate.steps import StepRecord
 from vllm_hybrid.tools.simulate.trace import MOONCAKE_TRACE, read_trace
 from vllm_hybrid.tools.workloads import allowed_token_ids
 
@@ -162,7 +162,7 @@ def cost_model(engine: SimEngine, spec: SimulationSpec) -> CostModel:
     costs = ModelCosts.from_config(
         engine.vllm_config,
         kv_bytes_per_token=kv_per_token,
-        state_bytes=state_bytes_per_request(kv_config),
+        state_bytes=kv_geometry(kv_config).state_bytes_per_request,
         weights_bytes=spec.weights_bytes,
         attention_layers=kinds.attention,
         state_layers=kinds.state,

@@ -31,6 +31,9 @@ class SimRequest:
     prompt: list[int]
     max_tokens: int
     arrival_s: float
+    #: top log-probabilities to return per output token (None: none); a
+    #: benchmark comparing greedy tokens reads how close the best two were
+    logprobs: int | None = None
 
 
 class Workload:

@@ -189,19 +189,6 @@ def state_geometry(
     return None, None
 
 
-def state_bytes_per_request(kv_cache_config: Any) -> int:
-    """Bytes of one request's recurrent state on one GPU: every state
-    layer's page without padding (what a state copy moves)."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
-            total += spec.real_page_size_bytes * len(group.layer_names)
-    return total
-
-
 def summed(records: Iterable[StepRecord]) -> StepRecord:
     total = StepRecord()
     for record in records:
