@@ -40,9 +40,10 @@ SUBCLASSES: list[SubclassEntry] = [
         ),
         how=(
             "Upstream's managers and KVCacheManager call these methods on the "
-            "pool they hold; the overrides call upstream's and add boundary "
-            "moves, owned-capacity usage, coupled eviction and events of both "
-            "pools. Built by the pooled coordinators only."
+            "pool's handle they hold; the overrides call upstream's and add "
+            "owned-capacity usage, the record of prefix-cache events the "
+            "coupling handles (pooled.coupling) and KV events of both pools. "
+            "Built by the pooled coordinators only."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
@@ -213,7 +214,9 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
         where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
         why=(
             "Upstream's coordinator hands every manager its one pool; pooled "
-            "mode points each manager at the arena pool of its page kind. For "
+            "mode points each manager at the handle of the arena pool of its "
+            "page kind (pooled.coupling.PoolHandle: the pool, then the "
+            "coupling's handling of the prefix-cache events it recorded). For "
             "one allocation that advances a state in place, the state "
             "manager's block_pool is an InPlaceView of its pool, which hands "
             "back the reserved running block, and is restored after it."
@@ -225,7 +228,8 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
         where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
         why=(
             "KVCacheManager reads usage, free blocks and events from "
-            "coordinator.block_pool; pooled mode makes it the token pool."
+            "coordinator.block_pool; pooled mode makes it the token pool's "
+            "handle."
         ),
     ),
     InstanceRewrite(
