@@ -72,7 +72,8 @@ SUBCLASSES: list[SubclassEntry] = [
             "reachable boundary to align-mode state managers and evicts the "
             "request's previous decode checkpoint; remove_skipped_blocks and "
             "free put a freed decode checkpoint first in its pool's eviction "
-            "order; free/pop_blocks_for_free drop the request's record."
+            "order; free/pop_blocks_for_free drop the request's record and "
+            "any reservation no allocation came for."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
@@ -108,7 +109,12 @@ SUBCLASSES: list[SubclassEntry] = [
         subclass=(
             "vllm_hybrid.v1.core.pooled.coordinator:PooledNoPrefixCacheCoordinator"
         ),
-        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
+        overrides=(
+            "get_num_blocks_to_allocate",
+            "allocate_new_blocks",
+            "free",
+            "pop_blocks_for_free",
+        ),
         why="As PooledHybridKVCacheCoordinator, with prefix caching off.",
         how="The same mixin as PooledHybridKVCacheCoordinator.",
         upstream_status="none",
