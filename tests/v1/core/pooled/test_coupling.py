@@ -277,8 +277,9 @@ def test_a_pool_records_its_events_and_the_coupling_acts_when_it_settles():
 
 def test_eviction_by_ids_counts_what_each_one_made_dead():
     """The handle evicts one id at a time: the second id's block, which the
-    first eviction made dead, counts as a coupled eviction, as it did when
-    the pool reported each event the moment it happened."""
+    first eviction made dead, counts as a coupled eviction, as it does when
+    each event is handled the moment it happens (settling once after both
+    evictions would count 2 token blocks, not 3)."""
     arena, hashes, req = computed(4, [3])
     tok = arena.token_pool
     tok.evict_blocks({req.attn[0].block_id, req.attn[1].block_id})

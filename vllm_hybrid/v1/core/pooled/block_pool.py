@@ -245,10 +245,37 @@ class ArenaBlockPool(BlockPool):
         return [block]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation. A pool never moves the boundary: admission
-        secured the room before the allocation, and a pool short of it raises
-        upstream's ValueError."""
-        return super().get_new_blocks(num_blocks)
+        """Upstream's allocation, in its two steps: :meth:`take_free`, then
+        :meth:`claim` of each block. The pool's handle drives the steps itself
+        so that the coupling handles what one block's eviction made dead
+        before the next block leaves the cache, as if it heard each event
+        where it happened. A pool never moves the
+        boundary: admission secured the room before the allocation, and a
+        pool short of it raises upstream's ValueError."""
+        blocks = self.take_free(num_blocks)
+        for block in blocks:
+            self.claim(block)
+        return blocks
+
+    def take_free(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The first ``num_blocks`` of the free queue, out of it, all taken
+        before any leaves the prefix cache (upstream's order)."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        return blocks
+
+    def claim(self, block: KVCacheBlock) -> None:
+        """Hand out a block :meth:`take_free` took: out of the prefix cache,
+        with its first reference."""
+        if self.enable_caching:
+            self._maybe_evict_cached_block(block)
+        assert block.ref_cnt == 0
+        block.ref_cnt += 1
+        if self.metrics_collector:
+            self.metrics_collector.on_block_allocated(block)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
@@ -332,16 +359,35 @@ class ArenaBlockPool(BlockPool):
         Ids leaving must be free; their cached entries are evicted (with the
         usual ``BlockRemoved`` events). Ids arriving come from the other pool
         and must be clean from this pool's view; they join as clean blocks.
+        Three steps (:meth:`leaving`, :meth:`release` of each, :meth:`take_over`),
+        which the boundary drives itself when the caches are coupled, so the
+        coupling handles what one leaving block's eviction made dead before
+        the next one's.
         """
-        old = self._owned_ids
-        leaving = [self.blocks[i] for i in old if i not in owned_ids]
-        arriving = [self.blocks[i] for i in owned_ids if i not in old]
+        for block in self.leaving(owned_ids):
+            self.release(block)
+        self.take_over(owned_ids)
+
+    def leaving(self, owned_ids: range) -> list[KVCacheBlock]:
+        """The blocks a move to ``owned_ids`` takes from this pool; whoever
+        reads one until its reuse is told now."""
+        leaving = [self.blocks[i] for i in self._owned_ids if i not in owned_ids]
         if self._reuse_watchers:
             self._notify_reuse(leaving)
-        for block in leaving:
-            assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-            self._maybe_evict_cached_block(block)
-            self.free_block_queue.remove(block)
+        return leaving
+
+    def release(self, block: KVCacheBlock) -> None:
+        """A leaving block (:meth:`leaving`) out of the prefix cache and the
+        free queue."""
+        assert block.ref_cnt == 0, f"block {block.block_id} is in use"
+        self._maybe_evict_cached_block(block)
+        self.free_block_queue.remove(block)
+
+    def take_over(self, owned_ids: range) -> None:
+        """Own ``owned_ids``, the leaving blocks released: the arriving ones
+        join the free queue as clean blocks."""
+        old = self._owned_ids
+        arriving = [self.blocks[i] for i in owned_ids if i not in old]
         for block in arriving:
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids

@@ -279,11 +279,17 @@ class ArenaBoundary:
         )
 
     def _resize(self, pool: ArenaBlockPool, owned_ids: range) -> None:
-        """Resize one pool; the coupling handles what its evictions made
-        dead before the other pool resizes."""
-        pool.resize(owned_ids)
-        if self.coupling is not None:
-            self.coupling.settle()
+        """Resize one pool step by step (:meth:`ArenaBlockPool.resize`): the
+        coupling handles what each leaving block's eviction made dead before
+        the next block leaves."""
+        coupling = self.coupling
+        if coupling is None:
+            pool.resize(owned_ids)
+            return
+        for block in pool.leaving(owned_ids):
+            pool.release(block)
+            coupling.settle()
+        pool.take_over(owned_ids)
 
 
 def _all_free(pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]) -> bool:

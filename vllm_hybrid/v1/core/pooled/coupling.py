@@ -24,16 +24,18 @@ When the events are handled
     calls nothing above it. Everyone above the pool layer holds a pool through
     a :class:`PoolHandle`, which has the coupling handle what an operation
     recorded as soon as the operation returns, before its caller (or anyone
-    else) sees the pools again; the boundary does the same after each of its
-    resizes. Within one operation the pool's own work comes first and the
-    coupling's after; that ends in the same queues, caches and links as
-    handling each event where it happened, because what the coupling does
-    there is evict free dead blocks, and evicted blocks join the clean
-    segment, which hands blocks out by id, not by when they joined. One
-    count is lower: a block the operation itself evicts (handed out, given
-    to the other pool, or named to ``evict_blocks``) is no longer counted in
-    :attr:`PrefixCacheCoupling.evictions` when the links also made it dead;
-    ``evict_blocks`` evicts one id at a time, so it keeps the count.
+    else) sees the pools again. Operations that evict several blocks are
+    driven a block at a time (the handle's ``get_new_blocks`` and
+    ``evict_blocks``, the boundary's resizes), so the coupling handles the
+    events of one block's eviction before the next block is evicted: the
+    same blocks are evicted, and counted in
+    :attr:`PrefixCacheCoupling.evictions`, as when each event is handled the
+    moment it happens. Within one block's eviction the pool finishes (files
+    the block as clean) before the coupling evicts others; evicted blocks all
+    join the clean segment, which hands blocks out by id, not by when they
+    joined, so the queues end the same. Caching (``cache_full_blocks``)
+    changes only the request's own blocks, which are in use, and the
+    coupling evicts only free ones, so its events wait until it returns.
 """
 
 from __future__ import annotations
@@ -239,8 +241,14 @@ class PoolHandle:
     # -- operations that record events ------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        blocks = self.pool.get_new_blocks(num_blocks)
-        self._settle()
+        """The pool's allocation, step by step: every block is taken off the
+        free queue first, then each leaves the prefix cache and the coupling
+        handles what that made dead before the next one does."""
+        pool = self.pool
+        blocks = pool.take_free(num_blocks)
+        for block in blocks:
+            pool.claim(block)
+            self._settle()
         return blocks
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -280,8 +288,12 @@ class PoolHandle:
         return blocks
 
     def resize(self, owned_ids: range) -> None:
-        self.pool.resize(owned_ids)
-        self._settle()
+        """The pool's resize step by step, as the boundary drives it."""
+        pool = self.pool
+        for block in pool.leaving(owned_ids):
+            pool.release(block)
+            self._settle()
+        pool.take_over(owned_ids)
 
     def reset_prefix_cache(self) -> bool:
         reset = self.pool.reset_prefix_cache()
