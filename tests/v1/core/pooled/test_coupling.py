@@ -297,6 +297,11 @@ def test_the_handle_reads_and_sets_the_pools_own_attributes():
     handle._insert_block_hash = original  # what the simulator's probe does
     assert pool.__dict__["_insert_block_hash"] == original
     assert handle.coupling is arena.coupling and "coupling" not in pool.__dict__
+    # a copied attribute set through the handle is renewed on both
+    hits: list[object] = []
+    handle.touch = hits.append
+    handle.touch("block")
+    assert pool.touch is handle.touch and hits == ["block"]
 
 
 @pytest.mark.parametrize(

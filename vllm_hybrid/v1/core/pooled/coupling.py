@@ -200,6 +200,11 @@ class PrefixCacheCoupling:
 
 #: Attributes of a :class:`PoolHandle` itself; every other one is the pool's.
 _HANDLE_FIELDS = frozenset({"pool", "coupling"})
+#: The pool's attributes a handle keeps a copy of: read on every prefix
+#: lookup or admission, where the lookup through ``__getattr__`` would
+#: triple the cost of a call; none of them changes over the pool's life
+#: unless set through the handle, which renews the copy.
+_COPIED = ("get_cached_block", "touch", "get_num_free_blocks", "null_block")
 
 
 class PoolHandle:
@@ -221,6 +226,8 @@ class PoolHandle:
     def __init__(self, pool: ArenaBlockPool) -> None:
         object.__setattr__(self, "pool", pool)
         object.__setattr__(self, "coupling", None)
+        for name in _COPIED:
+            object.__setattr__(self, name, getattr(pool, name))
 
     def __getattr__(self, name: str) -> Any:
         if name in _HANDLE_FIELDS:  # not set yet (a copy being built)
@@ -231,8 +238,10 @@ class PoolHandle:
         # a probe wrapping one of the pool's methods must reach the pool
         if name in _HANDLE_FIELDS:
             object.__setattr__(self, name, value)
-        else:
-            setattr(self.pool, name, value)
+            return
+        setattr(self.pool, name, value)
+        if name in _COPIED:
+            object.__setattr__(self, name, value)
 
     def _settle(self) -> None:
         if self.coupling is not None:
