@@ -40,9 +40,10 @@ SUBCLASSES: list[SubclassEntry] = [
         ),
         how=(
             "Upstream's managers and KVCacheManager call these methods on the "
-            "pool they hold; the overrides call upstream's and add boundary "
-            "moves, owned-capacity usage, coupled eviction and events of both "
-            "pools. Built by the pooled coordinators only."
+            "pool's handle they hold; the overrides call upstream's and add "
+            "owned-capacity usage, the record of prefix-cache events the "
+            "coupling handles (pooled.coupling) and KV events of both pools. "
+            "Built by the pooled coordinators only."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
@@ -71,7 +72,8 @@ SUBCLASSES: list[SubclassEntry] = [
             "reachable boundary to align-mode state managers and evicts the "
             "request's previous decode checkpoint; remove_skipped_blocks and "
             "free put a freed decode checkpoint first in its pool's eviction "
-            "order; free/pop_blocks_for_free drop the request's record."
+            "order; free/pop_blocks_for_free drop the request's record and "
+            "any reservation no allocation came for."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
@@ -107,7 +109,12 @@ SUBCLASSES: list[SubclassEntry] = [
         subclass=(
             "vllm_hybrid.v1.core.pooled.coordinator:PooledNoPrefixCacheCoordinator"
         ),
-        overrides=("get_num_blocks_to_allocate", "allocate_new_blocks"),
+        overrides=(
+            "get_num_blocks_to_allocate",
+            "allocate_new_blocks",
+            "free",
+            "pop_blocks_for_free",
+        ),
         why="As PooledHybridKVCacheCoordinator, with prefix caching off.",
         how="The same mixin as PooledHybridKVCacheCoordinator.",
         upstream_status="none",
@@ -213,7 +220,9 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
         where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
         why=(
             "Upstream's coordinator hands every manager its one pool; pooled "
-            "mode points each manager at the arena pool of its page kind. For "
+            "mode points each manager at the handle of the arena pool of its "
+            "page kind (pooled.coupling.PoolHandle: the pool, then the "
+            "coupling's handling of the prefix-cache events it recorded). For "
             "one allocation that advances a state in place, the state "
             "manager's block_pool is an InPlaceView of its pool, which hands "
             "back the reserved running block, and is restored after it."
@@ -225,7 +234,8 @@ INSTANCE_REWRITES: list[InstanceRewrite] = [
         where="vllm_hybrid.v1.core.pooled.coordinator (PooledCoordinatorMixin)",
         why=(
             "KVCacheManager reads usage, free blocks and events from "
-            "coordinator.block_pool; pooled mode makes it the token pool."
+            "coordinator.block_pool; pooled mode makes it the token pool's "
+            "handle."
         ),
     ),
     InstanceRewrite(

@@ -617,7 +617,7 @@ class ArenaMachine(RuleBasedStateMachine):
             (r, b)
             for r, bs in self.requests.items()
             for b in bs
-            if b.pool is self.arena.state_pool and b.ref_cnt == 1
+            if b.pool is self.arena.state_pool.pool and b.ref_cnt == 1
         ]
 
     # -- rules --------------------------------------------------------------

@@ -244,6 +244,66 @@ def test_reset_clears_links():
     arena.check_invariants()
 
 
+def test_a_pool_records_its_events_and_the_coupling_acts_when_it_settles():
+    """Called around their handles, the pools only record what happened;
+    the coupling evicts the dead tail when it handles the record."""
+    arena = make_arena()
+    hashes = chain("r", 4)
+    req = Req(arena, hashes)
+    tok, sta = arena.token_pool.pool, arena.state_pool.pool
+    req.attn = tok.get_new_blocks(4)
+    tok.cache_full_blocks(req.request, req.attn, 0, 4, HBS, 0)
+    req.state = [sta.null_block] * 4
+    req.state[1] = sta.get_new_blocks(1)[0]
+    sta.cache_full_blocks(req.request, req.state, 0, 4, HBS, 1)
+    tok.free_blocks(reversed(req.attn))
+    coupling = arena.coupling
+    # 4 token keys and 1 checkpoint key cached, 4 token blocks freed
+    assert [type(e).__name__ for e in coupling.pending] == [
+        *["KeyCached"] * 5,
+        "BlocksFreed",
+    ]
+    assert coupling.links.needs == {}
+    assert cached(tok, [tkey(h) for h in hashes]) == [True] * 4
+    with pytest.raises(AssertionError, match="unhandled prefix-cache events"):
+        arena.check_invariants()
+    coupling.settle()
+    assert coupling.pending == []
+    assert len(coupling.links.needs[skey(hashes[1])]) == 2
+    assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
+    assert coupling.evictions == {"token": 2, "state": 0}
+    arena.check_invariants()
+
+
+def test_eviction_by_ids_counts_what_each_one_made_dead():
+    """The handle evicts one id at a time: the second id's block, which the
+    first eviction made dead, counts as a coupled eviction, as it does when
+    each event is handled the moment it happens (settling once after both
+    evictions would count 2 token blocks, not 3)."""
+    arena, hashes, req = computed(4, [3])
+    tok = arena.token_pool
+    tok.evict_blocks({req.attn[0].block_id, req.attn[1].block_id})
+    assert cached(tok, [tkey(h) for h in hashes]) == [False] * 4
+    assert cached(arena.state_pool, [skey(hashes[3])]) == [False]
+    assert arena.coupling.evictions == {"token": 3, "state": 1}
+    arena.check_invariants()
+
+
+def test_the_handle_reads_and_sets_the_pools_own_attributes():
+    arena = make_arena()
+    handle, pool = arena.token_pool, arena.token_pool.pool
+    assert handle.blocks is pool.blocks and handle.side is PoolKind.TOKEN
+    original = pool._insert_block_hash
+    handle._insert_block_hash = original  # what the simulator's probe does
+    assert pool.__dict__["_insert_block_hash"] == original
+    assert handle.coupling is arena.coupling and "coupling" not in pool.__dict__
+    # a copied attribute set through the handle is renewed on both
+    hits: list[object] = []
+    handle.touch = hits.append
+    handle.touch("block")
+    assert pool.touch is handle.touch and hits == ["block"]
+
+
 @pytest.mark.parametrize(
     ("raw", "expected"),
     [({}, True), ({"couple_prefix_caches": False}, False)],

@@ -121,3 +121,39 @@ def test_the_allocation_consumes_what_admission_reserved() -> None:
     assert coordinator._reserved == {}
     managers = coordinator.single_type_managers
     assert (managers[0].block_pool, managers[1].block_pool) == (token_pool, state_pool)
+
+
+class _Freeing:
+    """What the mixin's ``free`` and ``pop_blocks_for_free`` hand on to."""
+
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+
+    def free(self, request_id: str) -> None:
+        self.freed.append(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self.freed.append(request_id)
+        return []
+
+
+class _FreeingCoordinator(PooledCoordinatorMixin, _Freeing):
+    def __init__(self, reserved: dict[str, Reservation]) -> None:
+        super().__init__()
+        self._reserved = reserved
+
+
+def test_freeing_a_request_drops_a_reservation_no_allocation_came_for() -> None:
+    """Upstream may refuse the allocation after admission reserved a running
+    block (its watermark); the request may then finish without another
+    admission, and its reservation goes with it."""
+    running = _block(7, ref_cnt=1)
+    reserved = {
+        rid: Reservation(token_blocks=0, state_blocks=0, in_place={1: running})
+        for rid in ("a", "b", "c")
+    }
+    coordinator = _FreeingCoordinator(reserved)
+    coordinator.free("a")
+    assert coordinator.pop_blocks_for_free("b") == []
+    assert list(coordinator._reserved) == ["c"]
+    assert coordinator.freed == ["a", "b"]

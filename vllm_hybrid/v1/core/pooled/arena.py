@@ -4,7 +4,10 @@ The byte layout and who owns which ids are in :mod:`.spec`; the order in which
 each pool hands out its free blocks is in :mod:`.eviction`; where the boundary
 between the pools lies and when it moves is in :mod:`.boundary`. This module
 builds the two pools and their boundary, couples their prefix caches, and
-checks that the bookkeeping of all of them agrees.
+checks that the bookkeeping of all of them agrees. Everyone above holds the
+pools through their :class:`~.coupling.PoolHandle` (:attr:`KVArena.token_pool`,
+:attr:`KVArena.state_pool`); only the boundary and the coupling hold the pools
+themselves.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
-from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
+from vllm_hybrid.v1.core.pooled.coupling import PoolHandle, PrefixCacheCoupling
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import ArenaUsage, PoolUsage
 
@@ -46,7 +49,7 @@ class KVArena:
             enable_kv_cache_events=enable_kv_cache_events,
             medium=medium,
         )
-        self.state_pool = ArenaBlockPool(
+        state_pool = ArenaBlockPool(
             PoolKind.STATE,
             layout.num_state_ids,
             layout.state_ids_at(floor),
@@ -54,15 +57,17 @@ class KVArena:
             **common,
         )
         # upstream's KVCacheManager reads events from the token pool only
-        self.token_pool = ArenaBlockPool(
+        token_pool = ArenaBlockPool(
             PoolKind.TOKEN,
             layout.num_token_ids,
             layout.token_ids_at(floor),
             metrics_collector=token_metrics_collector,
-            events_of=self.state_pool,
+            events_of=state_pool,
             **common,
         )
-        self.boundary = ArenaBoundary(layout, self.token_pool, self.state_pool)
+        self.state_pool = PoolHandle(state_pool)
+        self.token_pool = PoolHandle(token_pool)
+        self.boundary = ArenaBoundary(layout, token_pool, state_pool)
 
     # -- read side --------------------------------------------------------
 
@@ -83,7 +88,7 @@ class KVArena:
     def state_capacity(self) -> int:
         return self.state_pool.owned_capacity
 
-    def pool(self, side: PoolKind) -> ArenaBlockPool:
+    def pool(self, side: PoolKind) -> PoolHandle:
         return self.token_pool if side is PoolKind.TOKEN else self.state_pool
 
     def usage(self) -> ArenaUsage:
@@ -118,10 +123,11 @@ class KVArena:
         whose attention prefix is gone (``token_groups``: block size of each
         full-attention group). Needs prefix caching and empty caches."""
         self.coupling = PrefixCacheCoupling(
-            self.token_pool, self.state_pool, token_groups
+            self.token_pool.pool, self.state_pool.pool, token_groups
         )
-        for pool in (self.token_pool, self.state_pool):
-            pool.listener = self.coupling
+        for handle in (self.token_pool, self.state_pool):
+            handle.coupling = self.coupling
+        self.boundary.coupling = self.coupling
 
     # -- whole-arena operations --------------------------------------------
 
@@ -165,8 +171,8 @@ class KVArena:
             and token_ids.stop <= layout.num_token_ids,
             "a pool owns ids past the arena",
         )
-        for pool in (self.token_pool, self.state_pool):
-            _check_pool(pool)
+        for handle in (self.token_pool, self.state_pool):
+            _check_pool(handle.pool)
         if self.coupling is not None:
             self.coupling.check()
 

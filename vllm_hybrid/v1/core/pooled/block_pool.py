@@ -5,14 +5,16 @@ boundary moves) but owns, frees and hands out only the ids the arena's
 boundary gives it (:attr:`ArenaBlockPool.owned_ids`, changed through
 :meth:`ArenaBlockPool.resize`). Its free queue keeps the order of
 :mod:`.eviction`. Prefix-cache events that matter to the other pool are
-reported to a :class:`PrefixCacheListener` (the coupling) when one listens;
-the pool itself knows nothing of the other pool's rules.
+appended, as values (:data:`CacheEvent`), to a record the coupling gave the
+pool; the coupling handles them after the operation that made them. The pool
+calls nothing above it and knows nothing of the other pool's rules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -37,22 +39,37 @@ from vllm_hybrid.v1.core.pooled.spec import PoolKind
 logger = init_logger(__name__)
 
 
-class PrefixCacheListener(Protocol):
-    """Who hears a pool's prefix-cache events (the coupling of the pools)."""
+@dataclass(frozen=True, slots=True)
+class KeyCached:
+    """Pool ``kind`` cached ``key`` for the first ``num_tokens`` tokens of
+    ``request`` (a state checkpoint gets linked to its attention prefix)."""
 
-    def key_cached(
-        self,
-        kind: PoolKind,
-        key: BlockHashWithGroupId,
-        request: Request,
-        num_tokens: int,
-    ) -> None: ...
+    kind: PoolKind
+    key: BlockHashWithGroupId
+    request: Request
+    num_tokens: int
 
-    def keys_left_cache(
-        self, kind: PoolKind, keys: list[BlockHashWithGroupId]
-    ) -> None: ...
 
-    def evict_dead(self, kind: PoolKind, blocks: Iterable[KVCacheBlock]) -> None: ...
+@dataclass(frozen=True, slots=True)
+class KeysLeftCache:
+    """No block of pool ``kind`` holds ``keys`` any more (what depended on
+    them in the other pool may be dead now)."""
+
+    kind: PoolKind
+    keys: list[BlockHashWithGroupId]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksFreed:
+    """Pool ``kind`` took a reference off each of ``blocks`` (the free ones
+    among them may be dead entries)."""
+
+    kind: PoolKind
+    blocks: list[KVCacheBlock]
+
+
+#: A prefix-cache event a pool records for the coupling.
+CacheEvent = KeyCached | KeysLeftCache | BlocksFreed
 
 
 class ArenaBlockPool(BlockPool):
@@ -80,8 +97,10 @@ class ArenaBlockPool(BlockPool):
         self._owned_ids = owned_ids
         #: another pool whose KV cache events this one hands out with its own
         self._events_of = events_of
-        #: who hears this pool's prefix-cache events (set by the arena)
-        self.listener: PrefixCacheListener | None = None
+        #: where this pool appends its prefix-cache events, in the order they
+        #: happen; None while nobody reads them. The coupling hands both pools
+        #: one list, so the events of the two keep one order.
+        self.cache_events: list[CacheEvent] | None = None
         #: request whose blocks are being cached (state side: links them)
         self._caching: Request | None = None
         #: keys are being re-pointed to another block, not leaving the cache
@@ -182,33 +201,33 @@ class ArenaBlockPool(BlockPool):
         num_tokens: int | None,
     ) -> None:
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
-        listener = self.listener
-        if listener is not None and self._caching is not None and num_tokens:
-            listener.key_cached(
-                self.side, block_hash_with_group_id, self._caching, num_tokens
-            )
+        events = self.cache_events
+        if events is not None and self._caching is not None and num_tokens:
+            key, request = block_hash_with_group_id, self._caching
+            events.append(KeyCached(self.side, key, request, num_tokens))
 
     def _remove_cached_block_hashes(
         self, block: KVCacheBlock
     ) -> list[BlockHashWithGroupId]:
         removed = super()._remove_cached_block_hashes(block)
-        listener = self.listener
-        if listener is not None and not self._moving:
+        events = self.cache_events
+        if events is not None and not self._moving:
             gone = [
                 k
                 for k in removed
                 if self.cached_block_hash_to_block.get_one_block(k) is None
             ]
             if gone:
-                listener.keys_left_cache(self.side, gone)
+                events.append(KeysLeftCache(self.side, gone))
         return removed
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)
-        if self.listener is not None:
-            # upstream routes blocks of another pool there (their own check)
-            self.listener.evict_dead(self.side, (b for b in blocks if b.pool is self))
+        events = self.cache_events
+        if events is not None:
+            # upstream routes blocks of another pool there (their own event)
+            events.append(BlocksFreed(self.side, [b for b in blocks if b.pool is self]))
 
     def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:
         """``block``, a request's running state block, as its new block.
@@ -226,10 +245,37 @@ class ArenaBlockPool(BlockPool):
         return [block]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation. A pool never moves the boundary: admission
-        secured the room before the allocation, and a pool short of it raises
-        upstream's ValueError."""
-        return super().get_new_blocks(num_blocks)
+        """Upstream's allocation, in its two steps: :meth:`take_free`, then
+        :meth:`claim` of each block. The pool's handle drives the steps itself
+        so that the coupling handles what one block's eviction made dead
+        before the next block leaves the cache, as if it heard each event
+        where it happened. A pool never moves the
+        boundary: admission secured the room before the allocation, and a
+        pool short of it raises upstream's ValueError."""
+        blocks = self.take_free(num_blocks)
+        for block in blocks:
+            self.claim(block)
+        return blocks
+
+    def take_free(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The first ``num_blocks`` of the free queue, out of it, all taken
+        before any leaves the prefix cache (upstream's order)."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        return blocks
+
+    def claim(self, block: KVCacheBlock) -> None:
+        """Hand out a block :meth:`take_free` took: out of the prefix cache,
+        with its first reference."""
+        if self.enable_caching:
+            self._maybe_evict_cached_block(block)
+        assert block.ref_cnt == 0
+        block.ref_cnt += 1
+        if self.metrics_collector:
+            self.metrics_collector.on_block_allocated(block)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
@@ -239,6 +285,12 @@ class ArenaBlockPool(BlockPool):
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
         return evicted
+
+    def evict_cached(self, block: KVCacheBlock) -> bool:
+        """Upstream's ``_maybe_evict_cached_block`` under a public name: upstream's
+        managers and retention call that private method on the pool they hold,
+        which is the pool's handle, and the handle calls this."""
+        return self._maybe_evict_cached_block(block)
 
     def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None:
         """Put a free cached block where the eviction order wants ``entry``
@@ -265,8 +317,8 @@ class ArenaBlockPool(BlockPool):
                 used,
             )
             return False
-        listener = self.listener
-        keys = self.cached_keys() if listener is not None else []
+        events = self.cache_events
+        keys = self.cached_keys() if events is not None else []
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         self.cached_block_hashes_by_block.clear()
         if self._reuse_watchers:
@@ -280,9 +332,9 @@ class ArenaBlockPool(BlockPool):
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         if keys:
-            # The other pool may have been reset too, or be busy: drop what
-            # this pool's keys meant to it either way.
-            listener.keys_left_cache(self.side, keys)
+            # The other pool may have been reset too, or be busy: what this
+            # pool's keys meant to it goes either way.
+            events.append(KeysLeftCache(self.side, keys))
         logger.info("Prefix cache of the %s pool reset", self.side.value)
         return True
 
@@ -307,16 +359,35 @@ class ArenaBlockPool(BlockPool):
         Ids leaving must be free; their cached entries are evicted (with the
         usual ``BlockRemoved`` events). Ids arriving come from the other pool
         and must be clean from this pool's view; they join as clean blocks.
+        Three steps (:meth:`leaving`, :meth:`release` of each, :meth:`take_over`),
+        which the boundary drives itself when the caches are coupled, so the
+        coupling handles what one leaving block's eviction made dead before
+        the next one's.
         """
-        old = self._owned_ids
-        leaving = [self.blocks[i] for i in old if i not in owned_ids]
-        arriving = [self.blocks[i] for i in owned_ids if i not in old]
+        for block in self.leaving(owned_ids):
+            self.release(block)
+        self.take_over(owned_ids)
+
+    def leaving(self, owned_ids: range) -> list[KVCacheBlock]:
+        """The blocks a move to ``owned_ids`` takes from this pool; whoever
+        reads one until its reuse is told now."""
+        leaving = [self.blocks[i] for i in self._owned_ids if i not in owned_ids]
         if self._reuse_watchers:
             self._notify_reuse(leaving)
-        for block in leaving:
-            assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-            self._maybe_evict_cached_block(block)
-            self.free_block_queue.remove(block)
+        return leaving
+
+    def release(self, block: KVCacheBlock) -> None:
+        """A leaving block (:meth:`leaving`) out of the prefix cache and the
+        free queue."""
+        assert block.ref_cnt == 0, f"block {block.block_id} is in use"
+        self._maybe_evict_cached_block(block)
+        self.free_block_queue.remove(block)
+
+    def take_over(self, owned_ids: range) -> None:
+        """Own ``owned_ids``, the leaving blocks released: the arriving ones
+        join the free queue as clean blocks."""
+        old = self._owned_ids
+        arriving = [self.blocks[i] for i in owned_ids if i not in old]
         for block in arriving:
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids

@@ -81,7 +81,11 @@ class PooledCoordinatorMixin:
         self._couple_prefix_caches()
         #: what admission reserved for a request's allocation when that
         #: differs from upstream's (a state advanced in place), until the
-        #: allocation consumes it
+        #: allocation consumes it. Upstream's ``allocate_slots`` passes only a
+        #: block count from one call to the other, so the value waits here,
+        #: under its request: each admission replaces it, the allocation
+        #: that follows it in ``allocate_slots`` takes it, and freeing the
+        #: request drops one an allocation never came for.
         self._reserved: dict[str, Reservation] = {}
         #: how often a request crossed a state block edge in place: short of
         #: memory at an edge a policy keeps, or at an edge none keeps
@@ -166,6 +170,14 @@ class PooledCoordinatorMixin:
         if reservation.in_place:
             self._reserved[request_id] = reservation
         return reservation.token_blocks
+
+    def free(self, request_id: str) -> None:
+        self._reserved.pop(request_id, None)
+        super().free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        self._reserved.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
     def _admit(
         self,

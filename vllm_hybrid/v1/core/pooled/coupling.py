@@ -4,7 +4,7 @@ A prefix-cache hit of a hybrid model at ``N`` tokens needs every
 full-attention block of those ``N`` tokens (token pool) and a state checkpoint
 taken at exactly ``N`` (state pool). Each pool evicts from its own LRU list,
 so without coordination one pool keeps entries the other has already made
-useless. :class:`PrefixCacheCoupling` listens to both pools' cache events,
+useless. :class:`PrefixCacheCoupling` handles both pools' cache events,
 keeps :class:`~.links.CheckpointLinks` up to date and evicts (makes clean, so
 they are reused first, as :mod:`.eviction` places dead entries) the free
 blocks the links show to be dead:
@@ -18,12 +18,30 @@ blocks the links show to be dead:
 Blocks in use are left alone; they are checked again when freed. Entries that
 can still serve a hit are never evicted by this, so it never lowers a hit
 rate; it only makes room for useful entries sooner.
+
+When the events are handled
+    A pool records its events as values (:data:`~.block_pool.CacheEvent`) and
+    calls nothing above it. Everyone above the pool layer holds a pool through
+    a :class:`PoolHandle`, which has the coupling handle what an operation
+    recorded as soon as the operation returns, before its caller (or anyone
+    else) sees the pools again. Operations that evict several blocks are
+    driven a block at a time (the handle's ``get_new_blocks`` and
+    ``evict_blocks``, the boundary's resizes), so the coupling handles the
+    events of one block's eviction before the next block is evicted: the
+    same blocks are evicted, and counted in
+    :attr:`PrefixCacheCoupling.evictions`, as when each event is handled the
+    moment it happens. Within one block's eviction the pool finishes (files
+    the block as clean) before the coupling evicts others; evicted blocks all
+    join the clean segment, which hands blocks out by id, not by when they
+    joined, so the queues end the same. Caching (``cache_full_blocks``)
+    changes only the request's own blocks, which are in use, and the
+    coupling evicts only free ones, so its events wait until it returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_utils import (
     BlockHashWithGroupId,
@@ -31,7 +49,13 @@ from vllm.v1.core.kv_cache_utils import (
     get_group_id,
 )
 
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.block_pool import (
+    ArenaBlockPool,
+    BlocksFreed,
+    CacheEvent,
+    KeyCached,
+    KeysLeftCache,
+)
 from vllm_hybrid.v1.core.pooled.eviction import Entry
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
@@ -61,8 +85,31 @@ class PrefixCacheCoupling:
         self.links = CheckpointLinks(token_groups, token_pool.hash_block_size)
         #: blocks evicted because of the links, per pool
         self.evictions = {PoolKind.TOKEN: 0, PoolKind.STATE: 0}
+        #: events both pools recorded and the coupling has not handled yet
+        self.pending: list[CacheEvent] = []
+        for pool in pools:
+            pool.cache_events = self.pending
 
     # -- events from the pools ----------------------------------------------
+
+    def settle(self) -> None:
+        """Handle the events the pools recorded since the last call, in the
+        order they happened. An eviction of the coupling's own records
+        events too; they are handled right after it, before the next event
+        (the order of handling them as they happened)."""
+        pending = self.pending
+        if not pending:
+            return
+        events = pending[:]
+        pending.clear()
+        for event in events:
+            match event:
+                case KeyCached(kind, key, request, num_tokens):
+                    self.key_cached(kind, key, request, num_tokens)
+                case KeysLeftCache(kind, keys):
+                    self.keys_left_cache(kind, keys)
+                case BlocksFreed(kind, blocks):
+                    self.evict_dead(kind, blocks)
 
     def key_cached(
         self,
@@ -106,6 +153,7 @@ class PrefixCacheCoupling:
             if block.ref_cnt == 0 and not block.is_null and self.is_dead(kind, block):
                 pool.rank_entry(block, Entry.DEAD)
                 self.evictions[kind] += 1
+                self.settle()
 
     # -- rules ----------------------------------------------------------------
 
@@ -128,7 +176,10 @@ class PrefixCacheCoupling:
         return (block.block_hash_num_tokens or 0) % size == 0
 
     def check(self) -> None:
-        """Raise AssertionError if links, caches and free queues disagree."""
+        """Raise AssertionError if links, caches and free queues disagree,
+        or an event was left unhandled (a pool called around its handle)."""
+        if self.pending:
+            raise AssertionError(f"unhandled prefix-cache events: {self.pending}")
         token, state = self.pools[PoolKind.TOKEN], self.pools[PoolKind.STATE]
         self.links.check(state.cached_keys(), set(token.cached_keys()))
         for kind, pool in self.pools.items():
@@ -145,3 +196,115 @@ class PrefixCacheCoupling:
             return  # the common case: a key nothing depended on
         pool = self.pools[kind]
         self.evict_dead(kind, (b for k in keys for b in pool.blocks_with(k)))
+
+
+#: Attributes of a :class:`PoolHandle` itself; every other one is the pool's.
+_HANDLE_FIELDS = frozenset({"pool", "coupling"})
+#: The pool's attributes a handle keeps a copy of: read on every prefix
+#: lookup or admission, where the lookup through ``__getattr__`` would
+#: triple the cost of a call; none of them changes over the pool's life
+#: unless set through the handle, which renews the copy.
+_COPIED = ("get_cached_block", "touch", "get_num_free_blocks", "null_block")
+
+
+class PoolHandle:
+    """One arena pool as everything above the pool layer holds it: upstream's
+    managers and ``KVCacheManager``, the coordinator, retention, tests.
+
+    Upstream's managers call the pools directly, so no layer above sees an
+    operation end; the handle stands where they look for the pool. Each
+    operation that can record prefix-cache events is the pool's, followed by
+    :meth:`PrefixCacheCoupling.settle` (once the arena couples the pools);
+    everything else is the pool's own attribute, read or set through the
+    handle. Blocks keep naming the pool itself (``KVCacheBlock.pool``), which
+    is what upstream's ``free_blocks`` routes by.
+    """
+
+    pool: ArenaBlockPool
+    coupling: PrefixCacheCoupling | None
+
+    def __init__(self, pool: ArenaBlockPool) -> None:
+        object.__setattr__(self, "pool", pool)
+        object.__setattr__(self, "coupling", None)
+        for name in _COPIED:
+            object.__setattr__(self, name, getattr(pool, name))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _HANDLE_FIELDS:  # not set yet (a copy being built)
+            raise AttributeError(name)
+        return getattr(self.pool, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a probe wrapping one of the pool's methods must reach the pool
+        if name in _HANDLE_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        setattr(self.pool, name, value)
+        if name in _COPIED:
+            object.__setattr__(self, name, value)
+
+    def _settle(self) -> None:
+        if self.coupling is not None:
+            self.coupling.settle()
+
+    # -- operations that record events ------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The pool's allocation, step by step: every block is taken off the
+        free queue first, then each leaves the prefix cache and the coupling
+        handles what that made dead before the next one does."""
+        pool = self.pool
+        blocks = pool.take_free(num_blocks)
+        for block in blocks:
+            pool.claim(block)
+            self._settle()
+        return blocks
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        self.pool.free_blocks(ordered_blocks)
+        self._settle()
+
+    def cache_full_blocks(self, *args: Any, **kwargs: Any) -> None:
+        self.pool.cache_full_blocks(*args, **kwargs)
+        self._settle()
+
+    def cache_partial_block(
+        self, *args: Any, **kwargs: Any
+    ) -> BlockHashWithGroupId | None:
+        key = self.pool.cache_partial_block(*args, **kwargs)
+        self._settle()
+        return key
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Upstream's eviction by id, one id at a time: the coupling handles
+        what each eviction made dead before the next, as it always did."""
+        for block_id in block_ids:
+            self.pool.evict_blocks({block_id})
+            self._settle()
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        evicted = self.pool.evict_cached(block)
+        self._settle()
+        return evicted
+
+    def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None:
+        self.pool.rank_entry(block, entry)
+        self._settle()
+
+    def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:
+        blocks = self.pool.advance_in_place(block)
+        self._settle()
+        return blocks
+
+    def resize(self, owned_ids: range) -> None:
+        """The pool's resize step by step, as the boundary drives it."""
+        pool = self.pool
+        for block in pool.leaving(owned_ids):
+            pool.release(block)
+            self._settle()
+        pool.take_over(owned_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        reset = self.pool.reset_prefix_cache()
+        self._settle()
+        return reset
