@@ -19,11 +19,7 @@ from vllm_hybrid.tools.simulate.probes import (
     count_state_checkpoints,
 )
 from vllm_hybrid.tools.simulate.sources import SimRequest, Workload
-from vllm_hybrid.tools.simulate.steps import (
-    StepObserver,
-    StepRecord,
-    state_geometry,
-)
+from vllm_hybrid.tools.simulate.steps import ExecutedSteps, StepRecord
 
 from .config import BenchConfig
 from .pools import (
@@ -117,8 +113,6 @@ class Engine:
     start_s: float
     #: measurement helpers attached to this engine (step observer, probe)
     probes: dict[str, Any] = field(default_factory=dict)
-    #: step records not yet taken by a drive
-    records: list[StepRecord] = field(default_factory=list)
 
     @property
     def core(self) -> Any:
@@ -159,31 +153,13 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
-    def steps(self) -> StepObserver:
-        """The simulator's step observer on this engine's scheduler outputs
-        (prefill and decode tokens, preemptions, align-mode state copies),
-        attached on first use; ``total`` sums every step since, and each
-        step's record waits in ``records`` for :meth:`take_records`."""
-        observer = self.probes.get("steps")
-        if observer is None:
-            scheduler = self.scheduler
-            mode = self.vllm_config.cache_config.mamba_cache_mode
-            observer = StepObserver(*state_geometry(scheduler.kv_cache_config, mode))
-            schedule = scheduler.schedule
-
-            def observed(*args: Any, **kwargs: Any) -> Any:
-                output = schedule(*args, **kwargs)
-                self.records.append(observer.observe(output))
-                return output
-
-            self.probes["steps"] = observer
-            scheduler.schedule = observed
-        return observer
-
-    def take_records(self) -> list[StepRecord]:
-        """The step records since the last call (what the driver sums)."""
-        taken, self.records = self.records, []
-        return taken
+    def steps(self) -> ExecutedSteps:
+        """The simulator's step observer on this engine's executor (prefill
+        and decode tokens, preemptions, align-mode state copies), attached on
+        first use."""
+        if "steps" not in self.probes:
+            self.probes["steps"] = ExecutedSteps(self.core)
+        return self.probes["steps"]
 
     def count_checkpoints(self) -> CheckpointCount | None:
         """Count state checkpoints entered into the prefix cache with the
@@ -298,8 +274,8 @@ def drive(
     sampling the scheduler, until all of it has finished, stalled, run out of
     time or (if asked) been preempted (docs/benchmarks.md, "How it works");
     the driver aborts what is left."""
-    engine.steps()
-    engine.take_records()
+    steps = engine.steps()
+    steps.take()
     samples: list[KVSample] = []
     start = time.perf_counter()
     cpu_start = time.process_time()
@@ -319,7 +295,7 @@ def drive(
     result = Driver(
         engine.core,
         workload,
-        engine.take_records,
+        steps.take,
         _work,
         stall_steps=cfg.stall_steps,
         on_step=on_step,
