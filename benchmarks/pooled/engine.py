@@ -5,13 +5,12 @@ is imported lazily so the pure helpers load fast)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gap
+from vllm_hybrid.tools.inproc import engine_core, llm_vocab, open_llm, top2_gap
 from vllm_hybrid.tools.plan.geometry import KVGeometry
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
 from vllm_hybrid.tools.simulate.probes import (
@@ -176,23 +175,9 @@ class Engine:
 def open_engine(spec: EngineSpec, **llm_options: Any) -> Iterator[Engine]:
     """Start an engine (``llm_options``: more ``vllm.LLM`` arguments) and
     always release it (and vLLM's process state)."""
-    from vllm import LLM
-
     start = time.perf_counter()
-    llm = None
-    try:
-        llm = LLM(**spec.llm_kwargs() | llm_options)
+    with open_llm(spec.llm_kwargs() | llm_options) as llm:
         yield Engine(llm, spec, time.perf_counter() - start)
-    finally:
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        with contextlib.suppress(Exception):
-            cleanup_dist_env_and_memory()
 
 
 def start_error(spec: EngineSpec) -> str | None:
