@@ -7,7 +7,6 @@ one process (``tests/`` is on ``sys.path`` through its ``conftest.py``).
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from vllm_hybrid.tools.inproc import (
     NEAR_TIE,
     engine_core,
     first_difference,
+    open_llm,
     top2_gaps,
 )
 
@@ -57,26 +57,23 @@ def with_engine(
     process starts from a clean distributed state; the overlay is active
     again afterwards, as vLLM leaves it for the rest of a process.
     """
-    from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
     from vllm.plugins import load_general_plugins
 
     from vllm_hybrid import plugin
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # vLLM loads plugins once per process; load them now so that the engine
     # below does not re-activate the overlay after it was switched off.
     load_general_plugins()
     plugin.deactivate()
     if overlay:
         plugin.register()
-    llm = LLM(model=model, **(ENGINE_DEFAULTS | kwargs))
+    engine_kwargs = {"model": model, **ENGINE_DEFAULTS, **kwargs}
     try:
-        return work(llm)
+        with open_llm(engine_kwargs, full_collect) as llm:
+            result = work(llm)
+            del llm  # so that the collection on leaving frees the engine
+        return result
     finally:
-        del llm
-        full_collect()
-        cleanup_dist_env_and_memory()
         plugin.deactivate()
         plugin.register()
 

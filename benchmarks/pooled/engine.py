@@ -5,13 +5,12 @@ is imported lazily so the pure helpers load fast)."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_hybrid.tools.inproc import engine_core, llm_vocab, top2_gap
+from vllm_hybrid.tools.inproc import engine_core, llm_vocab, open_llm, top2_gap
 from vllm_hybrid.tools.plan.geometry import KVGeometry
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
 from vllm_hybrid.tools.simulate.probes import (
@@ -19,11 +18,7 @@ from vllm_hybrid.tools.simulate.probes import (
     count_state_checkpoints,
 )
 from vllm_hybrid.tools.simulate.sources import SimRequest, Workload
-from vllm_hybrid.tools.simulate.steps import (
-    StepObserver,
-    StepRecord,
-    state_geometry,
-)
+from vllm_hybrid.tools.simulate.steps import ExecutedSteps, StepRecord
 
 from .config import BenchConfig
 from .pools import (
@@ -117,8 +112,6 @@ class Engine:
     start_s: float
     #: measurement helpers attached to this engine (step observer, probe)
     probes: dict[str, Any] = field(default_factory=dict)
-    #: step records not yet taken by a drive
-    records: list[StepRecord] = field(default_factory=list)
 
     @property
     def core(self) -> Any:
@@ -159,31 +152,13 @@ class Engine:
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
-    def steps(self) -> StepObserver:
-        """The simulator's step observer on this engine's scheduler outputs
-        (prefill and decode tokens, preemptions, align-mode state copies),
-        attached on first use; ``total`` sums every step since, and each
-        step's record waits in ``records`` for :meth:`take_records`."""
-        observer = self.probes.get("steps")
-        if observer is None:
-            scheduler = self.scheduler
-            mode = self.vllm_config.cache_config.mamba_cache_mode
-            observer = StepObserver(*state_geometry(scheduler.kv_cache_config, mode))
-            schedule = scheduler.schedule
-
-            def observed(*args: Any, **kwargs: Any) -> Any:
-                output = schedule(*args, **kwargs)
-                self.records.append(observer.observe(output))
-                return output
-
-            self.probes["steps"] = observer
-            scheduler.schedule = observed
-        return observer
-
-    def take_records(self) -> list[StepRecord]:
-        """The step records since the last call (what the driver sums)."""
-        taken, self.records = self.records, []
-        return taken
+    def steps(self) -> ExecutedSteps:
+        """The simulator's step observer on this engine's executor (prefill
+        and decode tokens, preemptions, align-mode state copies), attached on
+        first use."""
+        if "steps" not in self.probes:
+            self.probes["steps"] = ExecutedSteps(self.core)
+        return self.probes["steps"]
 
     def count_checkpoints(self) -> CheckpointCount | None:
         """Count state checkpoints entered into the prefix cache with the
@@ -200,23 +175,9 @@ class Engine:
 def open_engine(spec: EngineSpec, **llm_options: Any) -> Iterator[Engine]:
     """Start an engine (``llm_options``: more ``vllm.LLM`` arguments) and
     always release it (and vLLM's process state)."""
-    from vllm import LLM
-
     start = time.perf_counter()
-    llm = None
-    try:
-        llm = LLM(**spec.llm_kwargs() | llm_options)
+    with open_llm(spec.llm_kwargs() | llm_options) as llm:
         yield Engine(llm, spec, time.perf_counter() - start)
-    finally:
-        if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        with contextlib.suppress(Exception):
-            cleanup_dist_env_and_memory()
 
 
 def start_error(spec: EngineSpec) -> str | None:
@@ -298,8 +259,8 @@ def drive(
     sampling the scheduler, until all of it has finished, stalled, run out of
     time or (if asked) been preempted (docs/benchmarks.md, "How it works");
     the driver aborts what is left."""
-    engine.steps()
-    engine.take_records()
+    steps = engine.steps()
+    steps.take()
     samples: list[KVSample] = []
     start = time.perf_counter()
     cpu_start = time.process_time()
@@ -319,7 +280,7 @@ def drive(
     result = Driver(
         engine.core,
         workload,
-        engine.take_records,
+        steps.take,
         _work,
         stall_steps=cfg.stall_steps,
         on_step=on_step,

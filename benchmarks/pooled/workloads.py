@@ -110,7 +110,7 @@ def _state_counts(engine: Engine) -> Callable[[], dict[str, Any]]:
     checkpoints = engine.count_checkpoints()
     if checkpoints is None:
         return dict
-    steps, scheduler = engine.steps(), engine.scheduler
+    steps, scheduler = engine.steps().observer, engine.scheduler
     before = replace(steps.total)
     cached_before = checkpoints.checkpoints
     cuts_before = getattr(scheduler, "prefill_checkpoint_cuts", None)
@@ -120,10 +120,7 @@ def _state_counts(engine: Engine) -> Callable[[], dict[str, Any]]:
         cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
         prefill = now.prefill_tokens - before.prefill_tokens
         return {
-            # a copy of a block onto itself (an edge crossed in place) moves
-            # nothing and the runner skips it
-            "state_copies": (now.state_copies - now.state_self_copies)
-            - (before.state_copies - before.state_self_copies),
+            "state_copies": now.copies_moved - before.copies_moved,
             "checkpoints_cached": checkpoints.checkpoints - cached_before,
             "tokens_scheduled": prefill + now.decode_tokens - before.decode_tokens,
             "prefill_tokens_computed": prefill,

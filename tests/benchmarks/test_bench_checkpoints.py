@@ -47,7 +47,7 @@ class _BareEngine(engine.Engine):
 
         spec = SimpleNamespace(prefix_caching=prefix_caching)
         super().__init__(llm=None, spec=spec, start_s=0.0)
-        self.probes["steps"] = StepObserver(256, 0)
+        self.probes["steps"] = SimpleNamespace(observer=StepObserver(256, 0))
         self._scheduler = scheduler
 
     @property
@@ -93,7 +93,7 @@ def test_state_counts_since_the_workload_began_in_whole_request_states():
     manager = _align_manager()
     scheduler = SimpleNamespace(kv_cache_manager=manager, prefill_checkpoint_cuts=4)
     bare = _BareEngine(scheduler)
-    steps = bare.steps()
+    steps = bare.steps().observer
     steps.observe(_output([("c", 0), ("d", 0)], (), {"c": 300, "d": 512}))
     since = workloads._state_counts(bare)
     assert bare.count_checkpoints() is bare.count_checkpoints()  # attached once

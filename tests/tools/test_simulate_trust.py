@@ -183,28 +183,11 @@ def overlay(on: bool) -> Iterator[None]:
 def run_real(model: Path, case: Case) -> tuple[Counted, dict[str, list[int]]]:
     """The case on a real CPU engine: its counts and its replies."""
     from vllm_hybrid.tools.simulate.drive import Driver
-    from vllm_hybrid.tools.simulate.steps import StepObserver, state_geometry
+    from vllm_hybrid.tools.simulate.steps import ExecutedSteps
 
     def work(llm: Any) -> tuple[Counted, dict[str, list[int]]]:
         core = engine_core(llm)
-        block, group = state_geometry(
-            core.scheduler.kv_cache_config,
-            core.vllm_config.cache_config.mamba_cache_mode,
-        )
-        observer, records = StepObserver(block, group), []
-        execute = core.model_executor.execute_model
-
-        def observed(output: Any, non_block: bool = False) -> Any:
-            records.append(observer.observe(output))
-            return execute(output, non_block)
-
-        core.model_executor.execute_model = observed
-
-        def take() -> list[Any]:
-            taken = list(records)
-            records.clear()
-            return taken
-
+        take = ExecutedSteps(core).take
         recording = Recording(workload(case.workload))
         with worker_copies() as copies:
             result = Driver(core, recording, take, lambda _: 0.001).run()

@@ -1,13 +1,16 @@
 """An in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), read by
-the benchmarks, ``vllm-hybrid verify`` and the tests: its engine core, the
-token ids random prompts may use, how close greedy decoding was to a tie,
-and where two greedy completions part.
+the benchmarks, ``vllm-hybrid verify`` and the tests: how to open and release
+one, its engine core, the token ids random prompts may use, how close greedy
+decoding was to a tie, and where two greedy completions part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+import contextlib
+import gc
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.workloads import allowed_token_ids
 
@@ -15,6 +18,34 @@ if TYPE_CHECKING:
     from vllm import LLM
     from vllm.outputs import CompletionOutput
     from vllm.v1.engine.core import EngineCore
+
+
+@contextlib.contextmanager
+def open_llm(
+    kwargs: Mapping[str, Any], collect: Callable[[], object] | None = None
+) -> Iterator[LLM]:
+    """A ``vllm.LLM`` of ``kwargs`` with its engine core in this process,
+    released however the body (or the start) ends: the core shut down, the
+    last reference dropped and collected (``collect``, default
+    ``gc.collect``), vLLM's distributed state cleaned up. Several engines
+    run one after another in one process (a benchmark worker, a test) only
+    when nothing of the previous one survives."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm = None
+    try:
+        llm = LLM(**kwargs)
+        yield llm
+    finally:
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+        del llm
+        (collect or gc.collect)()
+        with contextlib.suppress(Exception):
+            cleanup_dist_env_and_memory()
 
 
 def engine_core(llm: LLM) -> EngineCore:

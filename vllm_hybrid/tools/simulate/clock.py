@@ -287,12 +287,11 @@ class CostModel:
         return eff.step_overhead_s + max(compute, memory) + copies + comm
 
     def copied_requests(self, record: StepRecord) -> int:
-        """Requests whose state the runner copies in a step: every copy but
-        those of a block onto itself (an edge crossed in place), which the
-        overlay skips on V1 (host copy list) and V2 (fused pre-copy) alike,
-        :mod:`vllm_hybrid.v1.worker.mamba_copies`. The runners differ in
+        """Requests whose state the runner copies in a step
+        (``StepRecord.copies_moved``: the overlay skips self copies on V1's
+        host copy list and V2's fused pre-copy alike). The runners differ in
         what a copy costs (:meth:`copy_seconds`)."""
-        return record.state_copies - record.state_self_copies
+        return record.copies_moved
 
     def copy_seconds(self, copy_bytes: float, copied_requests: int) -> float:
         """Modeled seconds of one step's state copies on this runner."""

@@ -6,8 +6,9 @@ how many tokens, into which blocks. :class:`StepObserver` keeps the little
 per-request state a runner keeps and turns each output into a
 :class:`StepRecord`: prefill and decode tokens, the context decode reads,
 preemptions, and the align-mode state copies the runner makes. The stand-in
-executor observes every step it is given; a test attaches the same observer
-to a real engine's executor, so both are counted by one piece of code.
+executor observes every step it is given; :class:`ExecutedSteps` attaches the
+same observer to a real engine's executor (the benchmark's engines, the
+simulator's trust test), so both are counted by one piece of code.
 
 State copies follow vLLM 0.32's ``preprocess_mamba`` (the V1 runner, no
 speculative decoding): a request's running state lives in the block column
@@ -58,6 +59,13 @@ class StepRecord:
     state_copies: int = 0
     state_self_copies: int = 0
     cow_copies: int = 0
+
+    @property
+    def copies_moved(self) -> int:
+        """State copies that move a state: all but those of a block onto
+        itself (an edge crossed in place), which the overlay's runners skip
+        (:mod:`vllm_hybrid.v1.worker.mamba_copies`)."""
+        return self.state_copies - self.state_self_copies
 
     def add(self, other: StepRecord) -> None:
         for f in fields(self):
@@ -187,6 +195,32 @@ def state_geometry(
         if isinstance(group.kv_cache_spec, MambaSpec):
             return group.kv_cache_spec.block_size, index
     return None, None
+
+
+class ExecutedSteps:
+    """The step records of an in-process engine core with a real executor,
+    observed at the call the stand-in executor observes them at (each
+    scheduler output handed to ``execute_model``), so that a real engine and
+    the stand-in are counted alike. ``observer.total`` sums every step since
+    attaching; :meth:`take` returns the records not yet taken (what a
+    ``Driver`` reads after each step)."""
+
+    def __init__(self, core: Any) -> None:
+        mode = core.vllm_config.cache_config.mamba_cache_mode
+        geometry = state_geometry(core.scheduler.kv_cache_config, mode)
+        self.observer = StepObserver(*geometry)
+        self.records: list[StepRecord] = []
+        execute = core.model_executor.execute_model
+
+        def observed(output: Any, non_block: bool = False) -> Any:
+            self.records.append(self.observer.observe(output))
+            return execute(output, non_block)
+
+        core.model_executor.execute_model = observed
+
+    def take(self) -> list[StepRecord]:
+        taken, self.records = self.records, []
+        return taken
 
 
 def summed(records: Iterable[StepRecord]) -> StepRecord:
