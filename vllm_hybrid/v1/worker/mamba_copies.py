@@ -42,6 +42,7 @@ from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
 
 
 def is_self_copy(
@@ -139,7 +140,7 @@ def keep_in_place(
 
 
 def initialize_from_forward_context(
-    self: Any,
+    self: MambaSpecDecodeGPUContext,
     kv_cache_config: KVCacheConfig,
     forward_context: dict[str, Any],
     mamba_state_copy_funcs: Any,
@@ -165,7 +166,7 @@ def initialize_from_forward_context(
 
 
 def run_fused_precopy(
-    self: Any,
+    self: MambaSpecDecodeGPUContext,
     num_reqs: int,
     state_idx_gpu: torch.Tensor,
     src_col_gpu: torch.Tensor,
