@@ -191,11 +191,12 @@ def mode_args(mode: str) -> list[str]:
 
 
 def mode_env(mode: str) -> dict[str, str]:
-    """The server's environment: the mode's switch; for upstream, the V1
-    runner when ``GPU_RUN_UPSTREAM_V1=1`` (a rerun where V2 could not run
-    in the stand-in tree)."""
+    """The server's environment: the mode's switch; the V1 runner for every
+    mode when ``GPU_RUN_V1=1`` (a rerun where Model Runner V2, which vLLM
+    and pooled mode use on CUDA by default, could not run in the stand-in
+    tree)."""
     env = dict(os.environ, VLLM_HYBRID_KV=MODES[mode][0])
-    if mode == "upstream" and os.environ.get("GPU_RUN_UPSTREAM_V1") == "1":
+    if os.environ.get("GPU_RUN_V1") == "1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return env
 

@@ -56,13 +56,14 @@ def test_ratios_are_pooled_over_upstream_where_both_measured():
     assert "p50_ttft_ms" not in serve.ratios({"pooled": engine(50, 12, 0.8)})
 
 
-def test_upstream_takes_the_v1_runner_only_when_asked(monkeypatch):
-    monkeypatch.delenv("GPU_RUN_UPSTREAM_V1", raising=False)
+def test_every_mode_takes_the_v1_runner_only_when_asked(monkeypatch):
+    monkeypatch.delenv("GPU_RUN_V1", raising=False)
     assert serve.mode_env("upstream")["VLLM_HYBRID_KV"] == "0"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in serve.mode_env("upstream")
-    monkeypatch.setenv("GPU_RUN_UPSTREAM_V1", "1")
-    assert serve.mode_env("upstream")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert "VLLM_USE_V2_MODEL_RUNNER" not in serve.mode_env("pooled")
+    monkeypatch.setenv("GPU_RUN_V1", "1")
+    for mode in ("upstream", "pooled", "single_pool"):
+        assert serve.mode_env(mode)["VLLM_USE_V2_MODEL_RUNNER"] == "0"
 
 
 def test_modes_are_verifys_as_server_flags():
