@@ -44,7 +44,10 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
-from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
+from vllm_hybrid.v1.core.pooled.coupling import (
+    PrefixCacheCoupling,
+    resize_settled,
+)
 from vllm_hybrid.v1.core.pooled.eviction import ADMISSION, Reach
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -260,13 +263,13 @@ class ArenaBoundary:
         if target > self._state_floor:
             grown = PoolKind.TOKEN
             gained = range(max(old_token.stop, new_token.start), new_token.stop)
-            self._resize(self.state_pool, new_state)
-            self._resize(self.token_pool, new_token)
+            resize_settled(self.state_pool, new_state, self.coupling)
+            resize_settled(self.token_pool, new_token, self.coupling)
         else:
             grown = PoolKind.STATE
             gained = range(new_state.start, old_state.start)
-            self._resize(self.token_pool, new_token)
-            self._resize(self.state_pool, new_state)
+            resize_settled(self.token_pool, new_token, self.coupling)
+            resize_settled(self.state_pool, new_state, self.coupling)
         self._state_floor = target
         logger.debug(
             "Arena boundary %d -> %d B: %s pool +%d blocks (token %d, state %d)",
@@ -277,19 +280,6 @@ class ArenaBoundary:
             self.token_pool.owned_capacity,
             self.state_pool.owned_capacity,
         )
-
-    def _resize(self, pool: ArenaBlockPool, owned_ids: range) -> None:
-        """Resize one pool step by step (:meth:`ArenaBlockPool.resize`): the
-        coupling handles what each leaving block's eviction made dead before
-        the next block leaves."""
-        coupling = self.coupling
-        if coupling is None:
-            pool.resize(owned_ids)
-            return
-        for block in pool.leaving(owned_ids):
-            pool.release(block)
-            coupling.settle()
-        pool.take_over(owned_ids)
 
 
 def _all_free(pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]) -> bool:

@@ -198,6 +198,21 @@ class PrefixCacheCoupling:
         self.evict_dead(kind, (b for k in keys for b in pool.blocks_with(k)))
 
 
+def resize_settled(
+    pool: ArenaBlockPool, owned_ids: range, coupling: PrefixCacheCoupling | None
+) -> None:
+    """Resize ``pool`` step by step (:meth:`ArenaBlockPool.resize`): the
+    coupling, if any, handles what each leaving block's eviction made dead
+    before the next block leaves."""
+    if coupling is None:
+        pool.resize(owned_ids)
+        return
+    for block in pool.leaving(owned_ids):
+        pool.release(block)
+        coupling.settle()
+    pool.take_over(owned_ids)
+
+
 #: Attributes of a :class:`PoolHandle` itself; every other one is the pool's.
 _HANDLE_FIELDS = frozenset({"pool", "coupling"})
 #: The pool's attributes a handle keeps a copy of: read on every prefix
@@ -298,11 +313,7 @@ class PoolHandle:
 
     def resize(self, owned_ids: range) -> None:
         """The pool's resize step by step, as the boundary drives it."""
-        pool = self.pool
-        for block in pool.leaving(owned_ids):
-            pool.release(block)
-            self._settle()
-        pool.take_over(owned_ids)
+        resize_settled(self.pool, owned_ids, self.coupling)
 
     def reset_prefix_cache(self) -> bool:
         reset = self.pool.reset_prefix_cache()
