@@ -26,7 +26,7 @@ One step takes ``overhead + max(compute, memory) + copies + communication``:
   host list. An H200 measured all three (:class:`Efficiency`). A request
   that crossed its edge in place (one block in both columns) costs nothing
   on either runner: the overlay drops that copy of a block onto itself from
-  V1's host list and from V2's pre-copy (:meth:`CostModel.copied_requests`,
+  V1's host list and from V2's pre-copy (``StepRecord.copies_moved``,
   :mod:`vllm_hybrid.v1.worker.mamba_copies`);
 * communication (TP > 1): two all-reduces of the hidden state per layer and
   token, over the GPU's link;
@@ -285,13 +285,6 @@ class CostModel:
             volume = 2 * layers * tokens * m.hidden * 2 * (m.tp - 1) / m.tp
             comm = volume / (gpu.link_gb_s * 1e9 * eff.link)
         return eff.step_overhead_s + max(compute, memory) + copies + comm
-
-    def copied_requests(self, record: StepRecord) -> int:
-        """Requests whose state the runner copies in a step
-        (``StepRecord.copies_moved``: the overlay skips self copies on V1's
-        host copy list and V2's fused pre-copy alike). The runners differ in
-        what a copy costs (:meth:`copy_seconds`)."""
-        return record.copies_moved
 
     def copy_seconds(self, copy_bytes: float, copied_requests: int) -> float:
         """Modeled seconds of one step's state copies on this runner."""

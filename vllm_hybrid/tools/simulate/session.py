@@ -318,7 +318,7 @@ def run_variant(
             return clock.step_seconds(
                 record,
                 _copy_bytes(record, clock, cow_bytes),
-                clock.copied_requests(record),
+                record.copies_moved,
             )
 
         progress = _progress_bar(spec, variant, workload, line)
@@ -348,8 +348,8 @@ def run_variant(
 
 def _copy_bytes(record: StepRecord, clock: CostModel, cow_bytes: int) -> float:
     """Bytes a step's copies move on the clock's runner: the states it
-    copies (:meth:`CostModel.copied_requests`) and copy-on-write blocks."""
-    states = clock.copied_requests(record) * clock.model.state_bytes
+    copies (``StepRecord.copies_moved``) and copy-on-write blocks."""
+    states = record.copies_moved * clock.model.state_bytes
     return states + record.cow_copies * cow_bytes
 
 

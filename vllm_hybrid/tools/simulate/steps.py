@@ -18,7 +18,7 @@ block), the state is copied to the new column. When both columns name the
 same block id (pooled mode letting a request cross its edge in place) the
 copy moves nothing new; it is counted as a self copy too. Model Runner V2's
 fused pre-copy copies at the same column changes; the overlay drops self
-copies on both runners, so they cost nothing (``CostModel.copied_requests``).
+copies on both runners, so they cost nothing (:attr:`StepRecord.copies_moved`).
 Copy-on-write
 block copies (a sub-block prefix hit taking over a cached checkpoint) come
 from the output's ``kv_cache_block_copies``.
