@@ -23,10 +23,10 @@ MAX_LINES = 500
 POOLED_LAYERS = (
     "spec",
     "layers",
-    "prefill_checkpoints",
     "usage",
     "links",
     "eviction",
+    "checkpoint_policy",
     "free_queue",
     "block_pool",
     "coupling",

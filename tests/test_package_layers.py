@@ -53,8 +53,8 @@ ALLOWED = (
     Allowance(
         imports=(("v1.core.pooled.coordinator", "v1.core.retention"),),
         why="the pooled coordinators keep turn-end checkpoints with the mixin "
-        "of v1/core/retention.py, which itself ranks checkpoints with "
-        "pooled/eviction and places them with pooled/prefill_checkpoints: a "
+        "of v1/core/retention.py, which itself places and ranks checkpoints "
+        "with pooled/checkpoint_policy and pooled/eviction: a "
         "cycle between v1/core and v1/core/pooled",
         removed_by="moving retention.py into pooled/ (a layer below "
         "coordinator), or eviction ranking and checkpoint positions out of "

@@ -21,8 +21,8 @@ import pytest
 from engine_utils import stand_in_engine
 
 from vllm_hybrid import envs
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import decode_room
 from vllm_hybrid.v1.core.sched import scheduler as pooled_scheduler
-from vllm_hybrid.v1.core.sched.scheduler import decode_room
 
 BUDGET = 2048
 INTERVAL = 2560

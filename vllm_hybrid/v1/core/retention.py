@@ -30,10 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.core.kv_cache_coordinator import (
-    HybridKVCacheCoordinator,
-    replay_boundaries,
-)
+from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import (
     MambaManager,
@@ -42,17 +39,12 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
 
-from vllm_hybrid import envs
-from vllm_hybrid.v1.core.pooled.eviction import (
-    DECODE_EDGES,
-    DecodeEdges,
-    Entry,
-    rank_entry,
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+    CheckpointPolicy,
+    decode_checkpoint_edge,
+    replay_positions,
 )
-from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
-    is_prefill_anchor,
-    prefill_checkpoints,
-)
+from vllm_hybrid.v1.core.pooled.eviction import DecodeEdges, Entry, rank_entry
 
 #: Whether each manager class is upstream's MambaManager (an ABC subclass,
 #: so ``isinstance`` is slow, and it is asked for every group at every step).
@@ -125,20 +117,15 @@ class TurnEndRetentionMixin:
         prefill_anchor: int = 0,
         decode_edges: DecodeEdges = DecodeEdges.EVERY,
     ) -> None:
-        #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
-        self.retain_turn_ends = retain
-        #: Decode edges that keep a state (pooled mode: see
-        #: :class:`~vllm_hybrid.v1.core.pooled.eviction.DecodeEdges`; the
-        #: single pool copies at every edge anyway and keeps the latest).
-        self.decode_edges = decode_edges if retain else DecodeEdges.NONE
+        #: Which positions keep a state and how freed ones rank (pooled
+        #: mode's decode edges: ``decode_edges``; the single pool copies at
+        #: every edge anyway and keeps the latest).
+        self.checkpoint_policy = CheckpointPolicy.of(
+            retain, prefill_interval, prefill_anchor, decode_edges
+        )
         #: Requests seen by :meth:`cache_blocks`, until freed: what
-        #: :meth:`keeps_decode_edge` reads (prompt length, token budget).
+        #: :meth:`keeps_edge` reads (prompt length, token budget).
         self._requests: dict[str, Request] = {}
-        #: Tokens between prefill checkpoints, 0 for none (pooled mode only:
-        #: see :mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`).
-        self.prefill_checkpoint_interval = prefill_interval
-        #: Tokens between the prefill checkpoints ranked as anchors (0: none).
-        self.prefill_checkpoint_anchor = prefill_anchor
         self.turn_end_counts = TurnEndCounts()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
@@ -146,40 +133,37 @@ class TurnEndRetentionMixin:
         checkpoints as more reachable boundaries of align-mode state groups
         (upstream's method itself when neither is kept)."""
         self._requests[request.request_id] = request
-        if not self.retain_turn_ends and not self.prefill_checkpoint_interval:
+        policy = self.checkpoint_policy
+        if not policy.adds_positions:
             super().cache_blocks(request, num_computed_tokens)
             for manager in self.single_type_managers:
                 if _align_mode(manager):
                     _drop_in_place_key(manager, request.request_id)
             return
-        boundaries = replay_boundaries(
-            request.num_prompt_tokens,
-            self.scheduler_block_size,
-            use_eagle=bool(self.eagle_group_ids),
-        )
+        replay = self._replay_positions(request)
         for group_id, manager in enumerate(self.single_type_managers):
             if not manager.enable_caching:
                 continue
             num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
             # asked once per group: the checks below run at every step
             align = _align_mode(manager)
-            decoding = align and self._keeps_turn_end(
-                request, num_tokens, manager.block_size
+            positions = policy.state_positions(
+                request,
+                num_tokens,
+                manager.block_size,
+                self.retention_interval,
+                replay,
+                align,
             )
-            prefill = self._prefill_boundaries(manager, request) if align else range(0)
             manager.cache_blocks(
                 request,
                 num_tokens,
                 retention_interval=self.retention_interval,
-                replay_boundaries=(
-                    *boundaries,
-                    *prefill,
-                    *((num_tokens,) if decoding else ()),
-                ),
+                replay_boundaries=positions.boundaries,
             )
             if align:
                 _drop_in_place_key(manager, request.request_id)
-            if decoding:
+            if positions.turn_end:
                 self._supersede(
                     group_id,
                     manager,
@@ -187,8 +171,10 @@ class TurnEndRetentionMixin:
                     num_tokens,
                     request.num_prompt_tokens,
                 )
-            elif self.prefill_checkpoint_interval:
-                self._record_prefill(group_id, manager, request, num_tokens, prefill)
+            elif policy.prefill_interval:
+                self._record_prefill(
+                    group_id, manager, request, num_tokens, positions.prefill
+                )
 
     def _record_prefill(
         self,
@@ -217,62 +203,29 @@ class TurnEndRetentionMixin:
         noted.append((group_id, DecodeCheckpoint(block, block.block_hash, num_tokens)))
         counts.prefill_cached += 1
 
-    def _prefill_boundaries(
-        self, manager: SingleTypeKVCacheManager, request: Request
-    ) -> range:
-        """Prefill checkpoints of an align-mode state group's request."""
-        return prefill_checkpoints(
-            request.num_prompt_tokens,
-            self.prefill_checkpoint_interval,
-            manager.block_size,
+    def _replay_positions(self, request: Request) -> tuple[int, ...]:
+        """Upstream's semantic positions of the request's prompt."""
+        return replay_positions(
+            request, self.scheduler_block_size, bool(self.eagle_group_ids)
         )
-
-    def _keeps_turn_end(self, request: Request, num_tokens: int, block: int) -> bool:
-        """Whether an align-mode state group caches ``num_tokens`` as a
-        decode checkpoint (``block``: the group's state block)."""
-        if (
-            not self.retain_turn_ends
-            or self.retention_interval is None
-            or num_tokens <= request.num_prompt_tokens
-        ):
-            return False
-        edges = self.decode_edges
-        if edges is DecodeEdges.EVERY:
-            return True
-        if edges is DecodeEdges.NONE:
-            return False
-        return num_tokens // block * block == budget_end_edge(request, block)
 
     def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
         """Whether a request crossing the state block edge ``edge`` (tokens;
         ``block``: the state block) must keep the state there in a block of
-        its own. False only for an edge no policy keeps, which the request
-        may then cross in place (the pooled coordinator).
-
-        Kept: every edge with :attr:`decode_edges` ``EVERY`` (vLLM's align
-        mode), under dense retention or on the retention interval;
-        in the prompt, the edges caching keeps (its replay boundaries, a
-        shared-prefix junction, prefill checkpoints); past it, the turn end
-        :attr:`decode_edges` names.
-        """
+        its own (:meth:`~vllm_hybrid.v1.core.pooled.checkpoint_policy.
+        CheckpointPolicy.keeps_edge`); an unknown request keeps it. False
+        lets the pooled coordinator cross the edge in place."""
         request = self._requests.get(request_id)
-        if request is None or self.decode_edges is DecodeEdges.EVERY:
+        policy = self.checkpoint_policy
+        if request is None or policy.decode_edges is DecodeEdges.EVERY:
             return True
-        if self.retention_interval is None or self._interval_keeps(edge):
-            return True
-        prompt = request.num_prompt_tokens
-        if edge > prompt:
-            return self._keeps_turn_end(request, edge + 1, block)
-        boundaries = [
-            *replay_boundaries(
-                prompt, self.scheduler_block_size, use_eagle=bool(self.eagle_group_ids)
-            ),
-            request.shared_prefix_boundary or 0,
-        ]
-        if any(b // block * block == edge for b in boundaries if b):
-            return True
-        positions = prefill_checkpoints(prompt, self.prefill_checkpoint_interval, block)
-        return edge in positions
+        return policy.keeps_edge(
+            request,
+            edge,
+            block,
+            self.retention_interval,
+            self._replay_positions(request),
+        )
 
     def _supersede(
         self,
@@ -291,8 +244,8 @@ class TurnEndRetentionMixin:
         never be recorded here, or the next decode edge would evict it and a
         resent prompt would lose its hit.
         """
-        edge = num_tokens // manager.block_size * manager.block_size
-        if edge <= prompt_len:
+        edge = decode_checkpoint_edge(num_tokens, manager.block_size, prompt_len)
+        if edge is None:
             return
         blocks = manager.req_to_blocks.get(request_id) or []
         index = edge // manager.block_size - 1
@@ -310,16 +263,14 @@ class TurnEndRetentionMixin:
         counts.cached += 1
         if previous is None:
             return
-        if self._interval_keeps(previous.num_tokens) or previous.block.ref_cnt > 0:
+        if self.checkpoint_policy.keeps_superseded(
+            previous.num_tokens, previous.block.ref_cnt > 0, self.retention_interval
+        ):
             counts.kept += 1
             return
         if previous.block.block_hash == previous.block_hash:
             rank_entry(manager.block_pool, previous.block, Entry.SUPERSEDED)
             counts.superseded += 1
-
-    def _interval_keeps(self, num_tokens: int) -> bool:
-        interval = self.retention_interval
-        return bool(interval) and num_tokens % interval == 0
 
     def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         super().remove_skipped_blocks(request_id, *args, **kwargs)
@@ -354,10 +305,8 @@ class TurnEndRetentionMixin:
                 held.append((group_id, checkpoint))
                 continue
             pool = self.single_type_managers[group_id].block_pool
-            anchor = is_prefill_anchor(
-                checkpoint.num_tokens, self.prefill_checkpoint_anchor
-            )
-            rank_entry(pool, block, Entry.PREFILL_ANCHOR if anchor else Entry.PREFILL)
+            entry = self.checkpoint_policy.prefill_entry(checkpoint.num_tokens)
+            rank_entry(pool, block, entry)
         return held
 
     def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:
@@ -389,25 +338,6 @@ class TurnEndRetentionMixin:
         return super().pop_blocks_for_free(request_id)
 
 
-def budget_end_edge(request: Request, block: int) -> int:
-    """The last state block edge a request reaches before its token budget
-    ends it: the last multiple of ``block`` up to the tokens it computes (all
-    but its last sampled token).
-
-    Below that count the request crosses the edge while decoding, and the
-    crossing copies the state into a fresh block. On it (the reply ends on
-    an edge) the state is there when the last step ends, in the running
-    block, and is cached without a copy.
-    """
-    return (request.num_prompt_tokens + request.max_tokens - 1) // block * block
-
-
-def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
-    """Pooled mode's :class:`DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES`` when
-    set, else :data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_EDGES`."""
-    return envs.choice(envs.DECODE_EDGES_VAR, DECODE_EDGES, environ)
-
-
 def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> None:
     """Take the cache key off a state block the request just advanced in
     place, if caching gave it one.
@@ -417,7 +347,7 @@ def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> No
     first). Caching the column it leaves would file the running block under
     that edge's key while this step moves its content on: a later hit would
     start from a state past the edge. The pooled coordinator advances in
-    place only where no policy keeps the edge (:meth:`keeps_decode_edge`),
+    place only where no policy keeps the edge (:meth:`keeps_edge`),
     and short of memory where one does; either way the key goes.
     """
     blocks = manager.req_to_blocks.get(request_id)

@@ -12,8 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_hybrid import envs
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+    budget_end_edge,
+    decode_edges_policy,
+)
 from vllm_hybrid.v1.core.pooled.eviction import DECODE_EDGES, DecodeEdges
-from vllm_hybrid.v1.core.retention import budget_end_edge, decode_edges_policy
 from vllm_hybrid.v1.worker.mamba_copies import is_self_copy
 
 

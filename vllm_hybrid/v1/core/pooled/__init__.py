@@ -3,12 +3,13 @@
 Layers, bottom to top (a module imports only from the layers below it):
 
 ``spec``        arena geometry, pool specs, the pooled KV cache config, PoolKind
-``prefill_checkpoints`` where states are kept during long prefills
 ``usage``       per-pool usage snapshots, handed to the publisher the metrics
                 side installs
 ``links``       which attention blocks each cached state checkpoint needs
 ``eviction``    the eviction order: segments, protection, ranked entries,
                 admission attempts
+``checkpoint_policy`` where states are kept, how freed ones rank, where
+                prefill chunks end (retention and the scheduler ask it)
 ``free_queue``  one pool's free blocks, kept in that order
 ``block_pool``  upstream's BlockPool over one pool's movable id range
 ``coupling``    coordinated prefix-cache eviction across the two pools

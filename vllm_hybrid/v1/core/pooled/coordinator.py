@@ -35,9 +35,10 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import decode_edges_policy
 from vllm_hybrid.v1.core.pooled.eviction import RELOCATE_NEAR_BOUNDARY
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
-from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin, decode_edges_policy
+from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
 logger = init_logger(__name__)
 

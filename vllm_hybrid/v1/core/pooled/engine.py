@@ -19,6 +19,10 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+    plan_prefill_checkpoints,
+    state_checkpoint_block,
+)
 from vllm_hybrid.v1.core.pooled.layers import (
     PoolSplit,
     equalize_stage_blocks,
@@ -31,17 +35,12 @@ from vllm_hybrid.v1.core.pooled.planner import (
     describe_plan,
     plan_pooled_kv_cache,
 )
-from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
-    prefill_checkpoint_anchor,
-    prefill_checkpoint_interval,
-)
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
 from vllm_hybrid.v1.core.sched.scheduler import (
     PooledScheduler,
     PooledSchedulerMixin,
-    state_checkpoint_block,
 )
 
 if TYPE_CHECKING:
@@ -236,12 +235,12 @@ def plan_pooled_configs(
         )
         config.couple_prefix_caches = options.couple_prefix_caches
         config.retain_turn_ends = options.retain_turn_ends
-        # align mode (prefix caching on) only: the rule says 0 otherwise
-        config.prefill_checkpoint_interval = prefill_checkpoint_interval(
+        # align mode (prefix caching on) only: the policy says 0 otherwise
+        (
+            config.prefill_checkpoint_interval,
+            config.prefill_checkpoint_anchor,
+        ) = plan_prefill_checkpoints(
             config, budget.max_model_len, options.prefill_checkpoint_interval
-        )
-        config.prefill_checkpoint_anchor = prefill_checkpoint_anchor(
-            config, config.prefill_checkpoint_interval
         )
     logger.info(describe_plan(configs[0]))
     if pipeline:

@@ -95,9 +95,9 @@ class Entry(Enum):
     #: A freed turn-end (decode) checkpoint: serves a follow-up turn, if any.
     TURN_END = "turn_end"
     #: A freed prefill checkpoint: serves a later request sharing the prefix
-    #: up to it, if any (see ``prefill_checkpoints``).
+    #: up to it, if any (see ``checkpoint_policy``).
     PREFILL = "prefill"
-    #: A freed prefill checkpoint at an anchor (see ``prefill_checkpoints``).
+    #: A freed prefill checkpoint at an anchor (see ``checkpoint_policy``).
     PREFILL_ANCHOR = "prefill_anchor"
     #: A decode checkpoint a later edge of the same request replaced.
     SUPERSEDED = "superseded"

@@ -17,9 +17,10 @@ checkpoint interval (``--mamba-block-size``) be a multiple of it. Then
 block edges, and every checkpoint a chunk runs past is never written: with
 an interval of 384 over 128-token attention blocks a 760-token prompt was
 cut at 640 and cached no state at 384. This scheduler gives the Mamba
-alignment the state group's block instead, and also ends a chunk at each
-prefill checkpoint (:mod:`vllm_hybrid.v1.core.pooled.prefill_checkpoints`);
-everything else stays upstream's.
+alignment the state group's block instead. Where else a chunk ends (prefill
+checkpoints, paced steps, room for decodes) is the checkpoint policy's
+decision (:mod:`vllm_hybrid.v1.core.pooled.checkpoint_policy`); the scheduler
+holds the step's state the policy reads. Everything else stays upstream's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
@@ -38,20 +39,22 @@ if TYPE_CHECKING:
 
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+    budget_chunk,
+    checkpoint_chunk,
+    checkpoints_on_pace,
+    decode_room,
+    paced_step_budget,
+    paces,
+    pacing_page,
+    prefill_pacing_policy,
+    state_checkpoint_block,
+    state_page_tokens,
+)
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.eviction import (
     ADMISSION_GROWTH_STATE_PAGES,
     DECODE_ROOM,
-    PACING_MAX_WAITING,
-    PACING_MIN_PAGES,
-    PREFILL_PACING,
-    PrefillPacing,
-)
-from vllm_hybrid.v1.core.pooled.prefill_checkpoints import (
-    last_prefill_checkpoint,
-    next_prefill_checkpoint,
-    prompt_checkpoint,
-    state_page_tokens,
 )
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import usage_publisher
@@ -59,31 +62,11 @@ from vllm_hybrid.v1.core.pooled.usage import usage_publisher
 logger = init_logger(__name__)
 
 
-def state_checkpoint_block(
-    kv_cache_config: KVCacheConfig, mamba_cache_mode: str
-) -> int | None:
-    """The state block prefill chunks must end on, when it is longer than the
-    attention block; None otherwise (upstream's alignment is then right).
-
-    Only align mode writes checkpoints; all state groups of a pooled plan
-    share one block size (the checkpoint interval).
-    """
-    if mamba_cache_mode != "align":
-        return None
-    state, token = set(), set()
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        (state if isinstance(spec, MambaSpec) else token).add(spec.block_size)
-    if len(state) != 1 or not token:
-        return None
-    (block,) = state
-    return block if block > min(token) else None
-
-
 class PooledSchedulerMixin:
     """What a pooled engine's scheduler adds to upstream's.
 
-    * Align-mode prefill chunks end on state checkpoint edges. Upstream's
+    * Align-mode prefill chunks end on state checkpoint edges (the policy's
+      ``state_checkpoint_block``). Upstream's
       ``Scheduler`` reads ``cache_config.block_size`` after its constructor
       only in ``_mamba_block_aligned_split`` (a test checks this against the
       installed vLLM), so the scheduler keeps its own copy of the cache config
@@ -135,8 +118,8 @@ class PooledSchedulerMixin:
         #: this step (empty: no room kept)
         self._decode_room: dict[str, int] = {}
         #: prefill checkpoints lie on page multiples, where paced chunks end
-        self._checkpoints_on_pace = bool(
-            self._pace_page and self.prefill_checkpoint_interval % self._pace_page == 0
+        self._checkpoints_on_pace = checkpoints_on_pace(
+            self.prefill_checkpoint_interval, self._pace_page
         )
         if self.prefill_checkpoint_interval:
             anchor = getattr(self.kv_cache_config, "prefill_checkpoint_anchor", 0)
@@ -168,77 +151,40 @@ class PooledSchedulerMixin:
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
-        """Upstream's split, ending the chunk at the next prefill checkpoint
-        when it would run past one; in a paced step, of the chunk paced."""
+        """Upstream's split of the chunk the policy's budget allows, ended
+        where a prefill checkpoint needs its state
+        (:mod:`~vllm_hybrid.v1.core.pooled.checkpoint_policy` cuts)."""
         start = (
             request.num_computed_tokens
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
-        room = self._decode_room.get(request.request_id, 0)
-        if room and start + num_new_tokens < prefill_end(request):
-            # the budget cut this chunk: what it leaves, the decodes behind get
-            num_new_tokens = max(num_new_tokens - room, 0)
-            if num_new_tokens == 0:
-                return 0
-        if self._paced_step:
-            # before upstream's split, so that the stops it adds (the
-            # prompt's own checkpoint, a junction) stay where they are
-            num_new_tokens = self._paced_chunk(request, start, num_new_tokens)
-            if num_new_tokens == 0:
-                return 0
-        num_new_tokens = super()._mamba_block_aligned_split(
+        chunk = budget_chunk(
             request,
+            start,
             num_new_tokens,
+            self._decode_room.get(request.request_id, 0),
+            self._pace_page if self._paced_step else None,
+        )
+        if chunk is None:
+            return 0
+        aligned = super()._mamba_block_aligned_split(
+            request,
+            chunk,
             num_new_local_computed_tokens,
             num_external_computed_tokens,
         )
-        if self._paced_step and self._checkpoints_on_pace:
-            return self._paced_checkpoint_stop(request, start, num_new_tokens)
-        stop = next_prefill_checkpoint(
+        cut = checkpoint_chunk(
+            request,
             start,
-            request.num_prompt_tokens,
+            aligned,
             self.prefill_checkpoint_interval,
             self.cache_config.block_size,
+            self._paced_step and self._checkpoints_on_pace,
         )
-        if stop is not None and stop < start + num_new_tokens:
+        if cut != aligned:
             self.prefill_checkpoint_cuts += 1
-            return stop - start
-        return num_new_tokens
-
-    def _paced_checkpoint_stop(
-        self, request: Request, start: int, num_new_tokens: int
-    ) -> int:
-        """A paced chunk ends on a page multiple, where a prefill checkpoint
-        is kept without cutting the chunk short for it; only a chunk that
-        reaches the prompt's own checkpoint stops at the last prefill
-        checkpoint before it, as upstream's split stops at its last block
-        edge, so a first reuse of the prefix finds it."""
-        block = self.cache_config.block_size
-        end = start + num_new_tokens
-        if end < prompt_checkpoint(request.num_prompt_tokens, block):
-            return num_new_tokens
-        stop = last_prefill_checkpoint(
-            start,
-            end,
-            request.num_prompt_tokens,
-            self.prefill_checkpoint_interval,
-            block,
-        )
-        if stop is None:
-            return num_new_tokens
-        self.prefill_checkpoint_cuts += 1
-        return stop - start
-
-    def _paced_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
-        """The chunk a paced step's budget allows, ended on a multiple of the
-        pacing page unless it finishes the prompt (as upstream's align split
-        ends it on its block); 0 when no multiple lies inside it."""
-        assert self._pace_page is not None
-        end = start + num_new_tokens
-        if end >= prefill_end(request):
-            return num_new_tokens
-        return max(end // self._pace_page * self._pace_page - start, 0)
+        return cut
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._paced_step = self.paces_next_step()
@@ -261,9 +207,7 @@ class PooledSchedulerMixin:
         """Whether the next step is paced: pacing is on for this plan and at
         most :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MAX_WAITING`
         requests wait."""
-        return (
-            self._paced_budget is not None and len(self.waiting) <= PACING_MAX_WAITING
-        )
+        return paces(len(self.waiting), self._paced_budget)
 
     def growth_reserve(self) -> int:
         """Token-pool blocks the running requests may grow into before a
@@ -288,27 +232,6 @@ class PooledSchedulerMixin:
         return stats
 
 
-def prefill_end(request: Request) -> int:
-    """The position a request's prefill ends at: its prompt, or for a
-    resumed request the output tokens it replays, as upstream's split."""
-    return max(request.num_prompt_tokens, request.num_tokens - 1)
-
-
-def decode_room(running: list[Request]) -> dict[str, int]:
-    """For each prefilling request in ``running``, the tokens the decoding
-    requests after it schedule this step (one each, plus its draft tokens);
-    prefilling requests without decodes after them are left out."""
-    room: dict[str, int] = {}
-    behind = 0
-    for request in reversed(running):
-        if request.num_computed_tokens < prefill_end(request):
-            if behind:
-                room[request.request_id] = behind
-            continue
-        behind += 1 + len(request.spec_token_ids)
-    return room
-
-
 def growth_reserve_geometry(
     kv_cache_config: KVCacheConfig,
 ) -> tuple[int, int, int] | None:
@@ -325,40 +248,6 @@ def growth_reserve_geometry(
     block = kv_cache_config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
     horizon = int(pages * state_page_tokens(kv_cache_config))
     return horizon, block.block_size, len(token.group_ids)
-
-
-def pacing_page(kv_cache_config: KVCacheConfig, mamba_cache_mode: str) -> int | None:
-    """The page pooled mode paces steps on: the state page in tokens
-    (upstream's state block), rounded up to the state block; None outside
-    align mode or for a plan without a state pool."""
-    if mamba_cache_mode != "align" or not isinstance(
-        kv_cache_config, PooledKVCacheConfig
-    ):
-        return None
-    if not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
-        return None
-    state = kv_cache_config.pool_by_kind(PoolKind.STATE)
-    block = kv_cache_config.kv_cache_groups[state.group_ids[0]].kv_cache_spec.block_size
-    return cdiv(state_page_tokens(kv_cache_config), block) * block
-
-
-def paced_step_budget(
-    budget: int, page: int | None, pacing: PrefillPacing
-) -> int | None:
-    """The token budget of a paced step: the largest multiple of ``page``
-    within ``budget``; None when steps are never paced (``FILL``, no page,
-    or a budget of fewer than
-    :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MIN_PAGES` pages)."""
-    if pacing is PrefillPacing.FILL or page is None:
-        return None
-    pages = budget // page
-    return pages * page if pages >= PACING_MIN_PAGES else None
-
-
-def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
-    """``VLLM_HYBRID_PREFILL_PACING`` when set, else
-    :data:`~vllm_hybrid.v1.core.pooled.eviction.PREFILL_PACING`."""
-    return envs.choice(envs.PREFILL_PACING_VAR, PREFILL_PACING, environ)
 
 
 def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:

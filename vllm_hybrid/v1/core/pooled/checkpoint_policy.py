@@ -1,0 +1,497 @@
+"""The state checkpoint policy: where states are kept, how freed ones rank,
+where prefill chunks end.
+
+In align mode a Mamba/GDN state reaches a block only where a prefill chunk
+ends or a decode crosses a state block edge, and is cached only where a
+position is kept. A position kept but never written is a lost hit, one
+written but not kept a lost copy, so positions, ranks and the chunk cut are
+one policy, decided here. The retention mixin (:mod:`vllm_hybrid.v1.core.
+retention`), the pooled scheduler (:mod:`vllm_hybrid.v1.core.sched.scheduler`)
+and the engine glue (:mod:`.engine`) keep the per-request bookkeeping and ask
+this module; the eviction order itself is data in :mod:`.eviction`.
+
+Positions (:class:`CheckpointPolicy`): the prompt's own checkpoint (its
+replay boundary) and shared-prefix junctions, as upstream; every multiple of
+``--prefix-cache-retention-interval``; prefill checkpoints every
+``interval`` tokens of a long prompt, so a shared prefix hits on its first
+reuse; the turn end a follow-up resumes from (:class:`~.eviction.DecodeEdges`).
+
+The interval is the larger of the *state page in tokens* (the block
+upstream's single pool inflates attention to and keeps accidental
+checkpoints at: a first reuse never hits less than upstream) and the
+*budget term* ``4 * max_model_len * state block / arena`` (one prompt's
+checkpoints hold at most a quarter of the arena), in whole state blocks.
+
+Ranks: freed turn ends and prefill checkpoints are speculative, filed first
+to go (:data:`~.eviction.PLACES`), except an *anchor* every few prefill
+checkpoints (:func:`prefill_checkpoint_anchor`), kept in LRU order: the step
+is the prefix whose attention KV weighs one state block, in whole intervals
+(every third checkpoint for Qwen3.6-35B-A3B's 30 GDN and 10 attention
+layers; none under two), so where states are scarce the anchors survive.
+
+The chunk cut (:func:`budget_chunk`, :func:`checkpoint_chunk`): a chunk ends
+at the next prefill checkpoint it would run past; a paced step
+(:class:`~.eviction.PrefillPacing`) ends chunks on state page multiples and
+keeps the checkpoints there without extra cuts; a chunk the token budget cut
+leaves room for the decodes behind it (:data:`~.eviction.DECODE_ROOM`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+
+from vllm_hybrid import envs
+from vllm_hybrid.v1.core.pooled.eviction import (
+    DECODE_EDGES,
+    PACING_MAX_WAITING,
+    PACING_MIN_PAGES,
+    PREFILL_PACING,
+    DecodeEdges,
+    Entry,
+    PrefillPacing,
+)
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+#: Share of the arena one ``max_model_len`` prompt's prefill checkpoints may
+#: hold at most, as its inverse.
+ARENA_SHARE_INVERSE = 4
+
+
+def token_pool_bytes_per_token(config: PooledKVCacheConfig) -> float:
+    """Bytes one token takes in the token pool: every attention layer's KV."""
+    token = config.pool_by_kind(PoolKind.TOKEN)
+    token_spec = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
+    return token.block_bytes / token_spec.block_size
+
+
+def state_page_tokens(config: PooledKVCacheConfig) -> int:
+    """Tokens of attention KV, per attention layer, that one state layer's
+    page weighs: the block upstream's single pool inflates attention to."""
+    token = config.pool_by_kind(PoolKind.TOKEN)
+    state = config.pool_by_kind(PoolKind.STATE)
+    token_layers = len(config.kv_cache_groups[token.group_ids[0]].layer_names)
+    state_group = config.kv_cache_groups[state.group_ids[0]]
+    per_token_layer = token_pool_bytes_per_token(config) / token_layers
+    per_state_layer = state.block_bytes / len(state_group.layer_names)
+    return cdiv(int(per_state_layer), max(1, int(per_token_layer)))
+
+
+# -- prefill checkpoint positions ----------------------------------------------
+
+
+def prefill_checkpoint_interval(
+    config: PooledKVCacheConfig, max_model_len: int, requested: int | None
+) -> int:
+    """Tokens between prefill checkpoints; 0 when there are none.
+
+    ``requested`` is ``hybrid_kv.prefill_checkpoint_interval``: None picks the
+    rule of the module docstring, 0 turns them off, a positive value is
+    rounded up to the state block.
+    """
+    state_spec = config.kv_cache_groups[
+        config.pool_by_kind(PoolKind.STATE).group_ids[0]
+    ].kv_cache_spec
+    if not isinstance(state_spec, MambaSpec) or state_spec.mamba_cache_mode != "align":
+        return 0
+    block = state_spec.block_size
+    if requested is None:
+        layout = config.layout
+        budget = cdiv(
+            ARENA_SHARE_INVERSE * max_model_len * layout.state_block_bytes,
+            layout.arena_bytes,
+        )
+        requested = max(state_page_tokens(config), budget)
+    interval = cdiv(requested, block) * block
+    return interval if 0 < interval < max_model_len else 0
+
+
+#: Fewest intervals between anchors. At one, every prefill checkpoint would
+#: be an ordinary entry: a long prompt's checkpoints then pushed a repeated
+#: prompt's own checkpoints out (see :data:`~.eviction.PLACES`).
+MIN_ANCHOR_INTERVALS = 2
+
+
+def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int:
+    """Tokens between the prefill checkpoints kept in plain LRU order (a
+    multiple of ``interval``); 0 for none: no prefill checkpoints, or a
+    balanced density under :data:`MIN_ANCHOR_INTERVALS` intervals."""
+    if interval <= 0:
+        return 0
+    per_token = token_pool_bytes_per_token(config)
+    balanced = config.layout.state_block_bytes / max(per_token, 1.0)
+    intervals = round(balanced / interval)
+    return intervals * interval if intervals >= MIN_ANCHOR_INTERVALS else 0
+
+
+def plan_prefill_checkpoints(
+    config: PooledKVCacheConfig, max_model_len: int, requested: int | None
+) -> tuple[int, int]:
+    """(interval, anchor step) of a plan's prefill checkpoints, what the
+    engine glue records on the config for the coordinator and scheduler."""
+    interval = prefill_checkpoint_interval(config, max_model_len, requested)
+    return interval, prefill_checkpoint_anchor(config, interval)
+
+
+def is_prefill_anchor(num_tokens: int, anchor: int) -> bool:
+    """Whether the prefill checkpoint at ``num_tokens`` is an anchor."""
+    return anchor > 0 and num_tokens % anchor == 0
+
+
+def prompt_checkpoint(num_prompt_tokens: int, block: int) -> int:
+    """The prompt's own checkpoint (its replay boundary), kept anyway."""
+    return max(num_prompt_tokens - 1, 0) // block * block
+
+
+def prefill_checkpoints(num_prompt_tokens: int, interval: int, block: int) -> range:
+    """Positions of a prompt's prefill checkpoints: multiples of
+    ``interval`` below its own checkpoint."""
+    if interval <= 0:
+        return range(0)
+    return range(interval, prompt_checkpoint(num_prompt_tokens, block), interval)
+
+
+def next_prefill_checkpoint(
+    start: int, num_prompt_tokens: int, interval: int, block: int
+) -> int | None:
+    """The first prefill checkpoint after ``start`` tokens, if any."""
+    if interval <= 0:
+        return None
+    position = (start // interval + 1) * interval
+    if position < prompt_checkpoint(num_prompt_tokens, block):
+        return position
+    return None
+
+
+def last_prefill_checkpoint(
+    start: int, end: int, num_prompt_tokens: int, interval: int, block: int
+) -> int | None:
+    """The last prefill checkpoint strictly between ``start`` and ``end``, if
+    any: where a chunk that reaches the prompt's own checkpoint stops, as
+    upstream's align split stops at the last block edge before it."""
+    if interval <= 0:
+        return None
+    limit = min(end, prompt_checkpoint(num_prompt_tokens, block))
+    position = (limit - 1) // interval * interval
+    return position if start < position and position > 0 else None
+
+
+# -- turn ends and the positions one request keeps -----------------------------
+
+
+def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
+    """Pooled mode's :class:`~.eviction.DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES``
+    when set, else :data:`~.eviction.DECODE_EDGES`."""
+    return envs.choice(envs.DECODE_EDGES_VAR, DECODE_EDGES, environ)
+
+
+def budget_end_edge(request: Request, block: int) -> int:
+    """The last state block edge a request reaches before its token budget
+    ends it: the last multiple of ``block`` up to the tokens it computes (all
+    but its last sampled token). Crossed while decoding, it costs one copy;
+    a reply that ends on it leaves the state in the running block, no copy.
+    """
+    return (request.num_prompt_tokens + request.max_tokens - 1) // block * block
+
+
+def interval_keeps(retention_interval: int | None, num_tokens: int) -> bool:
+    """Whether ``--prefix-cache-retention-interval`` keeps ``num_tokens``."""
+    return bool(retention_interval) and num_tokens % retention_interval == 0
+
+
+def replay_positions(
+    request: Request, scheduler_block: int, use_eagle: bool
+) -> tuple[int, ...]:
+    """Upstream's semantic positions of a prompt (its replay boundaries)."""
+    return tuple(
+        replay_boundaries(request.num_prompt_tokens, scheduler_block, use_eagle)
+    )
+
+
+def decode_checkpoint_edge(num_tokens: int, block: int, prompt_len: int) -> int | None:
+    """The decode checkpoint a state group caching ``num_tokens`` holds: its
+    last edge, when past the prompt. Up to the prompt the last full block is
+    the prompt's own checkpoint, which a later decode edge must never
+    supersede (a resent prompt would lose its hit)."""
+    edge = num_tokens // block * block
+    return edge if edge > prompt_len else None
+
+
+class StatePositions(NamedTuple):
+    """The positions one caching call keeps in one state group."""
+
+    #: Every boundary handed to upstream's ``cache_blocks``.
+    boundaries: tuple[int, ...]
+    #: The prompt's prefill checkpoints in this group.
+    prefill: range
+    #: Whether the cached tokens end on a kept turn end.
+    turn_end: bool
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """One coordinator's positions and ranks (module docstring); upstream's
+    coordinator holds the retention interval, given per call."""
+
+    #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
+    retain_turn_ends: bool = False
+    #: Decode edges that keep a state; NONE when turn ends are not kept.
+    decode_edges: DecodeEdges = DecodeEdges.NONE
+    #: Tokens between prefill checkpoints, 0 for none (pooled mode only).
+    prefill_interval: int = 0
+    #: Tokens between the prefill checkpoints ranked as anchors (0: none).
+    prefill_anchor: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        retain: bool,
+        prefill_interval: int = 0,
+        prefill_anchor: int = 0,
+        decode_edges: DecodeEdges = DecodeEdges.EVERY,
+    ) -> CheckpointPolicy:
+        """The policy of a coordinator's options; decode edges only count
+        where turn ends are kept."""
+        edges = decode_edges if retain else DecodeEdges.NONE
+        return cls(retain, edges, prefill_interval, prefill_anchor)
+
+    @property
+    def adds_positions(self) -> bool:
+        """Whether caching keeps any position beyond upstream's."""
+        return self.retain_turn_ends or bool(self.prefill_interval)
+
+    def prefill_positions(self, num_prompt_tokens: int, block: int) -> range:
+        """Prefill checkpoints of a prompt in a state group of ``block``."""
+        return prefill_checkpoints(num_prompt_tokens, self.prefill_interval, block)
+
+    def keeps_turn_end(
+        self,
+        request: Request,
+        num_tokens: int,
+        block: int,
+        retention_interval: int | None,
+    ) -> bool:
+        """Whether an align-mode state group caches ``num_tokens`` as a
+        decode checkpoint (``block``: the group's state block)."""
+        if (
+            not self.retain_turn_ends
+            or retention_interval is None
+            or num_tokens <= request.num_prompt_tokens
+        ):
+            return False
+        edges = self.decode_edges
+        if edges is DecodeEdges.EVERY:
+            return True
+        if edges is DecodeEdges.NONE:
+            return False
+        return num_tokens // block * block == budget_end_edge(request, block)
+
+    def state_positions(
+        self,
+        request: Request,
+        num_tokens: int,
+        block: int,
+        retention_interval: int | None,
+        replay: tuple[int, ...],
+        align: bool,
+    ) -> StatePositions:
+        """What a group caching ``num_tokens`` of ``request`` keeps: the
+        prompt's ``replay`` boundaries, and in an align-mode state group its
+        prefill checkpoints and the turn end, if ``num_tokens`` is one."""
+        turn_end = align and self.keeps_turn_end(
+            request, num_tokens, block, retention_interval
+        )
+        prefill = (
+            self.prefill_positions(request.num_prompt_tokens, block)
+            if align
+            else range(0)
+        )
+        boundaries = (*replay, *prefill, *((num_tokens,) if turn_end else ()))
+        return StatePositions(boundaries, prefill, turn_end)
+
+    def keeps_edge(
+        self,
+        request: Request,
+        edge: int,
+        block: int,
+        retention_interval: int | None,
+        replay: tuple[int, ...],
+    ) -> bool:
+        """Whether a request crossing the state block edge ``edge`` must keep
+        the state there in a block of its own (else it may cross in place):
+        every edge with ``EVERY`` (vLLM's align mode), under dense retention
+        or on the retention interval; in the prompt its ``replay`` boundaries,
+        a junction, the prefill checkpoints; past it the turn end."""
+        if self.decode_edges is DecodeEdges.EVERY:
+            return True
+        if retention_interval is None or interval_keeps(retention_interval, edge):
+            return True
+        prompt = request.num_prompt_tokens
+        if edge > prompt:
+            return self.keeps_turn_end(request, edge + 1, block, retention_interval)
+        boundaries = [*replay, request.shared_prefix_boundary or 0]
+        if any(b // block * block == edge for b in boundaries if b):
+            return True
+        return edge in self.prefill_positions(prompt, block)
+
+    def keeps_superseded(
+        self, previous_tokens: int, held: bool, retention_interval: int | None
+    ) -> bool:
+        """Whether a decode checkpoint a later one replaced stays cached
+        (held by another request, or on the retention interval); else it
+        serves no hit and ranks :attr:`~.eviction.Entry.SUPERSEDED`."""
+        return interval_keeps(retention_interval, previous_tokens) or held
+
+    def prefill_entry(self, num_tokens: int) -> Entry:
+        """How a freed prefill checkpoint at ``num_tokens`` ranks."""
+        if is_prefill_anchor(num_tokens, self.prefill_anchor):
+            return Entry.PREFILL_ANCHOR
+        return Entry.PREFILL
+
+
+# -- the chunk cut ---------------------------------------------------------------
+
+
+def state_checkpoint_block(
+    kv_cache_config: KVCacheConfig, mamba_cache_mode: str
+) -> int | None:
+    """The state block prefill chunks must end on (align mode), when longer
+    than the attention block; None otherwise (upstream's alignment is right).
+    """
+    if mamba_cache_mode != "align":
+        return None
+    state, token = set(), set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        (state if isinstance(spec, MambaSpec) else token).add(spec.block_size)
+    if len(state) != 1 or not token:
+        return None
+    (block,) = state
+    return block if block > min(token) else None
+
+
+def pacing_page(kv_cache_config: KVCacheConfig, mamba_cache_mode: str) -> int | None:
+    """The page paced steps end chunks on: the state page in tokens, rounded
+    up to the state block; None outside align mode or without a state pool."""
+    if mamba_cache_mode != "align" or not isinstance(
+        kv_cache_config, PooledKVCacheConfig
+    ):
+        return None
+    if not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
+        return None
+    state = kv_cache_config.pool_by_kind(PoolKind.STATE)
+    block = kv_cache_config.kv_cache_groups[state.group_ids[0]].kv_cache_spec.block_size
+    return cdiv(state_page_tokens(kv_cache_config), block) * block
+
+
+def paced_step_budget(
+    budget: int, page: int | None, pacing: PrefillPacing
+) -> int | None:
+    """The token budget of a paced step: the largest multiple of ``page``
+    within ``budget``; None when steps are never paced (``FILL``, no page,
+    or a budget under :data:`~.eviction.PACING_MIN_PAGES` pages)."""
+    if pacing is PrefillPacing.FILL or page is None:
+        return None
+    pages = budget // page
+    return pages * page if pages >= PACING_MIN_PAGES else None
+
+
+def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
+    """``VLLM_HYBRID_PREFILL_PACING`` when set, else
+    :data:`~.eviction.PREFILL_PACING`."""
+    return envs.choice(envs.PREFILL_PACING_VAR, PREFILL_PACING, environ)
+
+
+def paces(num_waiting: int, paced_budget: int | None) -> bool:
+    """Whether a step is paced: pacing is on for the plan (a paced budget)
+    and at most :data:`~.eviction.PACING_MAX_WAITING` requests wait."""
+    return paced_budget is not None and num_waiting <= PACING_MAX_WAITING
+
+
+def checkpoints_on_pace(interval: int, page: int | None) -> bool:
+    """Whether prefill checkpoints lie on page multiples, where paced chunks
+    end anyway (so a paced step keeps them without cutting for them)."""
+    return bool(page and interval % page == 0)
+
+
+def prefill_end(request: Request) -> int:
+    """The position a request's prefill ends at: its prompt, or for a
+    resumed request the output tokens it replays, as upstream's split."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
+def decode_room(running: list[Request]) -> dict[str, int]:
+    """Per prefilling request in ``running`` with decodes after it, the
+    tokens those schedule this step (one each, plus draft tokens)."""
+    room: dict[str, int] = {}
+    behind = 0
+    for request in reversed(running):
+        if request.num_computed_tokens < prefill_end(request):
+            if behind:
+                room[request.request_id] = behind
+            continue
+        behind += 1 + len(request.spec_token_ids)
+    return room
+
+
+def paced_chunk(request: Request, start: int, num_new_tokens: int, page: int) -> int:
+    """The chunk a paced step allows, ended on a multiple of ``page`` unless
+    it finishes the prompt (as upstream's split on its block); 0: none fits."""
+    end = start + num_new_tokens
+    if end >= prefill_end(request):
+        return num_new_tokens
+    return max(end // page * page - start, 0)
+
+
+def budget_chunk(
+    request: Request, start: int, num_new_tokens: int, room: int, page: int | None
+) -> int | None:
+    """The chunk handed to upstream's align split: less the ``room`` the
+    decodes behind it take when the budget cut it, then ended on a ``page``
+    multiple in a paced step (``page`` None: not paced); None when either
+    leaves nothing, and the request computes nothing this step."""
+    if room and start + num_new_tokens < prefill_end(request):
+        num_new_tokens = max(num_new_tokens - room, 0)
+        if num_new_tokens == 0:
+            return None
+    if page is not None:
+        num_new_tokens = paced_chunk(request, start, num_new_tokens, page)
+        if num_new_tokens == 0:
+            return None
+    return num_new_tokens
+
+
+def checkpoint_chunk(
+    request: Request,
+    start: int,
+    num_new_tokens: int,
+    interval: int,
+    block: int,
+    paced_on_checkpoints: bool,
+) -> int:
+    """The aligned chunk, ended where a prefill checkpoint needs its state.
+
+    Normally at the next checkpoint it would run past. A paced step whose
+    page multiples carry the checkpoints keeps those its chunk ends on; only
+    a chunk reaching the prompt's own checkpoint stops at the last prefill
+    checkpoint before it, as upstream's split stops at its last block edge,
+    so that a first reuse of the prefix finds it.
+    """
+    prompt = request.num_prompt_tokens
+    if paced_on_checkpoints:
+        end = start + num_new_tokens
+        if end < prompt_checkpoint(prompt, block):
+            return num_new_tokens
+        stop = last_prefill_checkpoint(start, end, prompt, interval, block)
+        return num_new_tokens if stop is None else stop - start
+    stop = next_prefill_checkpoint(start, prompt, interval, block)
+    if stop is not None and stop < start + num_new_tokens:
+        return stop - start
+    return num_new_tokens
