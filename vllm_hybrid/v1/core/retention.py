@@ -140,7 +140,9 @@ class TurnEndRetentionMixin:
                 if _align_mode(manager):
                     _drop_in_place_key(manager, request.request_id)
             return
-        replay = self._replay_positions(request)
+        replay = replay_positions(
+            request, self.scheduler_block_size, bool(self.eagle_group_ids)
+        )
         for group_id, manager in enumerate(self.single_type_managers):
             if not manager.enable_caching:
                 continue
@@ -203,12 +205,6 @@ class TurnEndRetentionMixin:
         noted.append((group_id, DecodeCheckpoint(block, block.block_hash, num_tokens)))
         counts.prefill_cached += 1
 
-    def _replay_positions(self, request: Request) -> tuple[int, ...]:
-        """Upstream's semantic positions of the request's prompt."""
-        return replay_positions(
-            request, self.scheduler_block_size, bool(self.eagle_group_ids)
-        )
-
     def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
         """Whether a request crossing the state block edge ``edge`` (tokens;
         ``block``: the state block) must keep the state there in a block of
@@ -216,15 +212,15 @@ class TurnEndRetentionMixin:
         CheckpointPolicy.keeps_edge`); an unknown request keeps it. False
         lets the pooled coordinator cross the edge in place."""
         request = self._requests.get(request_id)
-        policy = self.checkpoint_policy
-        if request is None or policy.decode_edges is DecodeEdges.EVERY:
+        if request is None:
             return True
-        return policy.keeps_edge(
+        return self.checkpoint_policy.keeps_edge(
             request,
             edge,
             block,
             self.retention_interval,
-            self._replay_positions(request),
+            self.scheduler_block_size,
+            bool(self.eagle_group_ids),
         )
 
     def _supersede(

@@ -3,12 +3,10 @@ where prefill chunks end.
 
 In align mode a Mamba/GDN state reaches a block only where a prefill chunk
 ends or a decode crosses a state block edge, and is cached only where a
-position is kept. A position kept but never written is a lost hit, one
-written but not kept a lost copy, so positions, ranks and the chunk cut are
-one policy, decided here. The retention mixin (:mod:`vllm_hybrid.v1.core.
-retention`), the pooled scheduler (:mod:`vllm_hybrid.v1.core.sched.scheduler`)
-and the engine glue (:mod:`.engine`) keep the per-request bookkeeping and ask
-this module; the eviction order itself is data in :mod:`.eviction`.
+position is kept: kept but never written is a lost hit, written but not kept
+a lost copy, so both are decided here, with the ranks. Retention, the pooled
+scheduler and the engine glue keep the bookkeeping and ask this module; the
+eviction order itself is data in :mod:`.eviction`.
 
 Positions (:class:`CheckpointPolicy`): the prompt's own checkpoint (its
 replay boundary) and shared-prefix junctions, as upstream; every multiple of
@@ -34,6 +32,14 @@ at the next prefill checkpoint it would run past; a paced step
 (:class:`~.eviction.PrefillPacing`) ends chunks on state page multiples and
 keeps the checkpoints there without extra cuts; a chunk the token budget cut
 leaves room for the decodes behind it (:data:`~.eviction.DECODE_ROOM`).
+
+Toward costed eviction (not implemented): ranks are kinds, each filed at a
+fixed place (:data:`~.eviction.PLACES`). Recomputation saved per byte held,
+with recency, would make the rank a score computed here, where the facts
+meet: the tokens a hit skips (the position less the nearest kept one below),
+their prefill cost, the bytes held (a state block, attention KV per token),
+decayed since the entry was freed or last hit. Free queues would order a
+segment by score, attention KV and states in one currency; adapters stay.
 """
 
 from __future__ import annotations
@@ -60,8 +66,8 @@ from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-#: Share of the arena one ``max_model_len`` prompt's prefill checkpoints may
-#: hold at most, as its inverse.
+#: Inverse share of the arena one ``max_model_len`` prompt's prefill
+#: checkpoints may hold at most.
 ARENA_SHARE_INVERSE = 4
 
 
@@ -216,22 +222,19 @@ def replay_positions(
 
 
 def decode_checkpoint_edge(num_tokens: int, block: int, prompt_len: int) -> int | None:
-    """The decode checkpoint a state group caching ``num_tokens`` holds: its
-    last edge, when past the prompt. Up to the prompt the last full block is
-    the prompt's own checkpoint, which a later decode edge must never
-    supersede (a resent prompt would lose its hit)."""
+    """The decode checkpoint a group caching ``num_tokens`` holds: its last
+    edge past the prompt. Up to it, the last block is the prompt's own
+    checkpoint, which no decode edge may supersede (a resent prompt hits it)."""
     edge = num_tokens // block * block
     return edge if edge > prompt_len else None
 
 
 class StatePositions(NamedTuple):
-    """The positions one caching call keeps in one state group."""
+    """One caching call's positions in a state group: the boundaries for
+    upstream's ``cache_blocks``, prefill checkpoints, a turn end or not."""
 
-    #: Every boundary handed to upstream's ``cache_blocks``.
     boundaries: tuple[int, ...]
-    #: The prompt's prefill checkpoints in this group.
     prefill: range
-    #: Whether the cached tokens end on a kept turn end.
     turn_end: bool
 
 
@@ -257,8 +260,7 @@ class CheckpointPolicy:
         prefill_anchor: int = 0,
         decode_edges: DecodeEdges = DecodeEdges.EVERY,
     ) -> CheckpointPolicy:
-        """The policy of a coordinator's options; decode edges only count
-        where turn ends are kept."""
+        """A coordinator's policy: decode edges count where turn ends do."""
         edges = decode_edges if retain else DecodeEdges.NONE
         return cls(retain, edges, prefill_interval, prefill_anchor)
 
@@ -322,12 +324,13 @@ class CheckpointPolicy:
         edge: int,
         block: int,
         retention_interval: int | None,
-        replay: tuple[int, ...],
+        scheduler_block: int,
+        use_eagle: bool,
     ) -> bool:
         """Whether a request crossing the state block edge ``edge`` must keep
         the state there in a block of its own (else it may cross in place):
         every edge with ``EVERY`` (vLLM's align mode), under dense retention
-        or on the retention interval; in the prompt its ``replay`` boundaries,
+        or on the retention interval; in the prompt its replay boundaries,
         a junction, the prefill checkpoints; past it the turn end."""
         if self.decode_edges is DecodeEdges.EVERY:
             return True
@@ -336,6 +339,7 @@ class CheckpointPolicy:
         prompt = request.num_prompt_tokens
         if edge > prompt:
             return self.keeps_turn_end(request, edge + 1, block, retention_interval)
+        replay = replay_positions(request, scheduler_block, use_eagle)
         boundaries = [*replay, request.shared_prefix_boundary or 0]
         if any(b // block * block == edge for b in boundaries if b):
             return True
@@ -416,8 +420,8 @@ def paces(num_waiting: int, paced_budget: int | None) -> bool:
 
 
 def checkpoints_on_pace(interval: int, page: int | None) -> bool:
-    """Whether prefill checkpoints lie on page multiples, where paced chunks
-    end anyway (so a paced step keeps them without cutting for them)."""
+    """Whether prefill checkpoints lie on the page multiples paced chunks
+    end on anyway."""
     return bool(page and interval % page == 0)
 
 
@@ -453,10 +457,9 @@ def paced_chunk(request: Request, start: int, num_new_tokens: int, page: int) ->
 def budget_chunk(
     request: Request, start: int, num_new_tokens: int, room: int, page: int | None
 ) -> int | None:
-    """The chunk handed to upstream's align split: less the ``room`` the
-    decodes behind it take when the budget cut it, then ended on a ``page``
-    multiple in a paced step (``page`` None: not paced); None when either
-    leaves nothing, and the request computes nothing this step."""
+    """The chunk for upstream's align split: less the decodes' ``room`` when
+    the budget cut it, ended on a ``page`` multiple in a paced step (None:
+    not paced); None when nothing is left to compute this step."""
     if room and start + num_new_tokens < prefill_end(request):
         num_new_tokens = max(num_new_tokens - room, 0)
         if num_new_tokens == 0:
