@@ -23,6 +23,11 @@ the eviction order (:mod:`vllm_hybrid.v1.core.pooled.eviction`) evicts before
 any other cached block, so it never pushes another cache entry out.
 With ``--prefix-cache-retention-interval`` unset to dense retention (None)
 upstream already keeps every edge and nothing here runs.
+
+Which positions are kept (turn ends, prefill checkpoints, the edges a request
+may not cross in place) and how a freed checkpoint ranks are decided by
+:mod:`vllm_hybrid.v1.core.pooled.checkpoint_policy`; this mixin records what
+each request cached and ranks it once freed.
 """
 
 from __future__ import annotations
