@@ -6,8 +6,8 @@ runs, in layers:
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
 * :mod:`.engine`: engines, driven by the simulator's ``Driver``;
-* :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
-  (many_short, one_long, multi_turn, same_tokens), with the prompts of
+* :mod:`.workloads`: what runs on the engines (many_short, one_long,
+  multi_turn), with the prompts of
   :mod:`vllm_hybrid.tools.workloads` and the step and checkpoint counts of
   :mod:`vllm_hybrid.tools.simulate`;
 * :mod:`.worker`: one model in one mode, in its own process (the overlay
@@ -17,18 +17,9 @@ runs, in layers:
 * :mod:`.cli`: the options.
 
 What each workload and metric means: ``docs/benchmarks.md``, "How
-bench_pooled measures". Other benchmarks and the tests reuse the names below.
+bench_pooled measures". The TurboQuant engine test reuses ``BenchConfig``.
 """
 
-from .config import MIB, BenchConfig
-from .engine import EngineSpec, open_engine
-from .worker import WorkerReport, one_long_part
+from .config import BenchConfig
 
-__all__ = [
-    "MIB",
-    "BenchConfig",
-    "EngineSpec",
-    "WorkerReport",
-    "one_long_part",
-    "open_engine",
-]
+__all__ = ["BenchConfig"]

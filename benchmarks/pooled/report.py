@@ -8,8 +8,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .same_tokens import first_difference_gap, same_as_pc_off, tokens_verdict
-
 if TYPE_CHECKING:
     from .driver import WorkerRun
 
@@ -84,38 +82,36 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(out)
 
 
-#: Table rows per workload: (result path inside the workload, label).
-MANY_SHORT_ROWS: tuple[tuple[str, str], ...] = (
-    ("peak_running", "peak running requests"),
+#: Table rows per workload: (result path inside the workload, label); the
+#: counts are the simulator's (``workloads._counted``).
+COUNTED_ROWS: tuple[tuple[str, str], ...] = (
     ("preemptions", "preemptions"),
-    ("needed_over_reserved_at_peak", "needed/reserved at peak"),
-    ("max_needed_over_reserved", "needed/reserved max"),
-    ("mean_needed_over_reserved", "needed/reserved mean"),
-    ("steps", "engine steps"),
+    ("engine_steps", "engine steps"),
     ("output_tok_per_s", "output tokens/s"),
     ("output_tok_per_cpu_s", "output tokens/CPU s"),
     ("wall_s", "wall s"),
     ("cpu_s", "CPU s"),
 )
+MANY_SHORT_ROWS: tuple[tuple[str, str], ...] = (
+    ("peak_running", "peak running requests"),
+    ("needed_over_reserved_at_peak", "needed/reserved at peak"),
+    ("max_needed_over_reserved", "needed/reserved max"),
+    ("mean_needed_over_reserved", "needed/reserved mean"),
+    *COUNTED_ROWS,
+)
 MULTI_TURN_ROWS: tuple[tuple[str, str], ...] = (
     ("hit_rate", "prefix hit rate (tokens)"),
     ("hit_rate_first_turn", "hit rate, first turn"),
-    ("cached_tokens_first_turn", "cached tokens, first turn"),
+    ("hit_tokens_first_turn", "hit tokens, first turn"),
     ("hit_rate_last_turn", "hit rate, last turn"),
     ("coupled_evictions", "coupled evictions"),
-    ("cached_tokens", "cached tokens"),
+    ("hit_tokens", "hit tokens"),
     ("prompt_tokens", "prompt tokens"),
-    ("preemptions", "preemptions"),
-    ("steps", "engine steps"),
-    ("output_tok_per_s", "output tokens/s"),
-    ("output_tok_per_cpu_s", "output tokens/CPU s"),
-    ("wall_s", "wall s"),
-    ("cpu_s", "CPU s"),
-    # align-mode state counts (``workloads._state_counts``), prefix caching only
+    *COUNTED_ROWS,
     ("state_copies", "state copies"),
     ("checkpoints_cached", "checkpoints cached"),
-    ("tokens_scheduled", "tokens scheduled"),
-    ("prefill_tokens_computed", "prefill tokens computed"),
+    ("prefill_tokens", "prefill tokens computed"),
+    ("decode_tokens", "decode tokens"),
     ("prefill_checkpoint_cuts", "prefill chunks cut at a checkpoint"),
 )
 ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
@@ -127,7 +123,6 @@ ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
     ("failed_tries_preempted", "tries preempted"),
     ("failed_tries_stalled", "tries stalled"),
     ("max_model_len", "max_model_len used"),
-    ("auto_fit_refused", "refused max_model_len=-1"),
     ("engine_start_error", "engine start error"),
 )
 
@@ -147,7 +142,7 @@ def _metric(workload: dict[str, Any], key: str) -> Any:
 ENGINE_ROWS: tuple[tuple[str, str], ...] = (
     ("kv_layout", "kv layout"),
     ("kv_bytes_total", "kv bytes in blocks"),
-    ("reported_capacity_tokens", "reported capacity tokens"),
+    ("token_capacity", "reported capacity tokens"),
     ("max_model_len", "max_model_len"),
     ("start_s", "start s"),
 )
@@ -180,45 +175,10 @@ def start_error_notes(runs: Sequence[WorkerRun]) -> list[str]:
     notes = []
     for run in runs:
         for name, engine in _engines(run.report).items():
-            for key in ("auto_fit_error", "start_error"):
-                if engine.get(key):
-                    notes.append(f"{run.model}/{run.mode} {name} {key}: {engine[key]}")
+            if engine.get("start_error"):
+                error = engine["start_error"]
+                notes.append(f"{run.model}/{run.mode} {name} start_error: {error}")
     return notes
-
-
-def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
-    """Token-for-token equality per configuration, plus preemption counts.
-
-    Besides overlay vs upstream, each configuration is compared with the
-    ``pc_off`` run of the same mode: a difference there in both modes means
-    numerics (prefix-cache state, recomputation) rather than the overlay.
-    """
-    cu = _workload(up, "same_tokens").get("configs", {})
-    co = _workload(ov, "same_tokens").get("configs", {})
-    rows: list[Row] = []
-    for name in list(dict.fromkeys([*cu, *co])):
-        a, b = cu.get(name, {}), co.get(name, {})
-        where = f"same_tokens {name}"
-        verdict = tokens_verdict(a["tokens"], b["tokens"]) if a and b else "missing"
-        rows.append(Row(model, where, "overlay == upstream", "", verdict))
-        if a and b and a["tokens"] != b["tokens"]:
-            gaps = (
-                first_difference_gap(a, b["tokens"]),
-                first_difference_gap(b, a["tokens"]),
-            )
-            rows.append(Row(model, where, "top-2 logprob gap, 1st diff", *gaps))
-        if name != "pc_off":
-            same = same_as_pc_off(cu, name), same_as_pc_off(co, name)
-            rows.append(Row(model, where, "== pc_off, same mode", *same))
-        rows += [
-            Row(model, where, key.replace("_", " "), a.get(key), b.get(key))
-            for key in ("preemptions", "cached_tokens")
-        ]
-    if cu or co:
-        wu, wo = _workload(up, "same_tokens"), _workload(ov, "same_tokens")
-        for key, label in (("omp_threads", "OpenMP threads"), ("wall_s", "wall s")):
-            rows.append(Row(model, "same_tokens", label, wu.get(key), wo.get(key)))
-    return rows
 
 
 def comparison_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
@@ -246,7 +206,6 @@ def comparison_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
             rows.append(Row(model, f"one_long {part}", label, a, b))
         walls = wu.get("wall_s"), wo.get("wall_s")
         rows.append(Row(model, f"one_long {part}", "wall s", *walls))
-    rows += _same_tokens_rows(model, up, ov)
     return rows
 
 

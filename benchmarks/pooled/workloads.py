@@ -1,15 +1,21 @@
-"""The many_short, multi_turn and one_long workloads on an open engine
-(same_tokens is in :mod:`.same_tokens`)."""
+"""The many_short, multi_turn and one_long workloads on an open engine.
+
+many_short and multi_turn are the simulator's workloads, run as
+``vllm-hybrid simulate`` runs them (one drive each) and counted by its
+:func:`~vllm_hybrid.tools.simulate.session.summarize`, under its names
+(``hit_tokens``, ``prefill_tokens``, ...); what only a real engine shows is
+added: bytes needed against bytes reserved, and this process's times."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
 from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
+from vllm_hybrid.tools.simulate.session import summarize
 from vllm_hybrid.tools.simulate.sources import (
     ManyShortShape,
     ManyShortWorkload,
@@ -47,17 +53,22 @@ def _per(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def _totals(results: Sequence[Drive]) -> dict[str, Any]:
-    """Steps, preemptions, decoded tokens and their rates over drives."""
-    out_tokens = sum(r.output_tokens() for r in results)
-    wall, cpu = sum(r.wall_s for r in results), sum(r.cpu_s for r in results)
-    return {
-        "preemptions": sum(r.preemptions for r in results),
-        "steps": sum(r.steps for r in results),
-        "output_tokens": out_tokens,
-        "output_tok_per_s": _per(out_tokens, wall),
-        "cpu_s": cpu,
-        "output_tok_per_cpu_s": _per(out_tokens, cpu),
+def _counted(result: Drive, checkpoints: float | None = None) -> dict[str, Any]:
+    """The simulator's counted figures of a drive (``checkpoints``: state
+    checkpoints it cached; None without prefix caching), the state copies
+    that moved a state, and decoded tokens per second of wall and CPU
+    time."""
+    counted = summarize(result.result, 0.0, checkpoints or 0.0)["counted"]
+    for key in ("copy_bytes", "floor_tokens", "state_copies", "state_self_copies"):
+        counted.pop(key)
+    if checkpoints is None:
+        counted.pop("checkpoints_cached")
+    out = counted["output_tokens"]
+    return counted | {
+        "state_copies": result.result.steps.copies_moved,
+        "output_tok_per_s": _per(out, result.wall_s),
+        "cpu_s": result.cpu_s,
+        "output_tok_per_cpu_s": _per(out, result.cpu_s),
     }
 
 
@@ -82,13 +93,11 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     engine's budget."""
     geometry = kv_geometry(engine.scheduler.kv_cache_config)
     shape = _shape(ManyShortShape, cfg, "many_short")
-    workload = ManyShortWorkload(shape, engine.vocab())
-    result = drive(engine, workload, cfg, geometry=geometry)
+    result = drive(engine, ManyShortWorkload(shape, engine.vocab()), cfg, geometry)
     check_finished(result, "many_short")
     metrics = {
         **_peak_samples(result.samples),
-        **_totals([result]),
-        "prompt_tokens": sum(len(p) for p in workload.prompts),
+        **_counted(result),
         "attn_bytes_per_token": geometry.attn_bytes_per_token,
         "state_bytes_per_request": geometry.state_bytes_per_request,
     }
@@ -101,80 +110,51 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
 
 
-def _state_counts(engine: Engine) -> Callable[[], dict[str, Any]]:
-    """What a workload does to align-mode states, counted from this call on
-    by the simulator's code, so ``vllm-hybrid simulate`` counts alike: state
-    copies and scheduled tokens (its step observer), checkpoints entered into
-    the prefix cache (its probe), and pooled mode's prefill chunks cut at a
-    checkpoint (the scheduler's count). Nothing without prefix caching."""
-    checkpoints = engine.count_checkpoints()
-    if checkpoints is None:
-        return dict
-    steps, scheduler = engine.steps().observer, engine.scheduler
-    before = replace(steps.total)
-    cached_before = checkpoints.checkpoints
-    cuts_before = getattr(scheduler, "prefill_checkpoint_cuts", None)
-
-    def since() -> dict[str, Any]:
-        now = steps.total
-        cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
-        prefill = now.prefill_tokens - before.prefill_tokens
-        return {
-            "state_copies": now.copies_moved - before.copies_moved,
-            "checkpoints_cached": checkpoints.checkpoints - cached_before,
-            "tokens_scheduled": prefill + now.decode_tokens - before.decode_tokens,
-            "prefill_tokens_computed": prefill,
-            "prefill_checkpoint_cuts": None if cuts is None else cuts - cuts_before,
-        }
-
-    return since
+def _turn(result: Drive, turn: int) -> dict[str, Any]:
+    """Prompt tokens and prefix hits of one turn of every conversation (the
+    simulator's request ids end with the turn)."""
+    timings = result.result.timings
+    turn_of = [t for rid, t in timings.items() if rid.endswith(f"-turn{turn}")]
+    prompt = sum(t.prompt_tokens for t in turn_of)
+    hit = sum(t.cached_tokens for t in turn_of)
+    return {
+        "turn": turn,
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_rate": hit / prompt if prompt else None,
+    }
 
 
 def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Conversations sharing a system prefix, run turn by turn: the
-    simulator's :class:`~vllm_hybrid.tools.simulate.sources.MultiTurnWorkload`
-    (same ids and prompts), one drive per turn."""
+    """Conversations sharing a system prefix, turn by turn: the simulator's
+    :class:`~vllm_hybrid.tools.simulate.sources.MultiTurnWorkload` (each turn
+    goes out when the last has finished) in one drive from a cold prefix
+    cache. With prefix caching, the state checkpoints it cached (the
+    simulator's probe) and pooled mode's prefill chunks cut at a checkpoint
+    (the scheduler's count; None upstream)."""
     engine.reset_prefix_cache()
-    evicted_before = coupled_evictions(engine.scheduler)
-    state_counts = _state_counts(engine)
+    scheduler = engine.scheduler
+    evicted = coupled_evictions(scheduler)
+    cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
+    probe = engine.count_checkpoints()
+    cached = None if probe is None else probe.checkpoints
     shape = _shape(MultiTurnShape, cfg, "multi_turn")
-    workload = MultiTurnWorkload(shape, engine.vocab())
-    per_turn: list[dict[str, Any]] = []
-    results: list[Drive] = []
-    for turn in range(cfg.multi_turn_turns):
-        # one drive per turn: the workload sends the next turn once this
-        # one has finished, and the driver ends when it has
-        result = drive(engine, workload, cfg)
-        check_finished(result, f"multi_turn turn {turn}")
-        turn_cached = result.cached_tokens()
-        turn_prompt = sum(t.prompt_tokens for t in result.result.timings.values())
-        per_turn.append(
-            {
-                "turn": turn,
-                "prompt_tokens": turn_prompt,
-                "cached_tokens": turn_cached,
-                "hit_rate": turn_cached / turn_prompt,
-                "preemptions": result.preemptions,
-            }
-        )
-        results.append(result)
-    cached = sum(t["cached_tokens"] for t in per_turn)
-    prompt_tokens = sum(t["prompt_tokens"] for t in per_turn)
-    evicted = coupled_evictions(engine.scheduler)
-    metrics = {
-        "hit_rate": cached / prompt_tokens if prompt_tokens else None,
-        "hit_rate_first_turn": per_turn[0]["hit_rate"] if per_turn else None,
-        "cached_tokens_first_turn": per_turn[0]["cached_tokens"] if per_turn else None,
-        "hit_rate_last_turn": per_turn[-1]["hit_rate"] if per_turn else None,
-        "coupled_evictions": None if evicted is None else evicted - evicted_before,
-        "cached_tokens": cached,
-        "prompt_tokens": prompt_tokens,
-        **_totals(results),
-        "requests": len(per_turn) * cfg.multi_turn_conversations,
+    result = drive(engine, MultiTurnWorkload(shape, engine.vocab()), cfg)
+    check_finished(result, "multi_turn")
+    turns = [_turn(result, turn) for turn in range(shape.turns)]
+    metrics = _counted(result, None if probe is None else probe.checkpoints - cached)
+    metrics |= {
+        "hit_rate_first_turn": turns[0]["hit_rate"],
+        "hit_tokens_first_turn": turns[0]["hit_tokens"],
+        "hit_rate_last_turn": turns[-1]["hit_rate"],
+        "coupled_evictions": (
+            None if evicted is None else coupled_evictions(scheduler) - evicted
+        ),
     }
-    metrics |= state_counts()
-    wall = sum(r.wall_s for r in results)
-    return {"metrics": metrics, "details": {"turns": per_turn}, "wall_s": wall}
+    if probe is not None:
+        now = getattr(scheduler, "prefill_checkpoint_cuts", None)
+        metrics["prefill_checkpoint_cuts"] = None if cuts is None else now - cuts
+    return {"metrics": metrics, "details": {"turns": turns}, "wall_s": result.wall_s}
 
 
 @dataclass(frozen=True)
@@ -207,7 +187,7 @@ def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
         if produced != cfg.one_long_output:
             outcome = "short_output"
     engine.reset_prefix_cache()
-    return Try(length, outcome, result.steps, round(result.wall_s, 2))
+    return Try(length, outcome, result.result.engine_steps, round(result.wall_s, 2))
 
 
 def longest_completing(

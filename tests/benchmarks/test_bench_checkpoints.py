@@ -2,11 +2,12 @@
 
 The benchmark counts them with the simulator's code (``vllm-hybrid
 simulate`` reports the same figures): state copies and scheduled tokens from
-its step observer, checkpoints entered into the prefix cache from its probe.
-The fast tests drive that code through the benchmark's ``Engine`` on real
-upstream objects (a ``KVCacheManager`` with align-mode GDN groups over one
-``BlockPool``); the slow test runs the benchmark's multi_turn, upstream and
-pooled mode, and checks the counts against the engine's own outputs.
+its step observer (tests/tools/test_simulate.py), checkpoints entered into
+the prefix cache from its probe. The fast test drives the probe through the
+benchmark's ``Engine`` on real upstream objects (a ``KVCacheManager`` with
+align-mode GDN groups over one ``BlockPool``); the slow test runs the
+benchmark's multi_turn, upstream and pooled mode, and checks the counts
+against the engine's own outputs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.pooled import cli, config, engine, workloads
+from benchmarks.pooled import cli, config, engine
 
 
 def _align_manager():
@@ -39,15 +40,11 @@ def _align_manager():
 
 
 class _BareEngine(engine.Engine):
-    """The benchmark's ``Engine`` over a bare scheduler (no ``vllm.LLM``),
-    with the simulator's step observer for 256-token state blocks."""
+    """The benchmark's ``Engine`` over a bare scheduler (no ``vllm.LLM``)."""
 
     def __init__(self, scheduler, prefix_caching: bool = True):
-        from vllm_hybrid.tools.simulate.steps import StepObserver
-
-        spec = SimpleNamespace(prefix_caching=prefix_caching)
-        super().__init__(llm=None, spec=spec, start_s=0.0)
-        self.probes["steps"] = SimpleNamespace(observer=StepObserver(256, 0))
+        kwargs = {"enable_prefix_caching": prefix_caching}
+        super().__init__(llm=None, kwargs=kwargs, start_s=0.0)
         self._scheduler = scheduler
 
     @property
@@ -55,88 +52,39 @@ class _BareEngine(engine.Engine):
         return self._scheduler
 
 
-def _output(new=(), cached=(), scheduled=None):
-    """A ``SchedulerOutput`` with what the step observer reads: ``new`` and
-    ``cached`` are (request id, computed tokens); a new request's prompt
-    ends with its chunk, and it holds one block per group."""
-    scheduled = scheduled or {}
-    return SimpleNamespace(
-        finished_req_ids=set(),
-        preempted_req_ids=set(),
-        kv_cache_block_copies=None,
-        scheduled_new_reqs=[
-            SimpleNamespace(
-                req_id=r,
-                num_computed_tokens=c,
-                prompt_token_ids=[0] * (c + scheduled[r]),
-                block_ids=([7], [8], [9], [10]),
-            )
-            for r, c in new
-        ],
-        scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _ in cached],
-            num_computed_tokens=[c for _, c in cached],
-            new_block_ids=[None for _ in cached],
-            resumed_req_ids=set(),
-        ),
-        num_scheduled_tokens=scheduled,
-    )
-
-
-def test_state_counts_since_the_workload_began_in_whole_request_states():
+def test_checkpoints_are_counted_in_whole_request_states():
     """Block 256: one full block cached in every group is one checkpoint
     (three state keys over three state groups; attention is not counted).
-    A new request copies its hit's checkpoint and a running one copies its
-    state when its chunk ends in another block column: two copies."""
+    The probe is attached once, and not at all without prefix caching (no
+    align-mode state groups)."""
     from vllm.v1.core.kv_cache_utils import BlockHash
 
     manager = _align_manager()
-    scheduler = SimpleNamespace(kv_cache_manager=manager, prefill_checkpoint_cuts=4)
-    bare = _BareEngine(scheduler)
-    steps = bare.steps().observer
-    steps.observe(_output([("c", 0), ("d", 0)], (), {"c": 300, "d": 512}))
-    since = workloads._state_counts(bare)
-    assert bare.count_checkpoints() is bare.count_checkpoints()  # attached once
+    bare = _BareEngine(SimpleNamespace(kv_cache_manager=manager))
+    probe = bare.count_checkpoints()
+    assert bare.count_checkpoints() is probe
+    assert probe.checkpoints == 0
     managers = manager.coordinator.single_type_managers
     request = SimpleNamespace(request_id="r", block_hashes=[BlockHash(b"h1")])
     for gid in (0, 1, 2, 3):
         blocks = managers[gid].allocate_new_blocks("r", 256, 256)
         manager.block_pool.cache_full_blocks(request, blocks, 0, 1, 256, gid)
         manager.block_pool.cache_full_blocks(request, blocks, 1, 1, 256, gid)
-    # a: fresh prefill (no state yet); b: a prefix hit at 256 taken over;
-    # c: a decode step inside its block; d: a decode step crossing the edge at
-    # 512
-    steps.observe(
-        _output(
-            [("a", 0), ("b", 256)],
-            [("c", 300), ("d", 512)],
-            {"a": 256, "b": 44, "c": 1, "d": 1},
-        )
-    )
-    scheduler.prefill_checkpoint_cuts += 1
-    assert since() == {
-        "state_copies": 2,
-        "checkpoints_cached": 1.0,
-        "tokens_scheduled": 302,
-        "prefill_tokens_computed": 300,
-        "prefill_checkpoint_cuts": 1,
-    }
-    upstream = _BareEngine(SimpleNamespace(kv_cache_manager=_align_manager()))
-    assert workloads._state_counts(upstream)()["prefill_checkpoint_cuts"] is None
-    no_caching = _BareEngine(scheduler, prefix_caching=False)
+    assert probe.checkpoints == 1.0
+    no_caching = _BareEngine(SimpleNamespace(kv_cache_manager=manager), False)
     assert no_caching.count_checkpoints() is None
-    assert workloads._state_counts(no_caching)() == {}
 
 
-def test_workloads_are_the_four_default_ones():
+def test_workloads_are_the_three_default_ones():
     """chat_server and two_turn left the benchmark: ``vllm-hybrid simulate
     --workload chat_server`` counts the first with the same scheduler and
     workload, tests/v1/core/test_turn_end_retention.py checks where a
-    follow-up turn hits."""
+    follow-up turn hits. same_tokens left it for the engine test
+    tests/v1/core/pooled/test_same_tokens.py."""
     args = cli.build_parser().parse_args([])
     assert args.workloads == list(config.WORKLOADS)
-    assert config.WORKLOADS == ("many_short", "one_long", "multi_turn", "same_tokens")
-    for gone in ("chat_server", "two_turn"):
+    assert config.WORKLOADS == ("many_short", "one_long", "multi_turn")
+    for gone in ("chat_server", "two_turn", "same_tokens"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--workloads", gone])
 
@@ -160,12 +108,12 @@ def test_multi_turn_state_counts_agree_with_the_engine(tiny_model_dir, tmp_path)
         m = result["metrics"]
         assert (m["requests"], m["output_tokens"]) == (30, 30 * 32), mode
         assert m["preemptions"] == 0, mode
-        computed = m["prompt_tokens"] - m["cached_tokens"]
-        assert m["prefill_tokens_computed"] == computed, mode
-        assert m["tokens_scheduled"] == computed + 30 * 31, mode
+        computed = m["prompt_tokens"] - m["hit_tokens"]
+        assert m["prefill_tokens"] == computed, mode
+        assert m["prefill_tokens"] + m["decode_tokens"] == computed + 30 * 31, mode
     up, pooled = runs["upstream"]["metrics"], runs["overlay"]["metrics"]
     assert (up["state_copies"], up["checkpoints_cached"]) == (57, 25)
-    assert up["prefill_tokens_computed"] == 11400
+    assert up["prefill_tokens"] == 11400
     assert up["prefill_checkpoint_cuts"] is None
     # 32-token state blocks: more edges crossed, a checkpoint at every turn end.
     # Copies that move a state: edges no checkpoint keeps are crossed in place
