@@ -22,7 +22,7 @@ from typing import Any
 # runs, so the benchmarks import as the package ``benchmarks``.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from benchmarks.harness import MIB, tiny_model  # noqa: E402
+from benchmarks.harness import MIB, markdown_table, tiny_model  # noqa: E402
 from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES  # noqa: E402
 from vllm_hybrid.tools.inproc import llm_vocab, open_llm  # noqa: E402
 from vllm_hybrid.tools.workloads import random_tokens  # noqa: E402
@@ -110,21 +110,16 @@ def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
 
 
 def format_table(report: dict[str, dict]) -> str:
-    lines = [
-        "| model | preset | positions | top-1 agreement | mean KL (nats) | max KL |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+    """The table of docs/turboquant-backend.md, "Quality"."""
+    rows = []
     for kind, results in report.items():
-        for dtype in TQ_CACHE_DTYPES:
-            r = results.get(dtype)
-            if r is None:
-                continue
-            lines.append(
-                f"| {kind} | {dtype} | {r['positions']} | "
-                f"{100 * r['top1_agreement']:.1f}% | {r['mean_kl']:.5f} | "
-                f"{r['max_kl']:.4f} |"
-            )
-    return "\n".join(lines)
+        for dtype in [d for d in TQ_CACHE_DTYPES if d in results]:
+            r = results[dtype]
+            kl = (f"{r['mean_kl']:.5f}", f"{r['max_kl']:.4f}")
+            agree = f"{100 * r['top1_agreement']:.1f}%"
+            rows.append((kind, dtype, r["positions"], agree, *kl))
+    head = ("model", "preset", "positions", "top-1 agreement", "mean KL (nats)")
+    return markdown_table((*head, "max KL"), rows)
 
 
 def main(argv: list[str] | None = None) -> int:
