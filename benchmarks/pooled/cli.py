@@ -4,7 +4,6 @@ options, most of them one :class:`BenchConfig` field each."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -21,7 +20,7 @@ from .config import (
     quick_config,
 )
 from .driver import run_driver
-from .worker import run_worker
+from .worker import worker_main
 
 
 def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str] | tuple]:
@@ -68,9 +67,6 @@ OTHER_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--gpu", "store_true", None, "CUDA graphs, 16-token blocks, model SSM dtype"),
     ("--compile", "store_true", None, "torch.compile (~35 s per engine start)"),
     ("--quick", "store_true", None, "shrunken workloads (numbers not comparable)"),
-    ("--worker", "store_true", None, argparse.SUPPRESS),
-    ("--mode", str, "overlay", argparse.SUPPRESS),
-    ("--config-json", str, None, argparse.SUPPRESS),
 )
 STATE_DTYPES = ("float32", "bfloat16", "auto")
 
@@ -95,12 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=kind, help=text)
         else:
             parser.add_argument(flag, type=kind, default=default, help=text)
+    # a worker process: its job and where its report goes (driver.py)
+    parser.add_argument(
+        "--worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS
+    )
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    if args.config_json:
-        return BenchConfig(**json.loads(args.config_json))
     if args.gpu:  # CUDA graphs, 16-token blocks, the model's SSM dtype
         import torch
 
@@ -120,12 +118,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config_from_args(args)
     if args.worker:
-        if len(args.models) != 1:
-            raise SystemExit("--worker runs exactly one model")
-        report = run_worker(
-            args.models[0], args.model_dir, args.workloads, cfg, args.mode
-        )
-        return 1 if report.errors else 0
-    return run_driver(args, cfg)
+        return worker_main(*args.worker)
+    return run_driver(args, config_from_args(args))

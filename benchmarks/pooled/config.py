@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from benchmarks.harness import MIB, REPO_ROOT
-from vllm_hybrid.tools.simulate.sources import MultiTurnShape
 
-RESULT_PREFIX = "BENCH_RESULT "
 #: Modes a run compares when ``--modes`` is not given, and every mode it
 #: accepts: the overlay's switch (``VLLM_HYBRID_KV``) of its workers off and
 #: on. A mode may name a KV cache dtype of its own after a colon
@@ -23,7 +21,7 @@ def overlay_mode(mode: str) -> bool:
 
 
 #: Every workload ``--workloads`` accepts; all run when it is not given.
-WORKLOADS: tuple[str, ...] = ("many_short", "one_long", "multi_turn")
+WORKLOADS: tuple[str, ...] = ("many_short", "one_long")
 #: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
 NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
 #: The command line entry; workers are this script started with ``--worker``.
@@ -60,12 +58,6 @@ class BenchConfig:
     one_long_output: int = 16
     #: upper bound of the one_long search, besides ``max_model_len``
     one_long_search_cap: int = 16384
-    #: multi_turn: the simulator's shape of the same workload
-    multi_turn_conversations: int = MultiTurnShape.conversations
-    multi_turn_turns: int = MultiTurnShape.turns
-    multi_turn_system_len: int = MultiTurnShape.system_len
-    multi_turn_user_len: int = MultiTurnShape.user_len
-    multi_turn_output: int = MultiTurnShape.output
     #: wall-clock cap of one engine drive ("time_limit")
     drive_time_limit_s: float = 1800.0
     #: steps without any token progress after which a drive is "stalled"
@@ -83,7 +75,5 @@ def quick_config(cfg: BenchConfig) -> BenchConfig:
     return replace(
         cfg,
         many_short_requests=8,
-        multi_turn_conversations=2,
-        multi_turn_turns=2,
         one_long_search_cap=1024,
     )

@@ -16,51 +16,47 @@ from typing import Any
 
 from vllm_hybrid.tools.simulate import runner
 
-from .config import BENCH_SCRIPT, MODES, RESULT_PREFIX, BenchConfig, overlay_mode
-from .report import Row, comparison_rows, format_table, run_failures, start_error_notes
+from .config import BENCH_SCRIPT, MODES, BenchConfig, overlay_mode
+from .report import Row, comparison_rows, format_table, run_failures
 
 
 @dataclass(frozen=True)
 class WorkerRun:
-    """One finished worker subprocess."""
+    """One finished worker subprocess: its report, or why there is none."""
 
     model: str
     mode: str
-    returncode: int
     wall_s: float
     log_path: str
     report: dict[str, Any] | None
-
-
-def parse_result(text: str) -> dict[str, Any] | None:
-    """The last ``BENCH_RESULT`` JSON line of a worker's output."""
-    lines = [line for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(lines[-1].removeprefix(RESULT_PREFIX)) if lines else None
+    error: str = ""
 
 
 def spawn_worker(
     model: str, mode: str, args: argparse.Namespace, cfg: BenchConfig, log_dir: Path
 ) -> WorkerRun:
-    """Run one worker subprocess to completion, its output in a log file: the
-    simulator's environment (the overlay's switch, in-process engines) with
-    vLLM's log lines kept."""
-    log_path = log_dir / f"{model}-{mode}.log"
-    options = {
-        "--models": model,
-        "--workloads": ",".join(args.workloads),
-        "--model-dir": str(args.model_dir),
-        "--config-json": json.dumps(asdict(cfg)),
-        "--mode": mode,
+    """Run one worker subprocess to completion as the simulator runs its
+    workers (``runner.run_json_worker``: the overlay's switch, in-process
+    engines), with vLLM's log lines kept."""
+    name = f"{model}-{mode}"
+    payload = {
+        "model": model,
+        "mode": mode,
+        "workloads": args.workloads,
+        "model_dir": str(args.model_dir),
+        "config": asdict(cfg),
     }
-    cmd = [sys.executable, str(BENCH_SCRIPT), "--worker", *sum(options.items(), ())]
-    _say(f"{model}-{mode}: worker started, log {log_path}")
+    _say(f"{name}: worker started, log {log_dir / name}.log")
     start = time.perf_counter()
-    env = runner.worker_env(overlay_mode(mode), log_level=None)
-    returncode = runner.run_logged(cmd, env, log_path)
+    argv = [sys.executable, str(BENCH_SCRIPT), "--worker"]
+    result = runner.run_json_worker(
+        argv, payload, overlay_mode(mode), log_dir, name, log_level=None
+    )
     wall = time.perf_counter() - start
-    report = parse_result(log_path.read_text(errors="replace"))
-    _say(f"{model}-{mode}: worker exited {returncode} after {wall:.0f} s")
-    return WorkerRun(model, mode, returncode, wall, str(log_path), report)
+    error = "" if "model" in result else result["error"]  # no report written
+    _say(f"{name}: worker ended after {wall:.0f} s {error}")
+    report = None if error else result
+    return WorkerRun(model, mode, wall, str(log_dir / f"{name}.log"), report, error)
 
 
 def _say(message: str) -> None:
@@ -89,9 +85,6 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
             rows.append(Row(label, "worker", "process wall s", ref.wall_s, run.wall_s))
     print()
     print(format_table(rows))
-    notes = start_error_notes(runs)
-    if notes:
-        print("\nEngine start notes:", *notes, sep="\n  ")
     problems = run_failures(runs)
     for run in runs:
         for where, text in ((run.report or {}).get("tracebacks") or {}).items():

@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_hybrid.tools.inproc import engine_core, llm_vocab, open_llm
+from vllm_hybrid.tools.inproc import engine_core, open_llm
 from vllm_hybrid.tools.plan.geometry import KVGeometry
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
-from vllm_hybrid.tools.simulate.probes import (
-    CheckpointCount,
-    count_state_checkpoints,
-)
 from vllm_hybrid.tools.simulate.session import geometry_summary
 from vllm_hybrid.tools.simulate.sources import SimRequest, Workload
 from vllm_hybrid.tools.simulate.steps import ExecutedSteps, StepRecord
@@ -58,8 +54,9 @@ class Engine:
     #: the ``vllm.LLM`` arguments it was started with
     kwargs: dict[str, Any]
     start_s: float
-    #: measurement helpers attached to this engine (step observer, probe)
-    probes: dict[str, Any] = field(default_factory=dict)
+    #: the simulator's step observer on this engine's executor (prefill and
+    #: decode tokens, preemptions), attached on first use (:meth:`steps`)
+    observer: ExecutedSteps | None = None
 
     @property
     def core(self) -> Any:
@@ -72,9 +69,6 @@ class Engine:
     @property
     def vllm_config(self) -> Any:
         return self.llm.llm_engine.vllm_config
-
-    def vocab(self) -> list[int]:
-        return llm_vocab(self.llm)
 
     def describe(self) -> dict[str, Any]:
         """Engine facts for the report: the simulator's summary of its KV
@@ -89,26 +83,10 @@ class Engine:
             "kv_bytes_total": owned,
         }
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self.llm.reset_prefix_cache())
-
     def steps(self) -> ExecutedSteps:
-        """The simulator's step observer on this engine's executor (prefill
-        and decode tokens, preemptions, align-mode state copies), attached on
-        first use."""
-        if "steps" not in self.probes:
-            self.probes["steps"] = ExecutedSteps(self.core)
-        return self.probes["steps"]
-
-    def count_checkpoints(self) -> CheckpointCount | None:
-        """Count state checkpoints entered into the prefix cache with the
-        simulator's probe (attached once), so both tools count them alike;
-        None without prefix caching (no align-mode state groups)."""
-        if not self.kwargs["enable_prefix_caching"]:
-            return None
-        if "checkpoints" not in self.probes:
-            self.probes["checkpoints"] = count_state_checkpoints(self.scheduler)
-        return self.probes["checkpoints"]
+        if self.observer is None:
+            self.observer = ExecutedSteps(self.core)
+        return self.observer
 
 
 @contextlib.contextmanager
@@ -121,20 +99,14 @@ def open_engine(kwargs: dict[str, Any]) -> Iterator[Engine]:
 
 
 class Batch(Workload):
-    """Requests all due at once, their replies kept: one try of one_long."""
-
-    needs_replies = True
+    """Requests all due at once: one try of one_long."""
 
     def __init__(self, requests: Iterable[SimRequest]) -> None:
         self.requests = list(requests)
-        self.replies: dict[str, list[int]] = {}
 
     def due(self, now: float) -> list[SimRequest]:
         due, self.requests = self.requests, []
         return due
-
-    def finished(self, request_id: str, reply: Sequence[int], now: float) -> None:
-        self.replies[request_id] = [int(t) for t in reply]
 
 
 @dataclass

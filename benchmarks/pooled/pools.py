@@ -36,15 +36,6 @@ def kv_pools(scheduler: Any) -> list[PoolUsage]:
     ]
 
 
-def coupled_evictions(scheduler: Any) -> int | None:
-    """Blocks pooled mode evicted because the other pool made them useless
-    (coordinated prefix-cache eviction); None without coupling."""
-    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-
-    arena = arena_of(scheduler.kv_cache_manager)
-    return None if arena is None else arena.coupled_evictions()
-
-
 @dataclass(frozen=True)
 class KVSample:
     """Scheduler state after one engine step."""

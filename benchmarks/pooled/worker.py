@@ -1,5 +1,5 @@
 """One worker process: one model in one mode (the overlay switch is read
-once per process), its engines and workloads, one ``BENCH_RESULT`` line."""
+once per process), its engines and workloads, its report as JSON."""
 
 from __future__ import annotations
 
@@ -13,27 +13,16 @@ from typing import Any
 
 from benchmarks.harness import tiny_model
 from vllm_hybrid import plugin
-from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
+from vllm_hybrid.tools.plan.geometry import kv_geometry
 
-from .config import NO_PREFIX_CACHING_KINDS, RESULT_PREFIX, BenchConfig
+from .config import NO_PREFIX_CACHING_KINDS, BenchConfig
 from .engine import Engine, engine_kwargs, open_engine
-from .workloads import (
-    one_long_metrics,
-    run_many_short,
-    run_multi_turn,
-    run_one_long,
-)
-
-#: Workloads that run on the ``main`` engine, in this order.
-MAIN_ENGINE_WORKLOADS: tuple[tuple[str, Callable[..., dict[str, Any]]], ...] = (
-    ("many_short", run_many_short),
-    ("multi_turn", run_multi_turn),
-)
+from .workloads import run_many_short, run_one_long
 
 
 @dataclass
 class WorkerReport:
-    """Everything one worker process measured, printed as one JSON line."""
+    """Everything one worker process measured, written as JSON."""
 
     model: str
     mode: str
@@ -62,7 +51,7 @@ def engine_specs(
     model_path: str, kind: str, cfg: BenchConfig, mode: str = "overlay"
 ) -> dict[str, dict[str, Any]]:
     """The ``vllm.LLM`` arguments of the engines a worker in ``mode`` may
-    need, by purpose: ``main`` (many_short, multi_turn) and one_long's, one
+    need, by purpose: ``main`` (many_short) and one_long's, one
     sequence at its own budget, ``max_model_len`` auto-fitted to it (-1, the
     only setting upstream starts with at 5 MiB) and its own block size."""
     pc = kind not in NO_PREFIX_CACHING_KINDS
@@ -100,10 +89,9 @@ def _with_engine(
     name: str,
     kwargs: dict[str, Any],
     body: Callable[[Engine], None],
-    start_error_is_result: bool = False,
 ) -> None:
     """Open one engine, run ``body`` on it, record start-up facts or errors
-    (a start error is a result with ``start_error_is_result``: one_long)."""
+    (an engine that does not start is an error like any other)."""
     try:
         with open_engine(kwargs) as engine:
             report.engines[name] = {**engine.describe(), "spec": kwargs}
@@ -112,45 +100,7 @@ def _with_engine(
                 report.geometry = asdict(geometry)
             body(engine)
     except Exception as exc:
-        if start_error_is_result and name not in report.engines:
-            error = f"{type(exc).__name__}: {exc}"
-            report.engines[name] = {"spec": kwargs, "start_error": error}
-            return
         report.record_error(name, exc)
-
-
-def _run_main_engine(
-    report: WorkerReport, engine: Engine, cfg: BenchConfig, workloads: set[str]
-) -> None:
-    """many_short and multi_turn share it."""
-    for name, run in MAIN_ENGINE_WORKLOADS:
-        if name not in workloads:
-            continue
-        result = _timed(report, name, lambda run=run: run(engine, cfg))
-        if result is not None:
-            result["engine"] = "main"
-            report.workloads[name] = result
-
-
-def one_long_part(
-    report: WorkerReport, name: str, kwargs: dict[str, Any], cfg: BenchConfig
-) -> dict[str, Any]:
-    """One prefix-caching setting of one_long: the search on its engine; an
-    engine that does not start serves 0 tokens (its error in the result)."""
-    parts: dict[str, Any] = {}
-
-    def body(engine: Engine) -> None:
-        parts["result"] = run_one_long(engine, cfg)
-
-    _with_engine(report, name, kwargs, body, start_error_is_result=True)
-    result = parts.get("result")
-    started = report.engines.get(name, {})
-    if result is None:
-        geometry = KVGeometry(**report.geometry) if report.geometry else None
-        result = one_long_metrics(None, cfg, geometry, 0, [], 0.0)
-        result["metrics"]["engine_start_error"] = started.get("start_error")
-    result["metrics"]["max_model_len"] = started.get("max_model_len")
-    return result
 
 
 def _run_one_long(
@@ -162,7 +112,11 @@ def _run_one_long(
     for pc_name in ("pc_on", "pc_off"):
         name = f"one_long_{pc_name}"
         if name in specs:
-            parts[pc_name] = one_long_part(report, name, specs[name], cfg)
+
+            def search(engine: Engine, part: str = pc_name) -> None:
+                parts[part] = run_one_long(engine, cfg)
+
+            _with_engine(report, name, specs[name], search)
     if parts:
         wall = time.perf_counter() - start
         report.workloads["one_long"] = {"parts": parts, "wall_s": wall}
@@ -170,7 +124,7 @@ def _run_one_long(
 
 def run_worker(
     model: str, model_dir: Path, workloads: list[str], cfg: BenchConfig, mode: str
-):
+) -> WorkerReport:
     """Run the selected workloads for one model in ``mode`` (the overlay
     switch of this process matches it)."""
     report = WorkerReport(model=model, mode=mode)
@@ -181,13 +135,14 @@ def run_worker(
         path = str(tiny_model(model, model_dir))
         specs = engine_specs(path, model, cfg, mode)
         selected = set(workloads)
-        if selected & {name for name, _ in MAIN_ENGINE_WORKLOADS}:
-            _with_engine(
-                report,
-                "main",
-                specs["main"],
-                lambda e: _run_main_engine(report, e, cfg, selected),
-            )
+        if "many_short" in selected:
+
+            def many_short(engine: Engine) -> None:
+                run = _timed(report, "many_short", lambda: run_many_short(engine, cfg))
+                if run is not None:
+                    report.workloads["many_short"] = run
+
+            _with_engine(report, "main", specs["main"], many_short)
         if "one_long" in selected:
             _run_one_long(report, specs, cfg)
     except Exception as exc:
@@ -195,5 +150,16 @@ def run_worker(
     state = plugin.state()  # None: the overlay was never activated here
     report.overlay_active = state.active if state else None
     report.overlay_state = state.reason if state else "not activated"
-    print(RESULT_PREFIX + json.dumps(asdict(report)), flush=True)
     return report
+
+
+def worker_main(in_path: str, out_path: str) -> int:
+    """A worker process (``bench_pooled.py --worker IN OUT``, started by the
+    driver): the model, mode, workloads and settings in ``IN``, its report
+    written to ``OUT``."""
+    job = json.loads(Path(in_path).read_text())
+    cfg = BenchConfig(**job["config"])
+    model_dir = Path(job["model_dir"])
+    report = run_worker(job["model"], model_dir, job["workloads"], cfg, job["mode"])
+    Path(out_path).write_text(json.dumps(asdict(report)))
+    return 1 if report.errors else 0

@@ -1,10 +1,12 @@
-"""The many_short, multi_turn and one_long workloads on an open engine.
+"""The many_short and one_long workloads on an open engine.
 
-many_short and multi_turn are the simulator's workloads, run as
-``vllm-hybrid simulate`` runs them (one drive each) and counted by its
-:func:`~vllm_hybrid.tools.simulate.session.summarize`, under its names
-(``hit_tokens``, ``prefill_tokens``, ...); what only a real engine shows is
-added: bytes needed against bytes reserved, and this process's times."""
+many_short is the simulator's workload, run as ``vllm-hybrid simulate`` runs
+it (one drive) and counted by its
+:func:`~vllm_hybrid.tools.simulate.session.summarize`, under its names; what
+only a real engine shows is added: bytes needed against bytes reserved, and
+this process's times. one_long searches for the longest prompt a budget
+serves. Prefix hits, state copies and checkpoints of multi-turn traffic are
+the simulator's to count (``vllm-hybrid simulate --workload multi_turn``)."""
 
 from __future__ import annotations
 
@@ -14,19 +16,18 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
+from vllm_hybrid.tools.inproc import llm_vocab
 from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
 from vllm_hybrid.tools.simulate.session import summarize
 from vllm_hybrid.tools.simulate.sources import (
     ManyShortShape,
     ManyShortWorkload,
-    MultiTurnShape,
-    MultiTurnWorkload,
     SimRequest,
 )
 
 from .config import BenchConfig
 from .engine import Batch, Drive, Engine, drive
-from .pools import KVSample, coupled_evictions
+from .pools import KVSample
 
 
 def _peak_samples(samples: Sequence[KVSample]) -> dict[str, Any]:
@@ -53,19 +54,14 @@ def _per(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def _counted(result: Drive, checkpoints: float | None = None) -> dict[str, Any]:
-    """The simulator's counted figures of a drive (``checkpoints``: state
-    checkpoints it cached; None without prefix caching), the state copies
-    that moved a state, and decoded tokens per second of wall and CPU
-    time."""
-    counted = summarize(result.result, 0.0, checkpoints or 0.0)["counted"]
-    for key in ("copy_bytes", "floor_tokens", "state_copies", "state_self_copies"):
+def _counted(result: Drive) -> dict[str, Any]:
+    """The simulator's counted figures of a drive, and decoded tokens per
+    second of wall and CPU time."""
+    counted = summarize(result.result, 0.0, 0.0)["counted"]
+    for key in ("copy_bytes", "floor_tokens", "checkpoints_cached"):
         counted.pop(key)
-    if checkpoints is None:
-        counted.pop("checkpoints_cached")
     out = counted["output_tokens"]
     return counted | {
-        "state_copies": result.result.steps.copies_moved,
         "output_tok_per_s": _per(out, result.wall_s),
         "cpu_s": result.cpu_s,
         "output_tok_per_cpu_s": _per(out, result.cpu_s),
@@ -84,7 +80,7 @@ def check_finished(result: Drive, workload: str) -> None:
     if result.outcome != "finished":
         raise RuntimeError(
             f"{workload}: engine drive ended {result.outcome} after "
-            f"{result.steps} steps"
+            f"{result.result.engine_steps} steps"
         )
 
 
@@ -93,7 +89,9 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     engine's budget."""
     geometry = kv_geometry(engine.scheduler.kv_cache_config)
     shape = _shape(ManyShortShape, cfg, "many_short")
-    result = drive(engine, ManyShortWorkload(shape, engine.vocab()), cfg, geometry)
+    result = drive(
+        engine, ManyShortWorkload(shape, llm_vocab(engine.llm)), cfg, geometry
+    )
     check_finished(result, "many_short")
     metrics = {
         **_peak_samples(result.samples),
@@ -108,53 +106,6 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         ],
     }
     return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
-
-
-def _turn(result: Drive, turn: int) -> dict[str, Any]:
-    """Prompt tokens and prefix hits of one turn of every conversation (the
-    simulator's request ids end with the turn)."""
-    timings = result.result.timings
-    turn_of = [t for rid, t in timings.items() if rid.endswith(f"-turn{turn}")]
-    prompt = sum(t.prompt_tokens for t in turn_of)
-    hit = sum(t.cached_tokens for t in turn_of)
-    return {
-        "turn": turn,
-        "prompt_tokens": prompt,
-        "hit_tokens": hit,
-        "hit_rate": hit / prompt if prompt else None,
-    }
-
-
-def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Conversations sharing a system prefix, turn by turn: the simulator's
-    :class:`~vllm_hybrid.tools.simulate.sources.MultiTurnWorkload` (each turn
-    goes out when the last has finished) in one drive from a cold prefix
-    cache. With prefix caching, the state checkpoints it cached (the
-    simulator's probe) and pooled mode's prefill chunks cut at a checkpoint
-    (the scheduler's count; None upstream)."""
-    engine.reset_prefix_cache()
-    scheduler = engine.scheduler
-    evicted = coupled_evictions(scheduler)
-    cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
-    probe = engine.count_checkpoints()
-    cached = None if probe is None else probe.checkpoints
-    shape = _shape(MultiTurnShape, cfg, "multi_turn")
-    result = drive(engine, MultiTurnWorkload(shape, engine.vocab()), cfg)
-    check_finished(result, "multi_turn")
-    turns = [_turn(result, turn) for turn in range(shape.turns)]
-    metrics = _counted(result, None if probe is None else probe.checkpoints - cached)
-    metrics |= {
-        "hit_rate_first_turn": turns[0]["hit_rate"],
-        "hit_tokens_first_turn": turns[0]["hit_tokens"],
-        "hit_rate_last_turn": turns[-1]["hit_rate"],
-        "coupled_evictions": (
-            None if evicted is None else coupled_evictions(scheduler) - evicted
-        ),
-    }
-    if probe is not None:
-        now = getattr(scheduler, "prefill_checkpoint_cuts", None)
-        metrics["prefill_checkpoint_cuts"] = None if cuts is None else now - cuts
-    return {"metrics": metrics, "details": {"turns": turns}, "wall_s": result.wall_s}
 
 
 @dataclass(frozen=True)
@@ -174,7 +125,7 @@ class Try:
 
 def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
     """Can a ``length``-token prompt finish alone, without preemption?"""
-    prompt = wl.one_long_prompt(cfg.seed, engine.vocab(), length)
+    prompt = wl.one_long_prompt(cfg.seed, llm_vocab(engine.llm), length)
     key = f"long-{length}"
     batch = Batch([SimRequest(key, prompt, cfg.one_long_output, 0.0)])
     try:
@@ -182,11 +133,10 @@ def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
     except Exception as exc:  # the engine itself failed on this request
         return Try(length, "error", 0, 0.0, f"{type(exc).__name__}: {exc}")
     outcome = result.outcome
-    if outcome == "finished":
-        produced = len(batch.replies[key])
-        if produced != cfg.one_long_output:
-            outcome = "short_output"
-    engine.reset_prefix_cache()
+    timings = result.result.timings  # a rejected request has none
+    if outcome == "finished" and timings[key].output_tokens != cfg.one_long_output:
+        outcome = "short_output"
+    engine.llm.reset_prefix_cache()
     return Try(length, outcome, result.result.engine_steps, round(result.wall_s, 2))
 
 
@@ -229,19 +179,17 @@ def run_one_long(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def one_long_metrics(
-    engine: Engine | None,
+    engine: Engine,
     cfg: BenchConfig,
-    geometry: KVGeometry | None,
+    geometry: KVGeometry,
     longest: int,
     tries: Sequence[Try],
     wall: float,
 ) -> dict[str, Any]:
-    """The one_long result; without an engine (none started) only what the
-    geometry tells."""
-    reported = None
-    if engine is not None:
-        reported = engine.vllm_config.cache_config.kv_cache_size_tokens
-    bound = geometry.token_bound(cfg.one_long_budget_bytes) if geometry else None
+    """The one_long result: the longest prompt against the engine's reported
+    capacity and against the budget's bound."""
+    reported = engine.vllm_config.cache_config.kv_cache_size_tokens
+    bound = geometry.token_bound(cfg.one_long_budget_bytes)
     failures = [t for t in tries if not t.ok]
     metrics = {
         "longest_prompt": longest,

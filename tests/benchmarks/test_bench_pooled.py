@@ -12,8 +12,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from engine_utils import qwen3_5_like_kv_config
 
-from benchmarks.pooled import cli, config, driver, pools, report, worker, workloads
+from benchmarks import harness
+from benchmarks.pooled import cli, config, pools, report, worker, workloads
 from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
@@ -24,52 +26,8 @@ from vllm_hybrid.v1.core.pooled.usage import PoolUsage
 # ---------------------------------------------------------------------------
 
 
-def _qwen3_5_like_config(block_size: int = 256, padded: int | None = 524288):
-    """A scheduler-side KVCacheConfig shaped like the tiny qwen3_5 model:
-    3 GDN groups of 2 layers and 1 attention group of 2 layers."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-        MambaSpec,
-    )
-
-    attn = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
-    )
-    gdn = MambaSpec(
-        block_size=block_size,
-        shapes=((3, 1024), (4, 128, 128)),
-        dtypes=(torch.bfloat16, torch.float32),
-        page_size_padded=padded,
-    )
-    groups = [
-        KVCacheGroupSpec(
-            [f"layers.{i}.linear_attn", f"layers.{i + 4}.linear_attn"], gdn
-        )
-        for i in range(3)
-    ]
-    groups.append(KVCacheGroupSpec(["layers.3.attn", "layers.7.attn"], attn))
-    num_blocks = 48
-    block_bytes = 2 * attn.page_size_bytes
-    tensors = [
-        KVCacheTensor(
-            size=block_bytes * num_blocks,
-            layers=g.layer_names,
-            layer_stride=attn.page_size_bytes * num_blocks,
-            block_stride=attn.page_size_bytes,
-        )
-        for g in groups
-    ]
-    return KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
-    )
-
-
 def test_geometry_uses_unpadded_sizes():
-    geometry = kv_geometry(_qwen3_5_like_config())
+    geometry = kv_geometry(qwen3_5_like_kv_config())
     # 2 layers x 2 KV heads x (K 256 + V 256) x 2 bytes
     assert geometry.attn_bytes_per_token == 2 * 2 * 512 * 2 == 4096
     # per GDN layer: conv 3x1024 bf16 + ssm 4x128x128 fp32, not the 524288 pad
@@ -80,14 +38,14 @@ def test_geometry_uses_unpadded_sizes():
 
 
 def test_geometry_does_not_depend_on_block_size_or_padding():
-    a = kv_geometry(_qwen3_5_like_config(256, 524288))
-    b = kv_geometry(_qwen3_5_like_config(16, None))
+    a = kv_geometry(qwen3_5_like_kv_config(256, 524288))
+    b = kv_geometry(qwen3_5_like_kv_config(16, None))
     assert a.attn_bytes_per_token == b.attn_bytes_per_token
     assert a.state_bytes_per_request == b.state_bytes_per_request
 
 
 def test_bytes_needed_and_token_bound():
-    geometry = kv_geometry(_qwen3_5_like_config())
+    geometry = kv_geometry(qwen3_5_like_kv_config())
     assert geometry.bytes_needed([]) == 0
     assert geometry.bytes_needed([100, 300]) == 400 * 4096 + 2 * 1_609_728
     # (5 MiB - one state) / bytes per token, rounded down
@@ -98,7 +56,7 @@ def test_bytes_needed_and_token_bound():
 def test_shared_pool_block_bytes_from_aliasing_tensors():
     from vllm_hybrid.v1.core.pooled.capacity import shared_block_bytes
 
-    assert shared_block_bytes(_qwen3_5_like_config()) == 2**20
+    assert shared_block_bytes(qwen3_5_like_kv_config()) == 2**20
 
 
 # ---------------------------------------------------------------------------
@@ -111,7 +69,7 @@ def _upstream_scheduler(used: int):
     ids, one of them the null block), ``used`` blocks held by requests."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    kv_cache_config = _qwen3_5_like_config()
+    kv_cache_config = qwen3_5_like_kv_config()
     manager = KVCacheManager(
         kv_cache_config,
         max_model_len=4096,
@@ -140,7 +98,6 @@ def test_kv_pools_upstream_single_pool_excludes_null_block():
     (pool,) = pools.kv_pools(scheduler)
     assert pool == PoolUsage("shared", 2**20, 47, 7)
     assert pool.used_bytes == 7 * 2**20 and pool.owned_bytes == 47 * 2**20
-    assert pools.coupled_evictions(scheduler) is None
 
 
 def test_kv_pools_pooled_mode_reads_the_arena_usage():
@@ -164,14 +121,6 @@ def test_sample_kv_reserves_the_used_blocks_of_every_pool():
     assert sample == pools.KVSample(3, 1, 3 * 4 + 10, 5 * 0.5 + 7)
 
 
-def test_coupled_evictions_only_with_coupled_prefix_caches():
-    uncoupled = KVArena(SMALL, enable_caching=True, hash_block_size=16)
-    assert pools.coupled_evictions(_pooled_scheduler(uncoupled)) is None
-    coupled = KVArena(SMALL, enable_caching=True, hash_block_size=16)
-    coupled.couple_prefix_caches({0: 16})
-    assert pools.coupled_evictions(_pooled_scheduler(coupled)) == 0
-
-
 # ---------------------------------------------------------------------------
 # search and formatting
 # ---------------------------------------------------------------------------
@@ -185,11 +134,11 @@ def test_longest_completing_finds_the_limit(limit):
 
 
 def test_ratio_rules():
-    assert report.ratio(18, 11) == pytest.approx(18 / 11)
-    assert report.ratio(5, 0) is None
-    assert report.ratio("pooled", "single") is None
-    assert report.ratio(True, False) is None
-    assert report.ratio(None, 3) is None
+    assert harness.ratio(18, 11) == pytest.approx(18 / 11)
+    assert harness.ratio(5, 0) is None
+    assert harness.ratio("pooled", "single") is None
+    assert harness.ratio(True, False) is None
+    assert harness.ratio(None, 3) is None
 
 
 def test_format_value():
@@ -203,24 +152,19 @@ def test_format_value():
     assert report.format_value("x" * 60).endswith("...")
 
 
-def test_format_table_aligns_and_shows_ratios():
+def test_format_table_is_markdown_with_ratios():
     rows = [
         report.Row("qwen3_5", "many_short", "peak running requests", 11, 22),
         report.Row("qwen3_5", "engine main", "kv layout", "single", "pooled"),
     ]
-    text = report.format_table(rows)
-    lines = text.splitlines()
-    assert lines[0].split() == list(report.TABLE_HEADER)
-    assert lines[0].endswith("overlay/upstream")
-    assert lines[2].endswith("2.00x")
-    assert lines[3].endswith("-")
-    assert len({len(line) for line in lines[:3]}) == 1
-
-
-def test_result_parsing():
-    text = 'log line\nBENCH_RESULT {"a": 1}\nBENCH_RESULT {"a": 2}\n'
-    assert driver.parse_result(text) == {"a": 2}
-    assert driver.parse_result("nothing") is None
+    lines = report.format_table(rows).splitlines()
+    assert lines[0] == "| " + " | ".join(report.TABLE_HEADER) + " |"
+    assert lines[0].endswith("| overlay/upstream |")
+    assert lines[1] == "| --- " * 6 + "|"
+    assert (
+        lines[2] == "| qwen3_5 | many_short | peak running requests | 11 | 22 | 2.00x |"
+    )
+    assert lines[3].endswith("| single | pooled | - |")
 
 
 def test_quick_config_and_cli_round_trip():
@@ -267,3 +211,17 @@ def test_a_mode_may_run_its_own_kv_cache_dtype():
     for gone in ("nope:auto", "upstream_best", "single"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--modes", gone])
+
+
+def test_workloads_are_the_two_default_ones():
+    """Workloads that left the benchmark: chat_server and multi_turn are
+    ``vllm-hybrid simulate --workload ...``'s (the same workloads and counts;
+    tests/tools/test_multi_turn_counts.py pins multi_turn's on real engines),
+    same_tokens is tests/v1/core/pooled/test_same_tokens.py and
+    tests/v1/core/test_turn_end_retention.py checks where a follow-up turn
+    hits (two_turn)."""
+    args = cli.build_parser().parse_args([])
+    assert args.workloads == list(config.WORKLOADS) == ["many_short", "one_long"]
+    for gone in ("chat_server", "two_turn", "same_tokens", "multi_turn"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["--workloads", gone])
