@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-# bench_pooled's library (workloads, engine helpers): the repository root
-# takes this folder's place on sys.path when the script runs.
+# The repository root takes this folder's place on sys.path when the script
+# runs, so the benchmarks import as the package ``benchmarks``.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import benchmarks.pooled as bp  # noqa: E402
-from benchmarks.harness import tiny_model  # noqa: E402
+from benchmarks.harness import MIB, markdown_table, tiny_model  # noqa: E402
 from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES  # noqa: E402
+from vllm_hybrid.tools.inproc import llm_vocab, open_llm  # noqa: E402
 from vllm_hybrid.tools.workloads import random_tokens  # noqa: E402
 
 
@@ -40,12 +40,12 @@ def prompts_for(vocab: list[int], positions: int, length: int, seed: int):
     return prompts
 
 
-def distributions(engine: Any, prompts: list[list[int]], vocab_size: int):
+def distributions(llm: Any, prompts: list[list[int]], vocab_size: int):
     """Per scored position: a list of ``vocab_size`` log-probabilities."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=vocab_size)
-    outs = engine.llm.generate(
+    outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
     )
     rows = []
@@ -82,22 +82,23 @@ def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
     results: dict[str, Any] = {}
     reference = None
     for dtype in ("auto", *args.presets):
-        spec = bp.EngineSpec(
-            model_path=path,
-            budget_bytes=args.budget_mib * bp.MIB,
-            prefix_caching=False,
-            max_num_seqs=16,
-            max_model_len=args.prompt_len + 16,
-            enforce_eager=True,
-            seed=0,
-            kv_cache_dtype=dtype,
-        )
+        kwargs = {
+            "model": path,
+            "kv_cache_memory_bytes": args.budget_mib * MIB,
+            "kv_cache_dtype": dtype,
+            "enable_prefix_caching": False,
+            "max_num_seqs": 16,
+            "max_model_len": args.prompt_len + 16,
+            "enforce_eager": True,
+            "seed": 0,
+            "mamba_ssm_cache_dtype": "float32",
+            "max_logprobs": args.vocab,
+        }
         start = time.perf_counter()
-        with bp.open_engine(spec, max_logprobs=args.vocab) as engine:
-            vocab = engine.vocab()
-            size = engine.vllm_config.model_config.get_vocab_size()
-            prompts = prompts_for(vocab, args.positions, args.prompt_len, 0)
-            rows = distributions(engine, prompts, size)
+        with open_llm(kwargs) as llm:
+            size = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+            prompts = prompts_for(llm_vocab(llm), args.positions, args.prompt_len, 0)
+            rows = distributions(llm, prompts, size)
         wall = time.perf_counter() - start
         if dtype == "auto":
             reference = rows
@@ -109,21 +110,16 @@ def run_model(kind: str, root: Path, args: argparse.Namespace) -> dict:
 
 
 def format_table(report: dict[str, dict]) -> str:
-    lines = [
-        "| model | preset | positions | top-1 agreement | mean KL (nats) | max KL |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+    """The table of docs/turboquant-backend.md, "Quality"."""
+    rows = []
     for kind, results in report.items():
-        for dtype in TQ_CACHE_DTYPES:
-            r = results.get(dtype)
-            if r is None:
-                continue
-            lines.append(
-                f"| {kind} | {dtype} | {r['positions']} | "
-                f"{100 * r['top1_agreement']:.1f}% | {r['mean_kl']:.5f} | "
-                f"{r['max_kl']:.4f} |"
-            )
-    return "\n".join(lines)
+        for dtype in [d for d in TQ_CACHE_DTYPES if d in results]:
+            r = results[dtype]
+            kl = (f"{r['mean_kl']:.5f}", f"{r['max_kl']:.4f}")
+            agree = f"{100 * r['top1_agreement']:.1f}%"
+            rows.append((kind, dtype, r["positions"], agree, *kl))
+    head = ("model", "preset", "positions", "top-1 agreement", "mean KL (nats)")
+    return markdown_table((*head, "max KL"), rows)
 
 
 def main(argv: list[str] | None = None) -> int:

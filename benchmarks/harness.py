@@ -1,11 +1,14 @@
 """What the benchmarks' command lines share: the tiny models they run, the
-KV cache dtypes they compare, and the ``vllm serve`` options of the soak's
-and the serving benchmark's servers. The loopback server itself is
-:mod:`vllm_hybrid.tools.loopback` (the server tests and the demo use it too).
+KV cache dtypes they compare, the ``vllm serve`` options of the soak's and
+the serving benchmark's servers, and how their tables show ratios. The
+loopback server itself is :mod:`vllm_hybrid.tools.loopback` (the server tests
+and the demo use it too).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +40,21 @@ def tiny_model(kind: str, model_dir: Path = TINY_MODELS) -> Path:
     from vllm_hybrid.tools.tiny_models import build_tiny_model
 
     return Path(build_tiny_model(model_dir / kind, kind))
+
+
+def ratio(num: Any, den: Any) -> float | None:
+    """``num / den`` for numbers; None when it has no meaning."""
+    if isinstance(num, bool) or isinstance(den, bool):
+        return None
+    if not isinstance(num, (int, float)) or not isinstance(den, (int, float)):
+        return None
+    if den == 0 or math.isnan(den) or math.isnan(num):
+        return None
+    return num / den
+
+
+def markdown_table(head: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table, as the benchmarks print their results and
+    benchmarks/results/ keeps them."""
+    lines = [head, ["---"] * len(head), *rows]
+    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)

@@ -201,3 +201,47 @@ def near_tie_differences(
         if gap is None or gap > NEAR_TIE:
             found.append((i, at, gap))
     return found
+
+
+def qwen3_5_like_kv_config(block_size: int = 256, padded: int | None = 524288):
+    """A scheduler-side KVCacheConfig shaped like the tiny qwen3_5 model:
+    3 GDN groups of 2 layers and 1 attention group of 2 layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        MambaSpec,
+    )
+
+    attn = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=256, dtype=torch.bfloat16
+    )
+    gdn = MambaSpec(
+        block_size=block_size,
+        shapes=((3, 1024), (4, 128, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=padded,
+    )
+    groups = [
+        KVCacheGroupSpec(
+            [f"layers.{i}.linear_attn", f"layers.{i + 4}.linear_attn"], gdn
+        )
+        for i in range(3)
+    ]
+    groups.append(KVCacheGroupSpec(["layers.3.attn", "layers.7.attn"], attn))
+    num_blocks = 48
+    block_bytes = 2 * attn.page_size_bytes
+    tensors = [
+        KVCacheTensor(
+            size=block_bytes * num_blocks,
+            layers=g.layer_names,
+            layer_stride=attn.page_size_bytes * num_blocks,
+            block_stride=attn.page_size_bytes,
+        )
+        for g in groups
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
+    )

@@ -14,7 +14,7 @@ LONGEST_FIRST = (
     "plugins/test_activation.py",
     "test_kernel_tier.py",
     "entrypoints/test_load_edges.py",
-    "benchmarks/test_bench_checkpoints.py",
+    "tools/test_multi_turn_counts.py",
     "entrypoints/test_openai_server.py",
     "models/test_turboquant_engine.py",
     "entrypoints/test_multi_node.py",

@@ -6,29 +6,19 @@ runs, in layers:
 * :mod:`.config`: the settings of a run (``BenchConfig``) and constants;
 * :mod:`.pools`: bytes needed (layer specs) and bytes held (block pools);
 * :mod:`.engine`: engines, driven by the simulator's ``Driver``;
-* :mod:`.workloads` and :mod:`.same_tokens`: what runs on the engines
-  (many_short, one_long, multi_turn, same_tokens), with the prompts of
-  :mod:`vllm_hybrid.tools.workloads` and the step and checkpoint counts of
-  :mod:`vllm_hybrid.tools.simulate`;
+* :mod:`.workloads`: what runs on the engines: the simulator's many_short
+  and its counts, and the one_long search;
 * :mod:`.worker`: one model in one mode, in its own process (the overlay
   reads its switch once per process);
-* :mod:`.driver`: the worker subprocesses (``--jobs``, core pinning);
+* :mod:`.driver`: the worker processes, started as the simulator starts its
+  own (``--jobs`` at once);
 * :mod:`.report`: the table of overlay/upstream ratios;
 * :mod:`.cli`: the options.
 
 What each workload and metric means: ``docs/benchmarks.md``, "How
-bench_pooled measures". Other benchmarks and the tests reuse the names below.
+bench_pooled measures". The TurboQuant engine test reuses ``BenchConfig``.
 """
 
-from .config import MIB, BenchConfig
-from .engine import EngineSpec, open_engine
-from .worker import WorkerReport, one_long_part
+from .config import BenchConfig
 
-__all__ = [
-    "MIB",
-    "BenchConfig",
-    "EngineSpec",
-    "WorkerReport",
-    "one_long_part",
-    "open_engine",
-]
+__all__ = ["BenchConfig"]

@@ -4,8 +4,6 @@ options, most of them one :class:`BenchConfig` field each."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -14,7 +12,6 @@ from typing import Any
 from benchmarks.harness import MODELS
 
 from .config import (
-    ALL_MODES,
     MIB,
     MODES,
     REPO_ROOT,
@@ -23,13 +20,15 @@ from .config import (
     quick_config,
 )
 from .driver import run_driver
-from .worker import run_worker
+from .worker import worker_main
 
 
 def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str] | tuple]:
     def parse(text: str) -> list[str]:
         items = [item.strip() for item in text.split(",") if item.strip()]
-        bad = [item for item in items if choices is not None and item not in choices]
+        # a mode may carry its own KV cache dtype: "overlay:turboquant_k8v4"
+        names = [item.partition(":")[0] for item in items]
+        bad = [name for name in names if choices is not None and name not in choices]
         if bad:
             raise argparse.ArgumentTypeError(
                 f"unknown {bad}; choose from {', '.join(choices or ())}"
@@ -37,10 +36,6 @@ def _csv(choices: Sequence[str] | None) -> Callable[[str], list[str] | tuple]:
         return items
 
     return parse
-
-
-def _interval(text: str) -> int | None:
-    return None if text == "none" else int(text)
 
 
 def _layers(text: str) -> tuple[str, ...]:
@@ -56,33 +51,22 @@ FIELD_OPTIONS: tuple[tuple[str, Any, str], ...] = (
     ("--mamba-block-size", int, "align-mode state interval, prefix caching"),
     ("--kv-cache-dtype", str, "KV cache dtype of every engine"),
     ("--kv-cache-dtype-skip-layers", _layers, "layers kept at the model dtype"),
-    ("--same-tokens-threads", int, "OpenMP threads of same_tokens (0: shared)"),
     ("--mamba-ssm-cache-dtype", str, "SSM state dtype: float32, bfloat16, auto"),
-    ("--prefix-match-unit", int, "upstream_best's --prefix-match-unit"),
-    ("--prefix-cache-retention-interval", _interval, "upstream_best's ('none')"),
-    ("--prefill-checkpoint-interval", int, "pooled mode's interval (0: off)"),
 )
 #: Other options: flag, value type (or argparse action), default, help.
 OTHER_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--models", _csv(None), list(MODELS), "tiny model kinds"),
     ("--workloads", _csv(WORKLOADS), list(WORKLOADS), ",".join(WORKLOADS)),
-    ("--modes", _csv(ALL_MODES), list(MODES), "the first is the reference"),
+    ("--modes", _csv(MODES), list(MODES), "the first is the reference"),
     ("--json", str, None, "also write all results to this JSON file"),
     ("--model-dir", Path, REPO_ROOT / ".tiny-models", "tiny models built/reused"),
     ("--log-dir", str, None, "worker logs (default: a new temp dir)"),
     ("--jobs", int, 1, "workers at once (>1 skews wall times)"),
     ("--one-long-block-size", int, BenchConfig.one_long_block_size, "(0: default)"),
     ("--budget-mib", float, BenchConfig.budget_bytes / MIB, "main engine budget"),
-    ("--preempt-budget-mib", float, None, "same_tokens preempt budget"),
     ("--gpu", "store_true", None, "CUDA graphs, 16-token blocks, model SSM dtype"),
-    ("--no-couple-prefix-caches", "store_true", None, "pools evict on their own"),
-    ("--no-retain-turn-ends", "store_true", None, "no turn-end checkpoints"),
-    ("--same-tokens-cached-only", "store_true", None, "only pc_on, pc_on_repeat"),
     ("--compile", "store_true", None, "torch.compile (~35 s per engine start)"),
     ("--quick", "store_true", None, "shrunken workloads (numbers not comparable)"),
-    ("--worker", "store_true", None, argparse.SUPPRESS),
-    ("--mode", str, "overlay", argparse.SUPPRESS),
-    ("--config-json", str, None, argparse.SUPPRESS),
 )
 STATE_DTYPES = ("float32", "bfloat16", "auto")
 
@@ -107,12 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=kind, help=text)
         else:
             parser.add_argument(flag, type=kind, default=default, help=text)
+    # a worker process: its job and where its report goes (driver.py)
+    parser.add_argument(
+        "--worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS
+    )
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    if args.config_json:
-        return BenchConfig(**json.loads(args.config_json))
     if args.gpu:  # CUDA graphs, 16-token blocks, the model's SSM dtype
         import torch
 
@@ -120,22 +106,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise SystemExit("--gpu needs a CUDA device; none is visible here")
         args.compile, args.mamba_ssm_cache_dtype = True, "auto"
         args.block_size, args.one_long_block_size = args.block_size or 16, 16
-    cores = os.cpu_count() or 1
-    if not 0 <= args.same_tokens_threads <= cores:
-        raise SystemExit(
-            f"--same-tokens-threads {args.same_tokens_threads}: use 0 (the "
-            f"platform's threads) or 1..{cores} (this machine's cores)"
-        )
-    preempt = args.preempt_budget_mib
     cfg = BenchConfig(
         **{_dest(flag): getattr(args, _dest(flag)) for flag, _, _ in FIELD_OPTIONS},
-        preempt_budget_bytes=None if preempt is None else int(preempt * MIB),
         enforce_eager=not args.compile,
         one_long_block_size=args.one_long_block_size or None,
         budget_bytes=int(args.budget_mib * MIB),
-        couple_prefix_caches=not args.no_couple_prefix_caches,
-        retain_turn_ends=not args.no_retain_turn_ends,
-        same_tokens_uncached=not args.same_tokens_cached_only,
         modes=tuple(args.modes),
     )
     return quick_config(cfg) if args.quick else cfg
@@ -143,12 +118,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    cfg = config_from_args(args)
     if args.worker:
-        if len(args.models) != 1:
-            raise SystemExit("--worker runs exactly one model")
-        report = run_worker(
-            args.models[0], args.model_dir, args.workloads, cfg, args.mode
-        )
-        return 1 if report.errors else 0
-    return run_driver(args, cfg)
+        return worker_main(*args.worker)
+    return run_driver(args, config_from_args(args))

@@ -5,24 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from benchmarks.harness import MIB, REPO_ROOT
-from vllm_hybrid.tools.simulate.sources import MultiTurnShape
 
-RESULT_PREFIX = "BENCH_RESULT "
-#: Modes a run compares when ``--modes`` is not given.
+#: Modes a run compares when ``--modes`` is not given, and every mode it
+#: accepts: the overlay's switch (``VLLM_HYBRID_KV``) of its workers off and
+#: on. A mode may name a KV cache dtype of its own after a colon
+#: (``overlay:turboquant_k8v4``). Other engines (upstream's tuning flags, the
+#: overlay's single pool and hybrid_kv options) are ``vllm-hybrid simulate``'s
+#: (``--engines``, ``--hybrid-kv``; docs/simulation.md).
 MODES: tuple[str, ...] = ("upstream", "overlay")
-#: Every mode ``--modes`` accepts and the server mode (``harness.MODES``: the
-#: value of ``VLLM_HYBRID_KV``) its workers run in: upstream with the flags a
-#: user tunes (``--prefix-match-unit``, ``--prefix-cache-retention-interval``)
-#: and the overlay's single shared pool next to its pooled mode ("overlay").
-SERVER_MODE: dict[str, str] = {
-    "upstream": "upstream",
-    "upstream_best": "upstream",
-    "single": "pooled",
-    "overlay": "pooled",
-}
-ALL_MODES: tuple[str, ...] = tuple(SERVER_MODE)
+
+
+def overlay_mode(mode: str) -> bool:
+    """Whether a worker in ``mode`` runs with the overlay's switch on."""
+    return mode.partition(":")[0] == "overlay"
+
+
 #: Every workload ``--workloads`` accepts; all run when it is not given.
-WORKLOADS: tuple[str, ...] = ("many_short", "one_long", "multi_turn", "same_tokens")
+WORKLOADS: tuple[str, ...] = ("many_short", "one_long")
 #: Kinds whose CPU kernels fail with prefix caching (see the tiny model tests).
 NO_PREFIX_CACHING_KINDS: frozenset[str] = frozenset({"nemotron_h"})
 #: The command line entry; workers are this script started with ``--worker``.
@@ -41,13 +40,8 @@ class BenchConfig:
     seed: int = 0
     budget_bytes: int = 48 * MIB
     one_long_budget_bytes: int = 5 * MIB
-    #: None: a per-model default (``same_tokens.PREEMPT_BUDGET_MIB``)
-    preempt_budget_bytes: int | None = None
-    preempt_max_num_seqs: int = 8
     max_num_seqs: int = 64
     max_model_len: int = 4096
-    #: auto-fit to the 5 MiB budget, the only setting upstream starts with
-    one_long_max_model_len: int = -1
     #: a 5 MiB budget holds a handful of the CPU default's 128-token blocks;
     #: 32 is the smallest block the CPU attention kernel takes (None: default)
     one_long_block_size: int | None = 32
@@ -57,7 +51,6 @@ class BenchConfig:
     block_size: int | None = None
     kv_cache_dtype: str = "auto"
     kv_cache_dtype_skip_layers: tuple[str, ...] = ()
-    same_tokens_max_model_len: int = 2048
     many_short_requests: int = 64
     many_short_min_len: int = 64
     many_short_max_len: int = 512
@@ -65,18 +58,6 @@ class BenchConfig:
     one_long_output: int = 16
     #: upper bound of the one_long search, besides ``max_model_len``
     one_long_search_cap: int = 16384
-    #: multi_turn: the simulator's shape of the same workload
-    multi_turn_conversations: int = MultiTurnShape.conversations
-    multi_turn_turns: int = MultiTurnShape.turns
-    multi_turn_system_len: int = MultiTurnShape.system_len
-    multi_turn_user_len: int = MultiTurnShape.user_len
-    multi_turn_output: int = MultiTurnShape.output
-    same_tokens_output: int = 24
-    #: 1 makes vLLM's CPU attention independent of batch composition, which a
-    #: token-for-token comparison needs; 0: the main workers' threads
-    same_tokens_threads: int = 1
-    #: also pc_off, alone and preempt (off: only pc_on and pc_on_repeat)
-    same_tokens_uncached: bool = True
     #: wall-clock cap of one engine drive ("time_limit")
     drive_time_limit_s: float = 1800.0
     #: steps without any token progress after which a drive is "stalled"
@@ -85,17 +66,8 @@ class BenchConfig:
     #: vLLM's CPU platform forces float32 on AVX512-BF16 hosts only; pinned,
     #: the memory rows are the same on any host ("auto": the host's choice)
     mamba_ssm_cache_dtype: str = "float32"
-    #: hybrid_kv.couple_prefix_caches (upstream ignores the hybrid_kv options)
-    couple_prefix_caches: bool = True
-    #: hybrid_kv.retain_turn_ends
-    retain_turn_ends: bool = True
-    #: hybrid_kv.prefill_checkpoint_interval; None keeps its rule
-    prefill_checkpoint_interval: int | None = None
     #: the first is the reference of every ratio
     modes: tuple[str, ...] = MODES
-    #: of the upstream_best engines (retention None: dense)
-    prefix_match_unit: int | None = None
-    prefix_cache_retention_interval: int | None = 0
 
 
 def quick_config(cfg: BenchConfig) -> BenchConfig:
@@ -103,7 +75,5 @@ def quick_config(cfg: BenchConfig) -> BenchConfig:
     return replace(
         cfg,
         many_short_requests=8,
-        multi_turn_conversations=2,
-        multi_turn_turns=2,
         one_long_search_cap=1024,
     )

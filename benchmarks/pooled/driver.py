@@ -1,17 +1,14 @@
 """The driver: one worker subprocess per model and mode (``--jobs`` of them
-at once), their results joined into one table."""
+at once), started as the simulator starts its workers, their results joined
+into one table."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import queue
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,156 +16,47 @@ from typing import Any
 
 from vllm_hybrid.tools.simulate import runner
 
-from .config import BENCH_SCRIPT, MODES, RESULT_PREFIX, SERVER_MODE, BenchConfig
-from .report import Row, comparison_rows, format_table, run_failures, start_error_notes
+from .config import BENCH_SCRIPT, MODES, BenchConfig, overlay_mode
+from .report import Row, comparison_rows, format_table, run_failures
 
 
 @dataclass(frozen=True)
 class WorkerRun:
-    """One finished worker subprocess."""
+    """One finished worker subprocess: its report, or why there is none."""
 
     model: str
     mode: str
-    returncode: int
     wall_s: float
     log_path: str
     report: dict[str, Any] | None
-
-
-def parse_result(text: str) -> dict[str, Any] | None:
-    """The last ``BENCH_RESULT`` JSON line of a worker's output."""
-    lines = [line for line in text.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(lines[-1].removeprefix(RESULT_PREFIX)) if lines else None
-
-
-def worker_env(mode: str, threads: int = 0, first_core: int = 0) -> dict[str, str]:
-    """Environment of a worker: the simulator's (the overlay switch,
-    in-process engines; vLLM's log lines all kept) and, with ``threads`` > 0,
-    that many OpenMP threads from ``first_core`` on."""
-    overlay = SERVER_MODE[mode] != "upstream"
-    env = runner.worker_env(overlay, log_level=None)
-    if threads > 0:
-        last = first_core + threads - 1
-        bind = str(first_core) if threads == 1 else f"{first_core}-{last}"
-        env |= {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": bind}
-    return env
-
-
-@dataclass(frozen=True)
-class WorkerJob:
-    """One worker process to run: a model, a mode and its workloads."""
-
-    model: str
-    mode: str
-    workloads: tuple[str, ...]
-    #: OpenMP threads (0: the platform's choice), see ``worker_env``
-    threads: int = 0
-
-    @property
-    def name(self) -> str:
-        part = "" if self.threads == 0 else f"-{'+'.join(self.workloads)}"
-        return f"{self.model}-{self.mode}{part}"
-
-
-def worker_jobs(
-    models: Sequence[str], workloads: Sequence[str], cfg: BenchConfig
-) -> list[WorkerJob]:
-    """Per model and mode, one worker with the platform's threads and, unless
-    ``same_tokens_threads`` is 0, one for same_tokens with that many."""
-    separate = "same_tokens" in workloads and cfg.same_tokens_threads > 0
-    rest = tuple(w for w in workloads if not (separate and w == "same_tokens"))
-    jobs = []
-    for model in models:
-        for mode in cfg.modes:
-            if rest:
-                jobs.append(WorkerJob(model, mode, rest))
-            if separate:
-                jobs.append(
-                    WorkerJob(model, mode, ("same_tokens",), cfg.same_tokens_threads)
-                )
-    return jobs
-
-
-def merge_runs(runs: Sequence[WorkerRun]) -> dict[tuple[str, str], WorkerRun]:
-    """One run per (model, mode): its workers' workloads, errors and
-    tracebacks joined, engine facts and geometry from the first that has them."""
-    merged: dict[tuple[str, str], WorkerRun] = {}
-    for run in runs:
-        key = (run.model, run.mode)
-        prev = merged.get(key)
-        if prev is None:
-            merged[key] = run
-            continue
-        report = _merge_reports(prev.report, run.report)
-        merged[key] = WorkerRun(
-            run.model,
-            run.mode,
-            prev.returncode or run.returncode,
-            prev.wall_s + run.wall_s,
-            f"{prev.log_path}; {run.log_path}",
-            report,
-        )
-    return merged
-
-
-def _merge_reports(a: dict | None, b: dict | None) -> dict | None:
-    if a is None or b is None:
-        return None
-    out = dict(a)
-    out["workloads"] = {**a.get("workloads", {}), **b.get("workloads", {})}
-    out["engines"] = {**b.get("engines", {}), **a.get("engines", {})}
-    out["geometry"] = a.get("geometry") or b.get("geometry")
-    out["errors"] = [*a.get("errors", []), *b.get("errors", [])]
-    out["tracebacks"] = {**b.get("tracebacks", {}), **a.get("tracebacks", {})}
-    return out
-
-
-class CoreSlots:
-    """Cores of the workers pinned to T threads: with ``--jobs N`` each takes
-    a free slot k of N and gets cores ``k*T .. k*T+T-1`` (modulo the cores)."""
-
-    def __init__(self, jobs: int) -> None:
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for k in range(jobs):
-            self._free.put(k)
-
-    @contextlib.contextmanager
-    def first_core(self, threads: int) -> Iterator[int]:
-        slot = self._free.get()
-        try:
-            cores = os.cpu_count() or 1
-            yield (slot * threads) % cores if threads > 0 else 0
-        finally:
-            self._free.put(slot)
+    error: str = ""
 
 
 def spawn_worker(
-    job: WorkerJob,
-    args: argparse.Namespace,
-    cfg: BenchConfig,
-    log_dir: Path,
-    slots: CoreSlots,
+    model: str, mode: str, args: argparse.Namespace, cfg: BenchConfig, log_dir: Path
 ) -> WorkerRun:
-    """Run one worker subprocess to completion, its output in a log file."""
-    model, mode = job.model, job.mode
-    log_path = log_dir / f"{job.name}.log"
-    options = {
-        "--models": model,
-        "--workloads": ",".join(job.workloads),
-        "--model-dir": str(args.model_dir),
-        "--config-json": json.dumps(asdict(cfg)),
-        "--mode": mode,
+    """Run one worker subprocess to completion as the simulator runs its
+    workers (``runner.run_json_worker``: the overlay's switch, in-process
+    engines), with vLLM's log lines kept."""
+    name = f"{model}-{mode}"
+    payload = {
+        "model": model,
+        "mode": mode,
+        "workloads": args.workloads,
+        "model_dir": str(args.model_dir),
+        "config": asdict(cfg),
     }
-    cmd = [sys.executable, str(BENCH_SCRIPT), "--worker", *sum(options.items(), ())]
-    _say(f"{job.name}: worker started, log {log_path}")
+    _say(f"{name}: worker started, log {log_dir / name}.log")
     start = time.perf_counter()
-    with slots.first_core(job.threads) as first_core:
-        env = worker_env(mode, job.threads, first_core)
-        returncode = runner.run_logged(cmd, env, log_path)
+    argv = [sys.executable, str(BENCH_SCRIPT), "--worker"]
+    result = runner.run_json_worker(
+        argv, payload, overlay_mode(mode), log_dir, name, log_level=None
+    )
     wall = time.perf_counter() - start
-    report = parse_result(log_path.read_text(errors="replace"))
-    _say(f"{job.name}: worker exited {returncode} after {wall:.0f} s")
-    return WorkerRun(model, mode, returncode, wall, str(log_path), report)
+    error = "" if "model" in result else result["error"]  # no report written
+    _say(f"{name}: worker ended after {wall:.0f} s {error}")
+    report = None if error else result
+    return WorkerRun(model, mode, wall, str(log_dir / f"{name}.log"), report, error)
 
 
 def _say(message: str) -> None:
@@ -179,15 +67,12 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
     """Spawn upstream and overlay workers per model, then print the table."""
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_pooled-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    jobs = worker_jobs(args.models, args.workloads, cfg)
-    slots = CoreSlots(max(1, args.jobs))
+    jobs = [(model, mode) for model in args.models for mode in cfg.modes]
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        runs = list(
-            pool.map(lambda job: spawn_worker(job, args, cfg, log_dir, slots), jobs)
-        )
+        runs = list(pool.map(lambda j: spawn_worker(*j, args, cfg, log_dir), jobs))
     total = time.perf_counter() - start
-    by_key = merge_runs(runs)
+    by_key = {(run.model, run.mode): run for run in runs}
     rows: list[Row] = []
     reference, *others = cfg.modes
     for model in args.models:
@@ -200,9 +85,6 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
             rows.append(Row(label, "worker", "process wall s", ref.wall_s, run.wall_s))
     print()
     print(format_table(rows))
-    notes = start_error_notes(runs)
-    if notes:
-        print("\nEngine start notes:", *notes, sep="\n  ")
     problems = run_failures(runs)
     for run in runs:
         for where, text in ((run.report or {}).get("tracebacks") or {}).items():
@@ -213,8 +95,7 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
             "models": args.models,
             "workloads": args.workloads,
             "total_wall_s": total,
-            "runs": [asdict(r) for r in by_key.values()],
-            "worker_runs": [asdict(r) for r in runs],
+            "runs": [asdict(r) for r in runs],
             "table": [{**asdict(row), "ratio": row.ratio} for row in rows],
             "problems": problems,
         }

@@ -5,7 +5,6 @@ need (:class:`~vllm_hybrid.tools.plan.geometry.KVGeometry`; docs/benchmarks.md,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,31 +34,6 @@ def kv_pools(scheduler: Any) -> list[PoolUsage]:
             owned - pool.get_num_free_blocks(),
         )
     ]
-
-
-def pool_record(pool: PoolUsage) -> dict[str, Any]:
-    """One pool in the engine description of a result file (the keys result
-    files have always used, so old and new ones compare)."""
-    return {
-        "name": pool.pool,
-        "block_bytes": pool.page_bytes,
-        "num_blocks_total": pool.owned_blocks,
-        "num_free": pool.owned_blocks - pool.used_blocks,
-    }
-
-
-def kv_layout_name(pools: Sequence[PoolUsage]) -> str:
-    """ "pooled" when the scheduler has separate pools, else "single"."""
-    return "pooled" if len(pools) > 1 else "single"
-
-
-def coupled_evictions(scheduler: Any) -> int | None:
-    """Blocks pooled mode evicted because the other pool made them useless
-    (coordinated prefix-cache eviction); None without coupling."""
-    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-
-    arena = arena_of(scheduler.kv_cache_manager)
-    return None if arena is None else arena.coupled_evictions()
 
 
 @dataclass(frozen=True)

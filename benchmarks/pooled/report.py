@@ -8,21 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .same_tokens import first_difference_gap, same_as_pc_off, tokens_verdict
+from benchmarks.harness import markdown_table, ratio
 
 if TYPE_CHECKING:
     from .driver import WorkerRun
-
-
-def ratio(overlay: Any, upstream: Any) -> float | None:
-    """overlay / upstream for numbers; None when it has no meaning."""
-    if isinstance(overlay, bool) or isinstance(upstream, bool):
-        return None
-    if not isinstance(overlay, (int, float)) or not isinstance(upstream, (int, float)):
-        return None
-    if upstream == 0 or math.isnan(upstream) or math.isnan(overlay):
-        return None
-    return overlay / upstream
 
 
 def format_value(value: Any) -> str:
@@ -61,8 +50,8 @@ class Row:
 
     def cells(self) -> list[str]:
         values = [format_value(self.upstream), format_value(self.overlay)]
-        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}x"
-        return [self.model, self.workload, self.metric, *values, ratio]
+        shown = "-" if self.ratio is None else f"{self.ratio:.2f}x"
+        return [self.model, self.workload, self.metric, *values, shown]
 
 
 #: The table's columns: a row's fields, then the ratio.
@@ -70,53 +59,22 @@ TABLE_HEADER = (*(f.name for f in fields(Row)), "overlay/upstream")
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """Plain-text table; numbers right-aligned, names left-aligned."""
-    lines = [list(TABLE_HEADER)] + [row.cells() for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(TABLE_HEADER))]
-
-    def render(cells: Sequence[str]) -> str:
-        left = [c.ljust(w) for c, w in zip(cells[:3], widths[:3], strict=True)]
-        right = [c.rjust(w) for c, w in zip(cells[3:], widths[3:], strict=True)]
-        return "  ".join(left + right).rstrip()
-
-    out = [render(lines[0]), "  ".join("-" * w for w in widths)]
-    out += [render(line) for line in lines[1:]]
-    return "\n".join(out)
+    return markdown_table(TABLE_HEADER, [row.cells() for row in rows])
 
 
-#: Table rows per workload: (result path inside the workload, label).
+#: Table rows per workload: (result path inside the workload, label); the
+#: counts are the simulator's (``workloads._counted``).
 MANY_SHORT_ROWS: tuple[tuple[str, str], ...] = (
     ("peak_running", "peak running requests"),
-    ("preemptions", "preemptions"),
     ("needed_over_reserved_at_peak", "needed/reserved at peak"),
     ("max_needed_over_reserved", "needed/reserved max"),
     ("mean_needed_over_reserved", "needed/reserved mean"),
-    ("steps", "engine steps"),
-    ("output_tok_per_s", "output tokens/s"),
-    ("output_tok_per_cpu_s", "output tokens/CPU s"),
-    ("wall_s", "wall s"),
-    ("cpu_s", "CPU s"),
-)
-MULTI_TURN_ROWS: tuple[tuple[str, str], ...] = (
-    ("hit_rate", "prefix hit rate (tokens)"),
-    ("hit_rate_first_turn", "hit rate, first turn"),
-    ("cached_tokens_first_turn", "cached tokens, first turn"),
-    ("hit_rate_last_turn", "hit rate, last turn"),
-    ("coupled_evictions", "coupled evictions"),
-    ("cached_tokens", "cached tokens"),
-    ("prompt_tokens", "prompt tokens"),
     ("preemptions", "preemptions"),
-    ("steps", "engine steps"),
+    ("engine_steps", "engine steps"),
     ("output_tok_per_s", "output tokens/s"),
     ("output_tok_per_cpu_s", "output tokens/CPU s"),
     ("wall_s", "wall s"),
     ("cpu_s", "CPU s"),
-    # align-mode state counts (``workloads._state_counts``), prefix caching only
-    ("state_copies", "state copies"),
-    ("checkpoints_cached", "checkpoints cached"),
-    ("tokens_scheduled", "tokens scheduled"),
-    ("prefill_tokens_computed", "prefill tokens computed"),
-    ("prefill_checkpoint_cuts", "prefill chunks cut at a checkpoint"),
 )
 ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
     ("longest_prompt", "longest prompt"),
@@ -126,9 +84,6 @@ ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
     ("longest_over_bound", "longest/bound"),
     ("failed_tries_preempted", "tries preempted"),
     ("failed_tries_stalled", "tries stalled"),
-    ("max_model_len", "max_model_len used"),
-    ("auto_fit_refused", "refused max_model_len=-1"),
-    ("engine_start_error", "engine start error"),
 )
 
 
@@ -147,7 +102,7 @@ def _metric(workload: dict[str, Any], key: str) -> Any:
 ENGINE_ROWS: tuple[tuple[str, str], ...] = (
     ("kv_layout", "kv layout"),
     ("kv_bytes_total", "kv bytes in blocks"),
-    ("reported_capacity_tokens", "reported capacity tokens"),
+    ("token_capacity", "reported capacity tokens"),
     ("max_model_len", "max_model_len"),
     ("start_s", "start s"),
 )
@@ -155,11 +110,6 @@ ENGINE_ROWS: tuple[tuple[str, str], ...] = (
 
 def _engines(report: dict[str, Any] | None) -> dict[str, Any]:
     return ((report or {}).get("engines")) or {}
-
-
-def _engine_value(engine: dict[str, Any], key: str) -> Any:
-    failed = key == "kv_layout" and engine.get("start_error")
-    return "start failed" if failed else engine.get(key)
 
 
 def _engine_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
@@ -170,83 +120,28 @@ def _engine_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
     for name in list(dict.fromkeys([*eu_all, *eo_all])):
         eu, eo = eu_all.get(name, {}), eo_all.get(name, {})
         for key, label in ENGINE_ROWS:
-            values = _engine_value(eu, key), _engine_value(eo, key)
-            rows.append(Row(model, f"engine {name}", label, *values))
-    return rows
-
-
-def start_error_notes(runs: Sequence[WorkerRun]) -> list[str]:
-    """Full text of engine start errors (the table truncates them)."""
-    notes = []
-    for run in runs:
-        for name, engine in _engines(run.report).items():
-            for key in ("auto_fit_error", "start_error"):
-                if engine.get(key):
-                    notes.append(f"{run.model}/{run.mode} {name} {key}: {engine[key]}")
-    return notes
-
-
-def _same_tokens_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
-    """Token-for-token equality per configuration, plus preemption counts.
-
-    Besides overlay vs upstream, each configuration is compared with the
-    ``pc_off`` run of the same mode: a difference there in both modes means
-    numerics (prefix-cache state, recomputation) rather than the overlay.
-    """
-    cu = _workload(up, "same_tokens").get("configs", {})
-    co = _workload(ov, "same_tokens").get("configs", {})
-    rows: list[Row] = []
-    for name in list(dict.fromkeys([*cu, *co])):
-        a, b = cu.get(name, {}), co.get(name, {})
-        where = f"same_tokens {name}"
-        verdict = tokens_verdict(a["tokens"], b["tokens"]) if a and b else "missing"
-        rows.append(Row(model, where, "overlay == upstream", "", verdict))
-        if a and b and a["tokens"] != b["tokens"]:
-            gaps = (
-                first_difference_gap(a, b["tokens"]),
-                first_difference_gap(b, a["tokens"]),
-            )
-            rows.append(Row(model, where, "top-2 logprob gap, 1st diff", *gaps))
-        if name != "pc_off":
-            same = same_as_pc_off(cu, name), same_as_pc_off(co, name)
-            rows.append(Row(model, where, "== pc_off, same mode", *same))
-        rows += [
-            Row(model, where, key.replace("_", " "), a.get(key), b.get(key))
-            for key in ("preemptions", "cached_tokens")
-        ]
-    if cu or co:
-        wu, wo = _workload(up, "same_tokens"), _workload(ov, "same_tokens")
-        for key, label in (("omp_threads", "OpenMP threads"), ("wall_s", "wall s")):
-            rows.append(Row(model, "same_tokens", label, wu.get(key), wo.get(key)))
+            rows.append(Row(model, f"engine {name}", label, eu.get(key), eo.get(key)))
     return rows
 
 
 def comparison_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
     """All table rows of one model."""
     rows = _engine_rows(model, up, ov)
-    for name, spec in (
-        ("many_short", MANY_SHORT_ROWS),
-        ("multi_turn", MULTI_TURN_ROWS),
-    ):
-        wu, wo = _workload(up, name), _workload(ov, name)
-        if not (wu or wo):
-            continue
+    wu, wo = _workload(up, "many_short"), _workload(ov, "many_short")
+    if wu or wo:
         rows += [
-            Row(model, name, label, _metric(wu, key), _metric(wo, key))
-            for key, label in spec
+            Row(model, "many_short", label, _metric(wu, key), _metric(wo, key))
+            for key, label in MANY_SHORT_ROWS
         ]
     pu = _workload(up, "one_long").get("parts", {})
     po = _workload(ov, "one_long").get("parts", {})
     for part in list(dict.fromkeys([*pu, *po])):
         wu, wo = pu.get(part, {}), po.get(part, {})
         for key, label in ONE_LONG_ROWS:
-            a, b = _metric(wu, key), _metric(wo, key)
-            if key == "engine_start_error" and a is None and b is None:
-                continue
-            rows.append(Row(model, f"one_long {part}", label, a, b))
+            values = _metric(wu, key), _metric(wo, key)
+            rows.append(Row(model, f"one_long {part}", label, *values))
         walls = wu.get("wall_s"), wo.get("wall_s")
         rows.append(Row(model, f"one_long {part}", "wall s", *walls))
-    rows += _same_tokens_rows(model, up, ov)
     return rows
 
 
@@ -256,11 +151,7 @@ def run_failures(runs: Sequence[WorkerRun]) -> list[str]:
     for run in runs:
         where = f"{run.model}/{run.mode}"
         if run.report is None:
-            problems.append(
-                f"{where}: no result line (exit {run.returncode}, see {run.log_path})"
-            )
+            problems.append(f"{where}: no result ({run.error}, see {run.log_path})")
             continue
-        if run.returncode != 0:
-            problems.append(f"{where}: worker exit code {run.returncode}")
         problems += [f"{where}: {err}" for err in run.report.get("errors", [])]
     return problems

@@ -1,5 +1,5 @@
 """One worker process: one model in one mode (the overlay switch is read
-once per process), its engines and workloads, one ``BENCH_RESULT`` line."""
+once per process), its engines and workloads, its report as JSON."""
 
 from __future__ import annotations
 
@@ -7,35 +7,22 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import tiny_model
 from vllm_hybrid import plugin
-from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
+from vllm_hybrid.tools.plan.geometry import kv_geometry
 
-from .config import NO_PREFIX_CACHING_KINDS, RESULT_PREFIX, BenchConfig
-from .engine import Engine, EngineSpec, open_engine, start_error
-from .same_tokens import preempt_budget_bytes, run_same_tokens
-from .workloads import (
-    longest_completing,
-    one_long_metrics,
-    run_many_short,
-    run_multi_turn,
-    run_one_long,
-)
-
-#: Workloads that run on the ``main`` engine, in this order.
-MAIN_ENGINE_WORKLOADS: tuple[tuple[str, Callable[..., dict[str, Any]]], ...] = (
-    ("many_short", run_many_short),
-    ("multi_turn", run_multi_turn),
-)
+from .config import NO_PREFIX_CACHING_KINDS, BenchConfig
+from .engine import Engine, engine_kwargs, open_engine
+from .workloads import run_many_short, run_one_long
 
 
 @dataclass
 class WorkerReport:
-    """Everything one worker process measured, printed as one JSON line."""
+    """Everything one worker process measured, written as JSON."""
 
     model: str
     mode: str
@@ -62,34 +49,26 @@ class WorkerReport:
 
 def engine_specs(
     model_path: str, kind: str, cfg: BenchConfig, mode: str = "overlay"
-) -> dict[str, EngineSpec]:
-    """The engines a worker in ``mode`` may need, by purpose."""
+) -> dict[str, dict[str, Any]]:
+    """The ``vllm.LLM`` arguments of the engines a worker in ``mode`` may
+    need, by purpose: ``main`` (many_short) and one_long's, one
+    sequence at its own budget, ``max_model_len`` auto-fitted to it (-1, the
+    only setting upstream starts with at 5 MiB) and its own block size."""
     pc = kind not in NO_PREFIX_CACHING_KINDS
-    main = EngineSpec.from_config(model_path, cfg, pc, mode)
-    one_long = replace(
-        main,
-        budget_bytes=cfg.one_long_budget_bytes,
-        prefix_caching=False,
-        max_num_seqs=1,
-        max_model_len=cfg.one_long_max_model_len,
-    )
-    if cfg.one_long_block_size is not None:
-        block = cfg.one_long_block_size
-        one_long = replace(one_long, block_size=block, mamba_block_size=None)
-    specs = {
-        "main": main,
-        "no_pc": replace(main, prefix_caching=False),
-        "preempt": replace(
-            main,
-            budget_bytes=preempt_budget_bytes(cfg, kind),
-            prefix_caching=False,
-            max_num_seqs=cfg.preempt_max_num_seqs,
-            max_model_len=cfg.same_tokens_max_model_len,
-        ),
-        "one_long_pc_off": one_long,
+    main = engine_kwargs(model_path, cfg, pc, mode)
+    one_long = {
+        **main,
+        "kv_cache_memory_bytes": cfg.one_long_budget_bytes,
+        "enable_prefix_caching": False,
+        "max_num_seqs": 1,
+        "max_model_len": -1,
     }
+    one_long.pop("mamba_block_size", None)
+    if cfg.one_long_block_size is not None:
+        one_long["block_size"] = cfg.one_long_block_size
+    specs = {"main": main, "one_long_pc_off": one_long}
     if pc:
-        specs["one_long_pc_on"] = replace(one_long, prefix_caching=True)
+        specs["one_long_pc_on"] = {**one_long, "enable_prefix_caching": True}
     return specs
 
 
@@ -108,115 +87,24 @@ def _timed(report: WorkerReport, name: str, fn: Callable[[], dict]) -> dict | No
 def _with_engine(
     report: WorkerReport,
     name: str,
-    spec: EngineSpec,
+    kwargs: dict[str, Any],
     body: Callable[[Engine], None],
-    start_error_is_result: bool = False,
 ) -> None:
     """Open one engine, run ``body`` on it, record start-up facts or errors
-    (a start error is a result with ``start_error_is_result``: one_long)."""
+    (an engine that does not start is an error like any other)."""
     try:
-        with open_engine(spec) as engine:
-            report.engines[name] = {**engine.describe(), "spec": asdict(spec)}
+        with open_engine(kwargs) as engine:
+            report.engines[name] = {**engine.describe(), "spec": kwargs}
             if report.geometry is None:
                 geometry = kv_geometry(engine.scheduler.kv_cache_config)
                 report.geometry = asdict(geometry)
             body(engine)
     except Exception as exc:
-        if start_error_is_result and name not in report.engines:
-            error = f"{type(exc).__name__}: {exc}"
-            report.engines[name] = {"spec": asdict(spec), "start_error": error}
-            return
         report.record_error(name, exc)
 
 
-def _run_main_engine(
-    report: WorkerReport, engine: Engine, cfg: BenchConfig, workloads: set[str]
-) -> None:
-    """many_short, multi_turn and same_tokens' prefix-caching pass share
-    it."""
-    for name, run in MAIN_ENGINE_WORKLOADS:
-        if name not in workloads:
-            continue
-        result = _timed(report, name, lambda run=run: run(engine, cfg))
-        if result is not None:
-            result["engine"] = "main"
-            report.workloads[name] = result
-    if "same_tokens" in workloads and engine.spec.prefix_caching:
-        _add_same_tokens(report, engine, cfg, "pc_on")
-
-
-def _add_same_tokens(
-    report: WorkerReport, engine: Engine, cfg: BenchConfig, *configs: str
-) -> None:
-    """Run same_tokens configurations and merge them into the report, each
-    timed on its own (one that fails leaves the others' results)."""
-    for config in configs:
-        result = _timed(
-            report, "same_tokens", lambda c=config: run_same_tokens(engine, cfg, c)
-        )
-        if result is None:
-            continue
-        result.pop("wall_s", None)
-        merged = report.workloads.setdefault("same_tokens", {})
-        merged.setdefault("configs", {}).update(result)
-        merged["wall_s"] = sum(c["wall_s"] for c in merged["configs"].values())
-
-
-#: Granularity of the max_model_len search when auto-fit is refused.
-MAX_MODEL_LEN_STEP = 128
-
-
-def startable_max_model_len(spec: EngineSpec, cap: int) -> tuple[int, int]:
-    """Largest ``max_model_len`` (a multiple of the step) an engine refusing
-    auto-fit accepts, or 0, and the number of probe starts."""
-
-    def starts(k: int) -> bool:
-        trial = replace(spec, max_model_len=k * MAX_MODEL_LEN_STEP)
-        return start_error(trial) is None
-
-    best, probed = longest_completing(starts, 1, cap // MAX_MODEL_LEN_STEP)
-    return best * MAX_MODEL_LEN_STEP, len(probed)
-
-
-def one_long_part(
-    report: WorkerReport, name: str, spec: EngineSpec, cfg: BenchConfig
-) -> dict[str, Any]:
-    """One prefix-caching setting of one_long: start with auto-fit, else the
-    largest startable ``max_model_len`` (none: 0 tokens), then search."""
-    parts: dict[str, Any] = {}
-
-    def body(engine: Engine) -> None:
-        parts["result"] = run_one_long(engine, cfg)
-
-    _with_engine(report, name, spec, body, start_error_is_result=True)
-    first_error = report.engines.get(name, {}).get("start_error")
-    fallback = None
-    if first_error is not None and spec.max_model_len == -1:
-        cap = cfg.one_long_search_cap + cfg.one_long_output
-        max_len, probes = startable_max_model_len(spec, cap)
-        fallback = {"max_model_len": max_len, "probe_starts": probes}
-        if max_len:
-            retry = replace(spec, max_model_len=max_len)
-            report.engines.pop(name, None)
-            _with_engine(report, name, retry, body, start_error_is_result=True)
-    result = parts.get("result")
-    started = report.engines.get(name, {})
-    if result is None:
-        geometry = KVGeometry(**report.geometry) if report.geometry else None
-        result = one_long_metrics(None, cfg, geometry, 0, [], 0.0)
-        last_error = started.get("start_error", first_error)
-        result["metrics"]["engine_start_error"] = last_error
-    result["metrics"]["auto_fit_refused"] = first_error is not None
-    result["metrics"]["max_model_len"] = started.get("max_model_len")
-    result["details"]["auto_fit_error"] = first_error
-    result["details"]["max_model_len_fallback"] = fallback
-    if first_error is not None and not started.get("start_error"):
-        started["auto_fit_error"] = first_error
-    return result
-
-
 def _run_one_long(
-    report: WorkerReport, specs: dict[str, EngineSpec], cfg: BenchConfig
+    report: WorkerReport, specs: dict[str, dict[str, Any]], cfg: BenchConfig
 ) -> None:
     """One engine per prefix-caching setting."""
     parts: dict[str, Any] = {}
@@ -224,7 +112,11 @@ def _run_one_long(
     for pc_name in ("pc_on", "pc_off"):
         name = f"one_long_{pc_name}"
         if name in specs:
-            parts[pc_name] = one_long_part(report, name, specs[name], cfg)
+
+            def search(engine: Engine, part: str = pc_name) -> None:
+                parts[part] = run_one_long(engine, cfg)
+
+            _with_engine(report, name, specs[name], search)
     if parts:
         wall = time.perf_counter() - start
         report.workloads["one_long"] = {"parts": parts, "wall_s": wall}
@@ -232,7 +124,7 @@ def _run_one_long(
 
 def run_worker(
     model: str, model_dir: Path, workloads: list[str], cfg: BenchConfig, mode: str
-):
+) -> WorkerReport:
     """Run the selected workloads for one model in ``mode`` (the overlay
     switch of this process matches it)."""
     report = WorkerReport(model=model, mode=mode)
@@ -243,30 +135,14 @@ def run_worker(
         path = str(tiny_model(model, model_dir))
         specs = engine_specs(path, model, cfg, mode)
         selected = set(workloads)
-        main_engine = {name for name, _ in MAIN_ENGINE_WORKLOADS} | {"same_tokens"}
-        if selected & main_engine:
-            _with_engine(
-                report,
-                "main",
-                specs["main"],
-                lambda e: _run_main_engine(report, e, cfg, selected),
-            )
-        if "same_tokens" in selected and cfg.same_tokens_uncached:
-            for name, configs in (
-                ("no_pc", ("pc_off", "alone")),
-                ("preempt", ("preempt",)),
-            ):
-                _with_engine(
-                    report,
-                    name,
-                    specs[name],
-                    lambda e, cs=configs: _add_same_tokens(report, e, cfg, *cs),
-                )
-        if "same_tokens" in selected:
-            import torch
+        if "many_short" in selected:
 
-            same = report.workloads.setdefault("same_tokens", {})
-            same["omp_threads"] = torch.get_num_threads()
+            def many_short(engine: Engine) -> None:
+                run = _timed(report, "many_short", lambda: run_many_short(engine, cfg))
+                if run is not None:
+                    report.workloads["many_short"] = run
+
+            _with_engine(report, "main", specs["main"], many_short)
         if "one_long" in selected:
             _run_one_long(report, specs, cfg)
     except Exception as exc:
@@ -274,5 +150,16 @@ def run_worker(
     state = plugin.state()  # None: the overlay was never activated here
     report.overlay_active = state.active if state else None
     report.overlay_state = state.reason if state else "not activated"
-    print(RESULT_PREFIX + json.dumps(asdict(report)), flush=True)
     return report
+
+
+def worker_main(in_path: str, out_path: str) -> int:
+    """A worker process (``bench_pooled.py --worker IN OUT``, started by the
+    driver): the model, mode, workloads and settings in ``IN``, its report
+    written to ``OUT``."""
+    job = json.loads(Path(in_path).read_text())
+    cfg = BenchConfig(**job["config"])
+    model_dir = Path(job["model_dir"])
+    report = run_worker(job["model"], model_dir, job["workloads"], cfg, job["mode"])
+    Path(out_path).write_text(json.dumps(asdict(report)))
+    return 1 if report.errors else 0

@@ -1,26 +1,33 @@
-"""The many_short, multi_turn and one_long workloads on an open engine
-(same_tokens is in :mod:`.same_tokens`)."""
+"""The many_short and one_long workloads on an open engine.
+
+many_short is the simulator's workload, run as ``vllm-hybrid simulate`` runs
+it (one drive) and counted by its
+:func:`~vllm_hybrid.tools.simulate.session.summarize`, under its names; what
+only a real engine shows is added: bytes needed against bytes reserved, and
+this process's times. one_long searches for the longest prompt a budget
+serves. Prefix hits, state copies and checkpoints of multi-turn traffic are
+the simulator's to count (``vllm-hybrid simulate --workload multi_turn``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vllm_hybrid.tools import workloads as wl
+from vllm_hybrid.tools.inproc import llm_vocab
 from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
+from vllm_hybrid.tools.simulate.session import summarize
 from vllm_hybrid.tools.simulate.sources import (
     ManyShortShape,
     ManyShortWorkload,
-    MultiTurnShape,
-    MultiTurnWorkload,
     SimRequest,
 )
 
 from .config import BenchConfig
 from .engine import Batch, Drive, Engine, drive
-from .pools import KVSample, coupled_evictions
+from .pools import KVSample
 
 
 def _peak_samples(samples: Sequence[KVSample]) -> dict[str, Any]:
@@ -47,17 +54,17 @@ def _per(amount: float, seconds: float) -> float | None:
     return amount / seconds if seconds > 0 else None
 
 
-def _totals(results: Sequence[Drive]) -> dict[str, Any]:
-    """Steps, preemptions, decoded tokens and their rates over drives."""
-    out_tokens = sum(r.output_tokens() for r in results)
-    wall, cpu = sum(r.wall_s for r in results), sum(r.cpu_s for r in results)
-    return {
-        "preemptions": sum(r.preemptions for r in results),
-        "steps": sum(r.steps for r in results),
-        "output_tokens": out_tokens,
-        "output_tok_per_s": _per(out_tokens, wall),
-        "cpu_s": cpu,
-        "output_tok_per_cpu_s": _per(out_tokens, cpu),
+def _counted(result: Drive) -> dict[str, Any]:
+    """The simulator's counted figures of a drive, and decoded tokens per
+    second of wall and CPU time."""
+    counted = summarize(result.result, 0.0, 0.0)["counted"]
+    for key in ("copy_bytes", "floor_tokens", "checkpoints_cached"):
+        counted.pop(key)
+    out = counted["output_tokens"]
+    return counted | {
+        "output_tok_per_s": _per(out, result.wall_s),
+        "cpu_s": result.cpu_s,
+        "output_tok_per_cpu_s": _per(out, result.cpu_s),
     }
 
 
@@ -73,7 +80,7 @@ def check_finished(result: Drive, workload: str) -> None:
     if result.outcome != "finished":
         raise RuntimeError(
             f"{workload}: engine drive ended {result.outcome} after "
-            f"{result.steps} steps"
+            f"{result.result.engine_steps} steps"
         )
 
 
@@ -82,13 +89,13 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
     engine's budget."""
     geometry = kv_geometry(engine.scheduler.kv_cache_config)
     shape = _shape(ManyShortShape, cfg, "many_short")
-    workload = ManyShortWorkload(shape, engine.vocab())
-    result = drive(engine, workload, cfg, geometry=geometry)
+    result = drive(
+        engine, ManyShortWorkload(shape, llm_vocab(engine.llm)), cfg, geometry
+    )
     check_finished(result, "many_short")
     metrics = {
         **_peak_samples(result.samples),
-        **_totals([result]),
-        "prompt_tokens": sum(len(p) for p in workload.prompts),
+        **_counted(result),
         "attn_bytes_per_token": geometry.attn_bytes_per_token,
         "state_bytes_per_request": geometry.state_bytes_per_request,
     }
@@ -99,82 +106,6 @@ def run_many_short(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
         ],
     }
     return {"metrics": metrics, "details": details, "wall_s": result.wall_s}
-
-
-def _state_counts(engine: Engine) -> Callable[[], dict[str, Any]]:
-    """What a workload does to align-mode states, counted from this call on
-    by the simulator's code, so ``vllm-hybrid simulate`` counts alike: state
-    copies and scheduled tokens (its step observer), checkpoints entered into
-    the prefix cache (its probe), and pooled mode's prefill chunks cut at a
-    checkpoint (the scheduler's count). Nothing without prefix caching."""
-    checkpoints = engine.count_checkpoints()
-    if checkpoints is None:
-        return dict
-    steps, scheduler = engine.steps().observer, engine.scheduler
-    before = replace(steps.total)
-    cached_before = checkpoints.checkpoints
-    cuts_before = getattr(scheduler, "prefill_checkpoint_cuts", None)
-
-    def since() -> dict[str, Any]:
-        now = steps.total
-        cuts = getattr(scheduler, "prefill_checkpoint_cuts", None)
-        prefill = now.prefill_tokens - before.prefill_tokens
-        return {
-            "state_copies": now.copies_moved - before.copies_moved,
-            "checkpoints_cached": checkpoints.checkpoints - cached_before,
-            "tokens_scheduled": prefill + now.decode_tokens - before.decode_tokens,
-            "prefill_tokens_computed": prefill,
-            "prefill_checkpoint_cuts": None if cuts is None else cuts - cuts_before,
-        }
-
-    return since
-
-
-def run_multi_turn(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
-    """Conversations sharing a system prefix, run turn by turn: the
-    simulator's :class:`~vllm_hybrid.tools.simulate.sources.MultiTurnWorkload`
-    (same ids and prompts), one drive per turn."""
-    engine.reset_prefix_cache()
-    evicted_before = coupled_evictions(engine.scheduler)
-    state_counts = _state_counts(engine)
-    shape = _shape(MultiTurnShape, cfg, "multi_turn")
-    workload = MultiTurnWorkload(shape, engine.vocab())
-    per_turn: list[dict[str, Any]] = []
-    results: list[Drive] = []
-    for turn in range(cfg.multi_turn_turns):
-        # one drive per turn: the workload sends the next turn once this
-        # one has finished, and the driver ends when it has
-        result = drive(engine, workload, cfg)
-        check_finished(result, f"multi_turn turn {turn}")
-        turn_cached = result.cached_tokens()
-        turn_prompt = sum(t.prompt_tokens for t in result.result.timings.values())
-        per_turn.append(
-            {
-                "turn": turn,
-                "prompt_tokens": turn_prompt,
-                "cached_tokens": turn_cached,
-                "hit_rate": turn_cached / turn_prompt,
-                "preemptions": result.preemptions,
-            }
-        )
-        results.append(result)
-    cached = sum(t["cached_tokens"] for t in per_turn)
-    prompt_tokens = sum(t["prompt_tokens"] for t in per_turn)
-    evicted = coupled_evictions(engine.scheduler)
-    metrics = {
-        "hit_rate": cached / prompt_tokens if prompt_tokens else None,
-        "hit_rate_first_turn": per_turn[0]["hit_rate"] if per_turn else None,
-        "cached_tokens_first_turn": per_turn[0]["cached_tokens"] if per_turn else None,
-        "hit_rate_last_turn": per_turn[-1]["hit_rate"] if per_turn else None,
-        "coupled_evictions": None if evicted is None else evicted - evicted_before,
-        "cached_tokens": cached,
-        "prompt_tokens": prompt_tokens,
-        **_totals(results),
-        "requests": len(per_turn) * cfg.multi_turn_conversations,
-    }
-    metrics |= state_counts()
-    wall = sum(r.wall_s for r in results)
-    return {"metrics": metrics, "details": {"turns": per_turn}, "wall_s": wall}
 
 
 @dataclass(frozen=True)
@@ -194,7 +125,7 @@ class Try:
 
 def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
     """Can a ``length``-token prompt finish alone, without preemption?"""
-    prompt = wl.one_long_prompt(cfg.seed, engine.vocab(), length)
+    prompt = wl.one_long_prompt(cfg.seed, llm_vocab(engine.llm), length)
     key = f"long-{length}"
     batch = Batch([SimRequest(key, prompt, cfg.one_long_output, 0.0)])
     try:
@@ -202,12 +133,11 @@ def try_one_long(engine: Engine, cfg: BenchConfig, length: int) -> Try:
     except Exception as exc:  # the engine itself failed on this request
         return Try(length, "error", 0, 0.0, f"{type(exc).__name__}: {exc}")
     outcome = result.outcome
-    if outcome == "finished":
-        produced = len(batch.replies[key])
-        if produced != cfg.one_long_output:
-            outcome = "short_output"
-    engine.reset_prefix_cache()
-    return Try(length, outcome, result.steps, round(result.wall_s, 2))
+    timings = result.result.timings  # a rejected request has none
+    if outcome == "finished" and timings[key].output_tokens != cfg.one_long_output:
+        outcome = "short_output"
+    engine.llm.reset_prefix_cache()
+    return Try(length, outcome, result.result.engine_steps, round(result.wall_s, 2))
 
 
 def longest_completing(
@@ -249,19 +179,17 @@ def run_one_long(engine: Engine, cfg: BenchConfig) -> dict[str, Any]:
 
 
 def one_long_metrics(
-    engine: Engine | None,
+    engine: Engine,
     cfg: BenchConfig,
-    geometry: KVGeometry | None,
+    geometry: KVGeometry,
     longest: int,
     tries: Sequence[Try],
     wall: float,
 ) -> dict[str, Any]:
-    """The one_long result; without an engine (none started) only what the
-    geometry tells."""
-    reported = None
-    if engine is not None:
-        reported = engine.vllm_config.cache_config.kv_cache_size_tokens
-    bound = geometry.token_bound(cfg.one_long_budget_bytes) if geometry else None
+    """The one_long result: the longest prompt against the engine's reported
+    capacity and against the budget's bound."""
+    reported = engine.vllm_config.cache_config.kv_cache_size_tokens
+    bound = geometry.token_bound(cfg.one_long_budget_bytes)
     failures = [t for t in tries if not t.ok]
     metrics = {
         "longest_prompt": longest,

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from benchmarks.harness import server_args
-from benchmarks.pooled.report import ratio
+from benchmarks.harness import markdown_table, ratio, server_args
 
 from .config import BenchConfig, rate_key
 from .run import RateRun, ServerResult
@@ -85,11 +84,6 @@ def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 def results_table(results: Sequence[ServerResult]) -> str:
     """One row per server and rate; a server that did not run or failed
     says why."""
@@ -104,7 +98,7 @@ def results_table(results: Sequence[ServerResult]) -> str:
         if r.status != "ok":
             rows.append([*lead, r.status, r.reason, *[""] * len(COLUMNS)])
     head = ("model", "mode", "dtype", "rate", "done", *(h for _, h, _ in COLUMNS))
-    return _table(head, rows)
+    return markdown_table(head, rows)
 
 
 def ratio_table(rows: Sequence[RatioRow]) -> str:
@@ -116,7 +110,7 @@ def ratio_table(rows: Sequence[RatioRow]) -> str:
         for row in rows
     ]
     head = ("model", "comparison", "group", "rate", *(h for _, h, _ in COLUMNS))
-    return _table(head, body)
+    return markdown_table(head, body)
 
 
 def document(

@@ -2,11 +2,12 @@
 
 One in-process engine per (model, mode) with ``--kv-cache-dtype
 turboquant_k8v4`` and the 48 MiB budget of ``benchmarks/bench_pooled.py``,
-whose workload generators are reused at a smaller scale (:func:`_config`):
+whose workload generators (and the simulator's multi_turn shape) are reused
+at a smaller scale (:func:`_config`):
 the saturation workload (32 requests, prompts of 64-256 tokens, 32 output
 tokens, more than the budget holds at once) runs twice with a prefix-cache
 reset in between, then the multi-turn prefix-caching workload (3
-conversations, 5 turns, the benchmark's 1200-token system prompt). Pooled and
+conversations, 5 turns, the 1200-token system prompt). Pooled and
 single-pool mode must both finish, repeat themselves exactly, and produce
 the same multi-turn conversations.
 
@@ -28,6 +29,7 @@ change, which flips a token only where the best two were within rounding.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 from engine_utils import (
@@ -43,6 +45,7 @@ from engine_utils import (
 
 from vllm_hybrid.tools import workloads
 from vllm_hybrid.tools.inproc import llm_vocab
+from vllm_hybrid.tools.simulate.sources import MultiTurnShape
 
 pytestmark = pytest.mark.slow
 
@@ -52,17 +55,17 @@ MODES = ("pooled", "single")
 
 
 def _config():
-    """bench_pooled's settings with fewer, shorter requests and fewer
-    conversations: still more than the budget runs at once (the saturation
-    tests check that some were preempted) and still a long shared system
-    prompt for the multi-turn hits, at about a third of the tokens."""
-    return dataclasses.replace(
-        bench_pooled().BenchConfig(),
-        many_short_requests=32,
-        many_short_max_len=256,
-        multi_turn_conversations=3,
-        multi_turn_output=16,
+    """bench_pooled's settings and the simulator's multi_turn shape (as
+    ``multi_turn_*``) with fewer, shorter requests and fewer conversations:
+    still more than the budget runs at once (the saturation tests check that
+    some were preempted) and still a long shared system prompt for the
+    multi-turn hits, at about a third of the tokens."""
+    bench = dataclasses.replace(
+        bench_pooled().BenchConfig(), many_short_requests=32, many_short_max_len=256
     )
+    turns = dataclasses.replace(MultiTurnShape(), conversations=3, output=16)
+    shape = {f"multi_turn_{k}": v for k, v in dataclasses.asdict(turns).items()}
+    return SimpleNamespace(**dataclasses.asdict(bench), **shape)
 
 
 #: Budget of the engines without prefix caching: they hold one state block

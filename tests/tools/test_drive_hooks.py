@@ -1,22 +1,17 @@
 """What the simulator's driver gives a benchmark on top of a simulation.
 
 ``bench_pooled`` drives real CPU engines with the driver: a per-step hook
-ends a drive (all of its requests finished, a preemption, a time limit) and
-whatever is still in flight is aborted so the engine takes the next batch;
-the stall limit is the caller's; the top log-probabilities of a request come
-back per output position. The engine tests run the tiny qwen3_5 on the
-stand-in executor (no model compute).
+ends a drive (a preemption, a time limit) and whatever is still in flight is
+aborted so the engine takes the next batch; the stall limit is the caller's.
+The engine tests run the tiny qwen3_5 on the stand-in executor (no model
+compute).
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
-import numpy as np
 from engine_utils import stand_in_engine
 
-from vllm_hybrid.tools.inproc import top2_gap
-from vllm_hybrid.tools.simulate.drive import Driver, _positions
+from vllm_hybrid.tools.simulate.drive import Driver
 from vllm_hybrid.tools.simulate.sources import ManyShortShape, ManyShortWorkload
 
 #: Four prompts of 64-128 tokens, 8 output tokens each: all four run at once.
@@ -65,16 +60,3 @@ def test_without_a_hook_a_run_ends_after_its_finished_ids_are_flushed(
     # prefill, then 7 decode steps (the prefill sampled the first token)
     assert (ended.engine_steps, plain.engine_steps) == (8, 9)
     assert [t.output_tokens for t in plain.timings.values()] == [8] * 4
-
-
-def test_logprob_rows_name_each_token_once():
-    """A greedy step names its token as the sampled one and as the best:
-    the row keeps it once, so the gap is best minus second best."""
-    lists = SimpleNamespace(
-        logprob_token_ids=np.array([[7, 7, 3], [5, 2, 5]]),
-        logprobs=np.array([[-0.25, -0.25, -1.5], [-0.5, -0.5, -0.5]]),
-    )
-    rows = _positions(lists)
-    assert rows == [{7: -0.25, 3: -1.5}, {5: -0.5, 2: -0.5}]
-    assert [top2_gap(row.values()) for row in rows] == [1.25, 0.0]
-    assert top2_gap([-1.0]) is None

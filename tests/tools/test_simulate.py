@@ -34,6 +34,7 @@ from vllm_hybrid.tools.simulate.report import (
 from vllm_hybrid.tools.simulate.runner import (
     best_key,
     engine_variants,
+    run_json_worker,
     run_logged,
     worker_env,
 )
@@ -452,6 +453,25 @@ def test_run_logged_keeps_the_output_and_returns_the_status(tmp_path: Path) -> N
     assert log.read_text().split() == ["1", "oops"]
     run_logged([sys.executable, "-c", code], worker_env(False), log, stderr=False)
     assert log.read_text().split() == ["0"]
+
+
+def test_a_json_worker_gets_its_payload_and_returns_its_report(tmp_path: Path) -> None:
+    """A worker reads ``IN.json`` and writes ``OUT.json`` (the switch set
+    for it); one that writes nothing is an error entry with its log's tail."""
+    code = (
+        "import json, os, sys; job = json.load(open(sys.argv[1])); "
+        "json.dump({'n': job['n'] + 1, 'kv': os.environ['VLLM_HYBRID_KV']}, "
+        "open(sys.argv[2], 'w'))"
+    )
+    argv = [sys.executable, "-c", code]
+    assert run_json_worker(argv, {"n": 41}, True, tmp_path, "w") == {
+        "n": 42,
+        "kv": "1",
+    }
+    crash = [sys.executable, "-c", "print('before'); raise SystemExit(5)"]
+    failed = run_json_worker(crash, {}, False, tmp_path, "c")
+    assert failed["error"] == "worker exited with 5"
+    assert failed["traceback"].split() == ["before"]
 
 
 def test_table_gives_ratios_to_upstream_best() -> None:

@@ -9,8 +9,7 @@ scheduler (running requests). Nothing here decides anything the engine
 decides.
 
 ``benchmarks/bench_pooled.py`` drives its real CPU engines with this loop
-too: it asks for log-probabilities on some requests, ends a drive from a
-per-step hook (all of its requests finished, a preemption, a time limit) and
+too: it ends a drive from a per-step hook (a preemption, a time limit) and
 uses its own stall rule; requests still in flight when a run ends early are
 aborted, so the engine can take the next batch.
 """
@@ -70,9 +69,6 @@ class DriveResult:
     #: finished | stalled, or what the per-step hook ended the run with
     outcome: str = "finished"
     timeline: list[TimelinePoint] = field(default_factory=list)
-    #: per request that asked for them, per output token: token id ->
-    #: log-probability (the sampled token and the top ones)
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def _add(core: Any, request: SimRequest) -> None:
@@ -83,7 +79,6 @@ def _add(core: Any, request: SimRequest) -> None:
         max_tokens=request.max_tokens,
         temperature=0.0,
         ignore_eos=True,
-        logprobs=request.logprobs,
     )
     engine_request = EngineCoreRequest(
         request_id=request.request_id,
@@ -222,9 +217,6 @@ class Driver:
                     timing.cached_tokens = out.prefill_stats.num_cached_tokens
                     self._hit += timing.cached_tokens
                     self._prompt += timing.prompt_tokens
-                if out.new_logprobs is not None:
-                    rows = self.result.logprobs.setdefault(out.request_id, [])
-                    rows.extend(_positions(out.new_logprobs))
                 if out.new_token_ids:
                     if timing.first_token is None:
                         timing.first_token = self.now
@@ -242,18 +234,6 @@ class Driver:
                     self.workload.finished(out.request_id, reply, self.now)
                     if self.progress is not None:
                         self.progress.update(1)
-
-
-def _positions(logprobs: Any) -> list[dict[int, float]]:
-    """Token id -> log-probability per output position of an output's
-    ``LogprobsLists`` (the sampled token first, then the top ones; greedy
-    sampling names the best token twice)."""
-    return [
-        dict(zip(ids.tolist(), values.tolist(), strict=True))
-        for ids, values in zip(
-            logprobs.logprob_token_ids, logprobs.logprobs, strict=True
-        )
-    ]
 
 
 def _abort(core: Any, request_ids: Iterable[str]) -> None:

@@ -158,6 +158,32 @@ def run_logged(
     return proc.returncode
 
 
+def run_json_worker(
+    argv: Sequence[str],
+    payload: Mapping[str, Any],
+    overlay: bool,
+    workdir: Path,
+    name: str,
+    log_level: str | None = "ERROR",
+    stderr: bool = True,
+) -> dict[str, Any]:
+    """Run one worker process ``argv IN.json OUT.json`` in :func:`worker_env`
+    (``payload`` in ``IN.json``, its output in ``NAME.log``): what it wrote
+    to ``OUT.json``, or an ``error`` entry with its log's tail. The workers
+    of ``vllm-hybrid simulate`` and ``benchmarks/bench_pooled.py`` run so."""
+    in_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
+    in_path.write_text(json.dumps(payload))
+    log = workdir / f"{name}.log"
+    env = worker_env(overlay, log_level)
+    returncode = run_logged([*argv, str(in_path), str(out_path)], env, log, stderr)
+    if out_path.is_file():
+        return json.loads(out_path.read_text())
+    return {
+        "error": f"worker exited with {returncode}",
+        "traceback": log.read_text(errors="replace")[-4000:],
+    }
+
+
 def run_in_process(
     spec: SimulationSpec, variant: Variant, workdir: Path, line: int = 0
 ) -> dict[str, Any]:
@@ -165,25 +191,13 @@ def run_in_process(
     ``error`` entry with the worker's traceback. ``line``: the terminal line
     of its progress bar."""
     name = "".join(c if c.isalnum() else "_" for c in variant.name)
-    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
-    spec_path.write_text(
-        json.dumps({"spec": spec.to_json(), "variant": asdict(variant), "line": line})
-    )
-    log = workdir / f"{name}.log"
+    payload = {"spec": spec.to_json(), "variant": asdict(variant), "line": line}
     argv = [sys.executable, "-m", "vllm_hybrid.tools.simulate.worker"]
-    returncode = run_logged(
-        [*argv, str(spec_path), str(out_path)],
-        worker_env(variant.overlay),
-        log,
-        stderr=not spec.progress,
+    stderr = not spec.progress
+    result = run_json_worker(
+        argv, payload, variant.overlay, workdir, name, stderr=stderr
     )
-    if out_path.is_file():
-        return json.loads(out_path.read_text())
-    return {
-        "variant": asdict(variant),
-        "error": f"worker exited with {returncode}",
-        "traceback": log.read_text()[-4000:],
-    }
+    return result if "variant" in result else {"variant": asdict(variant), **result}
 
 
 def run_engines(

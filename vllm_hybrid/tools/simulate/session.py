@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_hybrid.tools.plan.geometry import EngineOptions, kv_geometry
 from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
@@ -50,6 +50,10 @@ from vllm_hybrid.tools.simulate.sources import (
 from vllm_hybrid.tools.simulate.steps import StepRecord
 from vllm_hybrid.tools.simulate.trace import MOONCAKE_TRACE, read_trace
 from vllm_hybrid.tools.workloads import allowed_token_ids
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 #: Ids below this are special tokens in the vocabularies simulated (the
 #: project's workloads draw prompt ids from the rest).
@@ -185,12 +189,13 @@ def cuda_runner() -> Runner:
     return Runner.V1 if envs.VLLM_USE_V2_MODEL_RUNNER is False else Runner.V2
 
 
-def geometry_summary(engine: SimEngine) -> dict[str, Any]:
-    """The engine's KV cache as it started: groups, pools, capacity."""
+def geometry_summary(scheduler: Scheduler, vllm_config: VllmConfig) -> dict[str, Any]:
+    """An engine's KV cache as it started: groups, pools, capacity (of a
+    simulated engine, and of ``bench_pooled``'s real ones)."""
     from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
-    config = engine.scheduler.kv_cache_config
-    cache = engine.vllm_config.cache_config
+    config = scheduler.kv_cache_config
+    cache = vllm_config.cache_config
     groups = [
         {
             "kind": type(g.kv_cache_spec).__name__,
@@ -214,18 +219,18 @@ def geometry_summary(engine: SimEngine) -> dict[str, Any]:
                 "block_bytes": total // max(1, config.num_blocks),
             }
         ]
-    scheduler = engine.vllm_config.scheduler_config
+    limits = vllm_config.scheduler_config
     return {
         "groups": groups,
         "pools": pools,
         "token_capacity": getattr(cache, "kv_cache_size_tokens", None),
-        "max_num_seqs": scheduler.max_num_seqs,
-        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-        "max_model_len": engine.vllm_config.model_config.max_model_len,
+        "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "max_model_len": vllm_config.model_config.max_model_len,
         "prefix_match_unit": cache.prefix_match_unit,
         "prefix_cache_retention_interval": cache.prefix_cache_retention_interval,
         "mamba_block_size": cache.mamba_block_size,
-        "async_scheduling": scheduler.async_scheduling,
+        "async_scheduling": limits.async_scheduling,
     }
 
 
@@ -338,7 +343,7 @@ def run_variant(
         summary = summarize(
             result, _copy_bytes(result.steps, clock, cow_bytes), checkpoints.checkpoints
         )
-        summary["geometry"] = geometry_summary(engine)
+        summary["geometry"] = geometry_summary(engine.scheduler, engine.vllm_config)
     summary["variant"] = dataclasses.asdict(variant)
     summary["gpu"] = clock.gpu.name
     summary["timeline"] = [dataclasses.astuple(p) for p in result.timeline]
@@ -356,7 +361,7 @@ def _copy_bytes(record: StepRecord, clock: CostModel, cow_bytes: int) -> float:
 def _cow_block_bytes(engine: SimEngine) -> int:
     """Bytes one copy-on-write block copy moves: the block of the pool the
     state groups use (every layer's page of one block id)."""
-    pools = geometry_summary(engine)["pools"]
+    pools = geometry_summary(engine.scheduler, engine.vllm_config)["pools"]
     state = [p for p in pools if p["kind"] in ("state", "shared")]
     return state[0]["block_bytes"] if state else 0
 

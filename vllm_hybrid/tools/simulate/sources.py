@@ -31,9 +31,6 @@ class SimRequest:
     prompt: list[int]
     max_tokens: int
     arrival_s: float
-    #: top log-probabilities to return per output token (None: none); a
-    #: benchmark comparing greedy tokens reads how close the best two were
-    logprobs: int | None = None
 
 
 class Workload:
@@ -178,12 +175,12 @@ class ChatServerShape:
 
 
 class ChatServerWorkload(Workload):
-    """Interleaved conversations, as ``bench_pooled``'s chat_server sends
-    them: turns in a seeded order over all conversations, at most
-    ``concurrency`` in flight; the next turn in the order goes out as soon as
-    a slot is free and its conversation's previous turn has finished (until
-    then it holds the queue). Each prompt is the conversation so far (system
-    prompt, earlier user turns and replies) plus new user tokens."""
+    """Interleaved conversations: turns in a seeded order over all
+    conversations, at most ``concurrency`` in flight; the next turn in the
+    order goes out as soon as a slot is free and its conversation's previous
+    turn has finished (until then it holds the queue). Each prompt is the
+    conversation so far (system prompt, earlier user turns and replies) plus
+    new user tokens."""
 
     name = "chat_server"
     needs_replies = True

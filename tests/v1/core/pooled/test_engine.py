@@ -129,8 +129,8 @@ def test_forced_preemption_run_preempts_upstream_more_than_pooled(runs):
     """The budget is too small for the batch in upstream's single pool, so the
     token comparison above covers requests upstream preempted and resumed;
     pooled mode fits more of the batch and preempts less. (Pooled-mode
-    preemption itself is compared token by token in the benchmark's
-    same_tokens ``preempt`` run, tests/benchmarks.)"""
+    preemption itself is compared token by token in the ``preempt``
+    configuration of tests/v1/core/pooled/test_same_tokens.py.)"""
     if runs["name"] != "forced-preemption":
         pytest.skip("only the forced-preemption configuration must preempt")
     assert runs["upstream_preemptions"] > 0
