@@ -35,6 +35,7 @@ POOLED_LAYERS = (
     "capacity",
     "planner",
     "scope",
+    "retention",
     "coordinator",
     "engine",
 )

@@ -8,7 +8,7 @@ them; the core writes no file and sets no environment variable (it hands
 values to the layers above, which carry them). docs/overlay.md has the map
 of the packages.
 
-The few imports that break a rule today are listed in :data:`ALLOWED`, each
+Imports that break a rule would be listed in :data:`ALLOWED` (none today), each
 with why it exists and what would remove it; a listed import that no longer
 breaks a rule fails the test too, so the list only shrinks. Each test
 reports every violation it finds, not only the first.
@@ -46,32 +46,10 @@ class Allowance:
     removed_by: str
 
 
-#: Every import that breaks a package rule today. The modules involved are
-#: being changed elsewhere; the entries go when the change in ``removed_by``
-#: lands (the test then fails until the entry is deleted).
-ALLOWED = (
-    Allowance(
-        imports=(("v1.core.pooled.coordinator", "v1.core.retention"),),
-        why="the pooled coordinators keep turn-end checkpoints with the mixin "
-        "of v1/core/retention.py, which itself places and ranks checkpoints "
-        "with pooled/checkpoint_policy and pooled/eviction: a "
-        "cycle between v1/core and v1/core/pooled",
-        removed_by="moving retention.py into pooled/ (a layer below "
-        "coordinator), or eviction ranking and checkpoint positions out of "
-        "pooled/",
-    ),
-    Allowance(
-        imports=(
-            ("v1.core.pooled.engine", "v1.core.sched.scheduler"),
-            ("v1.core.pooled.engine", "v1.core.sched.async_scheduler"),
-        ),
-        why="pooled/engine picks the scheduler class (select_scheduler), "
-        "while the pooled schedulers read the arena through "
-        "pooled/coordinator: a cycle between v1/core/pooled and v1/core/sched",
-        removed_by="moving select_scheduler up into v1/core/kv_cache_utils, "
-        "its only caller, so the scheduler sits above pooled mode",
-    ),
-)
+#: Every import that breaks a package rule today (none): an entry names why
+#: it exists and the change that would remove it; once that change lands the
+#: test fails until the entry is deleted.
+ALLOWED: tuple[Allowance, ...] = ()
 
 
 @pytest.fixture(scope="module")

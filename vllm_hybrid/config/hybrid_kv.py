@@ -68,7 +68,7 @@ class HybridKVOptions:
     couple_prefix_caches: bool = True
     #: Prefix caching in align mode: keep the state checkpoint at the last
     #: state block edge each request reached while decoding, the state a
-    #: follow-up turn resumes from (:mod:`vllm_hybrid.v1.core.retention`).
+    #: follow-up turn resumes from (:mod:`vllm_hybrid.v1.core.pooled.retention`).
     #: Such a checkpoint is the first cached block its pool evicts, so it
     #: never pushes another entry out (docs/pooled-mode.md#turn-end-checkpoints).
     retain_turn_ends: bool = True

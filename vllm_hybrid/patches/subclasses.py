@@ -63,7 +63,7 @@ SUBCLASSES: list[SubclassEntry] = [
         ),
         why=(
             "Admission and allocation across the token and state pools; "
-            "turn-end state checkpoints (vllm_hybrid/v1/core/retention.py)."
+            "turn-end state checkpoints (vllm_hybrid/v1/core/pooled/retention.py)."
         ),
         how=(
             "Upstream's per-group managers compute needs; the overrides ask "
@@ -80,7 +80,9 @@ SUBCLASSES: list[SubclassEntry] = [
     ),
     SubclassEntry(
         base="vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator",
-        subclass=("vllm_hybrid.v1.core.retention:TurnEndHybridKVCacheCoordinator"),
+        subclass=(
+            "vllm_hybrid.v1.core.pooled.retention:TurnEndHybridKVCacheCoordinator"
+        ),
         overrides=(
             "cache_blocks",
             "remove_skipped_blocks",
@@ -264,7 +266,7 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
     AddedAttribute(
         cls="vllm.v1.kv_cache_interface:KVCacheConfig",
         name="retain_turn_ends",
-        where="vllm_hybrid.v1.core.retention (mark_turn_end_retention)",
+        where="vllm_hybrid.v1.core.pooled.retention (mark_turn_end_retention)",
         why=(
             "Carries hybrid_kv.retain_turn_ends of a single-pool hybrid plan "
             "from the engine core's planning to the scheduler's coordinator "

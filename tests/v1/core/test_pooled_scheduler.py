@@ -18,8 +18,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
+from vllm_hybrid.v1.core.kv_cache_utils import select_scheduler
 from vllm_hybrid.v1.core.pooled.checkpoint_policy import state_checkpoint_block
-from vllm_hybrid.v1.core.pooled.engine import select_scheduler
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
 from vllm_hybrid.v1.core.sched.scheduler import PooledScheduler
 

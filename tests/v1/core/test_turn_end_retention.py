@@ -1,6 +1,6 @@
 """Turn-end retention on live engines: a follow-up turn hits the whole previous
 conversation up to the last state block edge the previous turn reached while
-decoding (vllm_hybrid/v1/core/retention.py), in pooled and single-pool mode;
+decoding (vllm_hybrid/v1/core/pooled/retention.py), in pooled and single-pool mode;
 ``hybrid_kv.retain_turn_ends: false`` gives upstream's retention (the previous
 prompt's boundary only)."""
 

@@ -1,7 +1,7 @@
 """Replacement of upstream's ``get_kv_cache_coordinator``: pooled configs get
 the pooled coordinators (:mod:`vllm_hybrid.v1.core.pooled.coordinator`),
 hybrid single-pool configs with prefix caching upstream's hybrid coordinator
-with turn-end retention (:mod:`vllm_hybrid.v1.core.retention`), every other
+with turn-end retention (:mod:`vllm_hybrid.v1.core.pooled.retention`), every other
 config upstream's."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from vllm_hybrid.v1.core.pooled.coordinator import (
     PooledHybridKVCacheCoordinator,
     PooledNoPrefixCacheCoordinator,
 )
-from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
-from vllm_hybrid.v1.core.retention import (
+from vllm_hybrid.v1.core.pooled.retention import (
     RETAIN_ATTRIBUTE,
     TurnEndHybridKVCacheCoordinator,
     has_align_state_groups,
 )
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector

@@ -28,13 +28,18 @@ from vllm_hybrid.v1.core.pooled.capacity import (
     pooled_capacity,
     shared_pool_token_capacity,
 )
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import state_checkpoint_block
 from vllm_hybrid.v1.core.pooled.engine import (
     plan_pooled_configs,
-    select_scheduler,
     update_pooled_capacity,
 )
+from vllm_hybrid.v1.core.pooled.retention import mark_turn_end_retention
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
-from vllm_hybrid.v1.core.retention import mark_turn_end_retention
+from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
+from vllm_hybrid.v1.core.sched.scheduler import (
+    PooledScheduler,
+    PooledSchedulerMixin,
+)
 from vllm_hybrid.v1.core.token_capacity import split_token_groups
 
 if TYPE_CHECKING:
@@ -102,6 +107,53 @@ def unify_kv_cache_spec_page_size(
 
 
 # -- plans ----------------------------------------------------------------
+
+
+def select_scheduler(
+    vllm_config: VllmConfig, kv_cache_config: PooledKVCacheConfig
+) -> None:
+    """Make the engine core build :class:`PooledScheduler` (or its async twin)
+    for a pooled plan: it publishes per-pool usage once per step and ends
+    prefill chunks on state checkpoint edges (when the state block is longer
+    than the attention block) and at prefill checkpoints.
+
+    Runs in the engine-core process after KV planning, before the scheduler
+    class is resolved. A scheduler class the user chose is kept; a warning
+    says what it misses.
+    """
+    scheduler_config = vllm_config.scheduler_config
+    if scheduler_config.scheduler_cls is None:
+        scheduler_config.scheduler_cls = (
+            PooledAsyncScheduler
+            if scheduler_config.async_scheduling
+            else PooledScheduler
+        )
+        return
+    chosen = scheduler_config.scheduler_cls
+    if isinstance(chosen, type) and issubclass(chosen, PooledSchedulerMixin):
+        return
+    block = state_checkpoint_block(
+        kv_cache_config, vllm_config.cache_config.mamba_cache_mode
+    )
+    if block is not None:
+        logger.warning(
+            "vllm-hybrid pooled KV mode: --scheduler-cls %s ends prefill chunks "
+            "on attention block edges, so state checkpoints every %d tokens "
+            "(--mamba-block-size) are written only where a chunk happens to end "
+            "and prefix hits are lost; leave --scheduler-cls unset, or set "
+            "--mamba-block-size to the attention block",
+            chosen,
+            block,
+        )
+    interval = getattr(kv_cache_config, "prefill_checkpoint_interval", 0)
+    if interval:
+        logger.warning(
+            "vllm-hybrid pooled KV mode: --scheduler-cls %s does not end prefill "
+            "chunks at prefill checkpoints (every %d tokens), so a shared prefix "
+            "hits only from its second reuse on; leave --scheduler-cls unset",
+            chosen,
+            interval,
+        )
 
 
 def get_kv_cache_configs(

@@ -29,8 +29,8 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
+from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
-from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
 HBS = 16
 LAYOUT = ArenaLayout(

@@ -19,8 +19,10 @@ Layers, bottom to top (a module imports only from the layers below it):
                 (both plan kinds: the arena and the single shared pool)
 ``planner``     pure planning: a byte budget and layer specs -> a config
 ``scope``       whether pooled mode applies to a VllmConfig
+``retention``   turn-end and prefill checkpoints kept in the prefix cache (a
+                mixin of these coordinators and of the single pool's)
 ``coordinator`` upstream's coordinators over the arena's pools
-``engine``      engine glue: configs for all workers, capacity, scheduler
+``engine``      engine glue: configs for all workers, capacity
 
 The upstream-path modules (``vllm_hybrid.v1.core.kv_cache_utils``,
 ``kv_cache_coordinator``) dispatch to this package.

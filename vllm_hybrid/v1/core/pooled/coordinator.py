@@ -37,8 +37,8 @@ from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
 from vllm_hybrid.v1.core.pooled.checkpoint_policy import decode_edges_policy
 from vllm_hybrid.v1.core.pooled.eviction import RELOCATE_NEAR_BOUNDARY
+from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
-from vllm_hybrid.v1.core.retention import TurnEndRetentionMixin
 
 logger = init_logger(__name__)
 
@@ -398,7 +398,7 @@ class PooledHybridKVCacheCoordinator(
     PooledCoordinatorMixin, TurnEndRetentionMixin, HybridKVCacheCoordinator
 ):
     """Prefix caching on: upstream's hybrid coordinator over arena pools,
-    keeping turn-end checkpoints (:mod:`vllm_hybrid.v1.core.retention`)."""
+    keeping turn-end checkpoints (:mod:`vllm_hybrid.v1.core.pooled.retention`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Partial (sub-block) hits need copy-on-write block copies, which the

@@ -19,10 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
-    plan_prefill_checkpoints,
-    state_checkpoint_block,
-)
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import plan_prefill_checkpoints
 from vllm_hybrid.v1.core.pooled.layers import (
     PoolSplit,
     equalize_stage_blocks,
@@ -37,11 +34,6 @@ from vllm_hybrid.v1.core.pooled.planner import (
 )
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
-from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
-from vllm_hybrid.v1.core.sched.scheduler import (
-    PooledScheduler,
-    PooledSchedulerMixin,
-)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -246,53 +238,6 @@ def plan_pooled_configs(
     if pipeline:
         return configs
     return [copy.deepcopy(configs[0]) for _ in kv_cache_specs]
-
-
-def select_scheduler(
-    vllm_config: VllmConfig, kv_cache_config: PooledKVCacheConfig
-) -> None:
-    """Make the engine core build :class:`PooledScheduler` (or its async twin)
-    for a pooled plan: it publishes per-pool usage once per step and ends
-    prefill chunks on state checkpoint edges (when the state block is longer
-    than the attention block) and at prefill checkpoints.
-
-    Runs in the engine-core process after KV planning, before the scheduler
-    class is resolved. A scheduler class the user chose is kept; a warning
-    says what it misses.
-    """
-    scheduler_config = vllm_config.scheduler_config
-    if scheduler_config.scheduler_cls is None:
-        scheduler_config.scheduler_cls = (
-            PooledAsyncScheduler
-            if scheduler_config.async_scheduling
-            else PooledScheduler
-        )
-        return
-    chosen = scheduler_config.scheduler_cls
-    if isinstance(chosen, type) and issubclass(chosen, PooledSchedulerMixin):
-        return
-    block = state_checkpoint_block(
-        kv_cache_config, vllm_config.cache_config.mamba_cache_mode
-    )
-    if block is not None:
-        logger.warning(
-            "vllm-hybrid pooled KV mode: --scheduler-cls %s ends prefill chunks "
-            "on attention block edges, so state checkpoints every %d tokens "
-            "(--mamba-block-size) are written only where a chunk happens to end "
-            "and prefix hits are lost; leave --scheduler-cls unset, or set "
-            "--mamba-block-size to the attention block",
-            chosen,
-            block,
-        )
-    interval = getattr(kv_cache_config, "prefill_checkpoint_interval", 0)
-    if interval:
-        logger.warning(
-            "vllm-hybrid pooled KV mode: --scheduler-cls %s does not end prefill "
-            "chunks at prefill checkpoints (every %d tokens), so a shared prefix "
-            "hits only from its second reuse on; leave --scheduler-cls unset",
-            chosen,
-            interval,
-        )
 
 
 def update_pooled_capacity(

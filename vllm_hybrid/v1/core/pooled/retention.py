@@ -356,7 +356,7 @@ def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> No
         return
     running = blocks[-1]
     if running is blocks[-2] and running.block_hash is not None:
-        manager.block_pool._maybe_evict_cached_block(running)
+        manager.block_pool.evict_blocks({running.block_id})
 
 
 #: Attribute carrying ``hybrid_kv.retain_turn_ends`` on a single-pool
