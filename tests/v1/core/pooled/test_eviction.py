@@ -32,7 +32,12 @@ from vllm.v1.request import Request
 
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled import eviction
-from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Reach
+from vllm_hybrid.v1.core.pooled.eviction import (
+    PROTECT_AFTER_HITS,
+    Entry,
+    Place,
+    Reach,
+)
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
@@ -94,6 +99,68 @@ def test_serving_without_protected_entries_spares_them():
     pool.free_blocks(got)
     everything = pool.get_num_free_blocks() + arena.token_pool.get_num_free_blocks()
     assert not arena.boundary.ensure(0, everything, reach=Reach.SPARE_PROTECTED)
+
+
+def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
+    """Both kinds are ordinary (tail) entries until one served more hits
+    lately: the other's entries then go first. (The token pool: its cached
+    segment is plain LRU, where the state pool picks among its least recent
+    by position.)"""
+    arena = make_arena()
+    pool = arena.token_pool
+    queue, policy = pool.free_block_queue, pool.free_block_queue.policy
+    own, last, other = pool.get_new_blocks(3)
+    for block, name in ((own, b"own"), (last, b"last"), (other, b"other")):
+        cache(pool, block, name)
+    pool.free_blocks([last, own, other])
+    eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
+    eviction.rank_entry(pool, own, Entry.PROMPT)
+    # no hits yet: both in LRU order, behind the entry freed before them
+    assert queue.cached_ids() == [other.block_id, last.block_id, own.block_id]
+    # a follow-up hits the last prefill checkpoint: own checkpoints go first
+    pool.touch([last])
+    pool.free_blocks([last])
+    eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
+    assert policy.rival_hits == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 0.0}
+    eviction.rank_entry(pool, own, Entry.PROMPT)
+    assert queue.cached_ids() == [own.block_id, other.block_id, last.block_id]
+    # two resent prompts hit their own checkpoint: last ones go first now
+    for _ in range(2):
+        pool.touch([own])
+        pool.free_blocks([own])
+    assert policy.rival_hits == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 2.0}
+    eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
+    assert queue.cached_ids()[0] == last.block_id
+    # evicted, a block's kind is forgotten: its later hits count for nobody
+    pool.evict_blocks({last.block_id})
+    cache(pool, last, b"reused")
+    pool.touch([last])
+    assert policy.rival_hits[Entry.PREFILL_LAST] == 1.0
+    arena.check_invariants()
+
+
+def test_rival_hits_are_halved_so_recent_traffic_decides():
+    policy = eviction.EvictionPolicy()
+    pool = make_arena().state_pool
+    own, last = pool.get_new_blocks(2)
+    cache(pool, own, b"own")
+    cache(pool, last, b"last")
+    assert policy.place_of(own, Entry.PROMPT) is Place.TAIL
+    assert policy.place_of(last, Entry.PREFILL_LAST) is Place.TAIL
+    for _ in range(400):
+        policy.record_hit(own)
+    assert policy.place_of(last, Entry.PREFILL_LAST) is Place.HEAD
+    assert policy.place_of(own, Entry.PROMPT) is Place.TAIL
+    for _ in range(400):
+        policy.record_hit(last)
+    hits = policy.rival_hits
+    # halved each time the sum passed the half-life, so it stays below it
+    assert sum(hits.values()) <= eviction.RIVAL_HALF_LIFE_HITS
+    assert hits[Entry.PREFILL_LAST] > hits[Entry.PROMPT]
+    assert policy.place_of(last, Entry.PREFILL_LAST) is Place.TAIL
+    assert policy.place_of(own, Entry.PROMPT) is Place.HEAD
+    # kinds outside the rivals keep their place whatever the hits
+    assert policy.place_of(own, Entry.TURN_END) is Place.HEAD
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+    CheckpointPolicy,
     is_prefill_anchor,
     next_prefill_checkpoint,
     prefill_checkpoint_anchor,
@@ -26,6 +27,7 @@ from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
     prefill_checkpoints,
     state_page_tokens,
 )
+from vllm_hybrid.v1.core.pooled.eviction import Entry
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
 from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
@@ -133,6 +135,23 @@ def test_the_last_checkpoint_a_chunk_passes():
     assert last_prefill_checkpoint(0, 1280, 1300, 0, 32) is None
 
 
+def test_each_checkpoint_near_a_prompts_end_ranks_as_its_kind():
+    """A 100-token prompt, 16-token blocks, prefill checkpoints every 32
+    tokens: 32 is speculative, 64 the last prefill checkpoint (upstream's
+    kept state), 96 the prompt's own; 48 is no checkpoint."""
+    policy = CheckpointPolicy.of(True, prefill_interval=32, prefill_anchor=0)
+    assert list(policy.prefill_positions(100, BLOCK)) == [32, 64]
+    kinds = {n: policy.prompt_entry(n, 100, BLOCK) for n in (32, 48, 64, 96)}
+    assert kinds == {
+        32: Entry.PREFILL,
+        48: None,
+        64: Entry.PREFILL_LAST,
+        96: Entry.PROMPT,
+    }
+    anchored = CheckpointPolicy.of(True, prefill_interval=32, prefill_anchor=64)
+    assert anchored.prompt_entry(64, 100, BLOCK) is Entry.PREFILL_ANCHOR
+
+
 def test_positions_lie_below_the_prompts_own_checkpoint():
     # a 1,300-token prompt keeps its own at 1,280; 2,112 would pass it
     assert list(prefill_checkpoints(1300, 1056, 32)) == [1056]
@@ -195,9 +214,10 @@ def test_the_scheduler_ends_a_chunk_at_the_next_checkpoint():
 def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval, anchor):
     """A 100-token prompt in chunks ending at 32, 64 and 96 (16-token
     blocks): with prefill checkpoints every 32 tokens the states at 32 and 64
-    stay cached next to the prompt's own at 96, first in the eviction order
-    (an anchor, 64 with anchors every 64 tokens, in LRU order), and a request sharing
-    its first 70 tokens hits 64; without them it hits nothing."""
+    stay cached next to the prompt's own at 96; 32 first in the eviction
+    order, 64 (the prompt's last prefill checkpoint, or an anchor with anchors
+    every 64 tokens) in LRU order, and a request sharing its first 70 tokens
+    hits 64; without them it hits nothing."""
     monkeypatch.setattr(
         kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
     )
@@ -219,14 +239,11 @@ def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval, ancho
     driver.manager.free(first)
     state = driver.arena.state_pool
     assert len(state.cached_keys()) == (3 if interval else 1)
-    # prefill checkpoints are evicted before the prompt's own checkpoint (the
-    # state pool's farthest from the boundary, the highest id, first among
-    # them); an anchor keeps its LRU place (freed when the request moved past
-    # it, before the prompt's own at the request's end)
-    speculative = sorted((at[64], at[32]), reverse=True)
-    expected = [*speculative, at[96]] if interval else [at[96]]
-    if anchor:
-        expected = [at[32], at[64], at[96]]
+    # 32 is evicted before the prompt's own checkpoint; 64, the last one
+    # (upstream keeps its state there) or an anchor, keeps its LRU place
+    # (freed when the request moved past it, before the prompt's own at the
+    # request's end)
+    expected = [at[32], at[64], at[96]] if interval else [at[96]]
     assert state.free_block_queue.cached_ids() == expected
     counts = driver.coordinator.turn_end_counts
     assert counts.prefill_cached == (2 if interval else 0)

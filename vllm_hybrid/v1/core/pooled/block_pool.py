@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.eviction import (
-    PLACES,
     STATE_EVICTION_WINDOW,
     Entry,
     Place,
@@ -297,7 +296,7 @@ class ArenaBlockPool(BlockPool):
         (see :mod:`.eviction`); a block in use is left alone."""
         if block.ref_cnt or block.is_null or block.block_hash is None:
             return
-        place = PLACES[entry]
+        place = self.free_block_queue.policy.place_of(block, entry)
         if place is Place.EVICT:
             self._maybe_evict_cached_block(block)
         else:

@@ -1,12 +1,11 @@
 """The state checkpoint policy: where states are kept, how freed ones rank,
 where prefill chunks end.
 
-In align mode a Mamba/GDN state reaches a block only where a prefill chunk
-ends or a decode crosses a state block edge, and is cached only where a
-position is kept: kept but never written is a lost hit, written but not kept
-a lost copy, so both are decided here, with the ranks. Retention, the pooled
-scheduler and the engine glue keep the bookkeeping and ask this module; the
-eviction order itself is data in :mod:`.eviction`.
+In align mode a state reaches a block only where a prefill chunk ends or a
+decode crosses a state block edge, and is cached only where a position is
+kept (kept but never written: a lost hit; written but not kept: a lost
+copy), so both are decided here, with the ranks; retention, the scheduler
+and the engine glue ask. The eviction order itself is data in :mod:`.eviction`.
 
 Positions (:class:`CheckpointPolicy`): the prompt's own checkpoint (its
 replay boundary) and shared-prefix junctions, as upstream; every multiple of
@@ -26,20 +25,14 @@ checkpoints (:func:`prefill_checkpoint_anchor`), kept in LRU order: the step
 is the prefix whose attention KV weighs one state block, in whole intervals
 (every third checkpoint for Qwen3.6-35B-A3B's 30 GDN and 10 attention
 layers; none under two), so where states are scarce the anchors survive.
+A prompt's own checkpoint and its last prefill checkpoint compete for the
+LRU order by the hits each kind served (:data:`~.eviction.RIVALS`).
 
 The chunk cut (:func:`budget_chunk`, :func:`checkpoint_chunk`): a chunk ends
 at the next prefill checkpoint it would run past; a paced step
 (:class:`~.eviction.PrefillPacing`) ends chunks on state page multiples and
 keeps the checkpoints there without extra cuts; a chunk the token budget cut
 leaves room for the decodes behind it (:data:`~.eviction.DECODE_ROOM`).
-
-Toward costed eviction (not implemented): ranks are kinds, each filed at a
-fixed place (:data:`~.eviction.PLACES`). Recomputation saved per byte held,
-with recency, would make the rank a score computed here, where the facts
-meet: the tokens a hit skips (the position less the nearest kept one below),
-their prefill cost, the bytes held (a state block, attention KV per token),
-decayed since the entry was freed or last hit. Free queues would order a
-segment by score, attention KV and states in one currency; adapters stay.
 """
 
 from __future__ import annotations
@@ -66,8 +59,7 @@ from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-#: Inverse share of the arena one ``max_model_len`` prompt's prefill
-#: checkpoints may hold at most.
+#: Inverse share of the arena one long prompt's prefill checkpoints may hold.
 ARENA_SHARE_INVERSE = 4
 
 
@@ -353,11 +345,19 @@ class CheckpointPolicy:
         serves no hit and ranks :attr:`~.eviction.Entry.SUPERSEDED`."""
         return interval_keeps(retention_interval, previous_tokens) or held
 
-    def prefill_entry(self, num_tokens: int) -> Entry:
-        """How a freed prefill checkpoint at ``num_tokens`` ranks."""
+    def prompt_entry(
+        self, num_tokens: int, num_prompt_tokens: int, block: int
+    ) -> Entry | None:
+        """How the state a prefill chunk ending at ``num_tokens`` leaves ranks
+        once freed; None: no checkpoint of this policy, upstream's order."""
+        if num_tokens == prompt_checkpoint(num_prompt_tokens, block):
+            return Entry.PROMPT
+        positions = self.prefill_positions(num_prompt_tokens, block)
+        if num_tokens not in positions:
+            return None
         if is_prefill_anchor(num_tokens, self.prefill_anchor):
             return Entry.PREFILL_ANCHOR
-        return Entry.PREFILL
+        return Entry.PREFILL_LAST if num_tokens == positions[-1] else Entry.PREFILL
 
 
 # -- the chunk cut ---------------------------------------------------------------

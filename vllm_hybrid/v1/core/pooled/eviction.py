@@ -16,6 +16,8 @@ Hand-out order of one pool's free blocks, first to last (:data:`HAND_OUT_ORDER`)
    (decode) or prefill checkpoint goes to the head of its segment
    (:data:`PLACES`), so it only uses memory no other entry wants (entries
    filed at the head go before the rest, the window applying among them);
+   of a prompt's own and its last prefill checkpoint, the kind that served
+   fewer hits lately goes there too (:data:`RIVALS`);
 3. ``PROTECTED``: cached blocks that served :data:`PROTECT_AFTER_HITS` prefix
    hits since they were cached (a shared system prompt, a conversation that
    was followed up), in their own LRU: a burst of one-off entries cannot
@@ -99,6 +101,12 @@ class Entry(Enum):
     PREFILL = "prefill"
     #: A freed prefill checkpoint at an anchor (see ``checkpoint_policy``).
     PREFILL_ANCHOR = "prefill_anchor"
+    #: A prompt's last prefill checkpoint that is no anchor: the state page
+    #: edge before the prompt's end, where upstream's single pool keeps one.
+    PREFILL_LAST = "prefill_last"
+    #: A prompt's own checkpoint (its replay boundary, the last block edge
+    #: before its end), once freed.
+    PROMPT = "prompt"
     #: A decode checkpoint a later edge of the same request replaced.
     SUPERSEDED = "superseded"
     #: An entry the other pool made useless (see ``coupling``).
@@ -131,9 +139,38 @@ PLACES: dict[Entry, Place] = {
     Entry.TURN_END: Place.HEAD,
     Entry.PREFILL: Place.HEAD,
     Entry.PREFILL_ANCHOR: Place.TAIL,
+    Entry.PREFILL_LAST: Place.TAIL,
+    Entry.PROMPT: Place.TAIL,
     Entry.SUPERSEDED: Place.EVICT,
     Entry.DEAD: Place.EVICT,
 }
+
+
+#: Kinds that compete for the LRU order by the prefix hits their entries
+#: served: while the rival kind's entries served more hits lately, an entry
+#: of the key's kind goes to the head of its segment instead of where
+#: :data:`PLACES` says (ties, no hits yet included, keep :data:`PLACES`).
+#: Near its end a prompt keeps two states for two kinds of follow-up: its
+#: own checkpoint, hit by a request that repeats the whole prompt (a chat
+#: turn, a retry), and its last prefill checkpoint, hit by one that shares
+#: it only up to a point before its end (a document with a new question; a
+#: trace recorded in fixed-size blocks, as Mooncake's 512 tokens), where
+#: upstream's block keeps its state. Traffic mostly asks for one of them;
+#: that one stays an ordinary entry and the other only uses memory no other
+#: entry wants (the simulator at 80 GB turboquant_k8v4: Mooncake 0.98x
+#: upstream's prefill tokens instead of 1.009x; the measurements are in
+#: benchmarks/results/sim-20261129-prompt-end-rivals.md).
+RIVALS: dict[Entry, Entry] = {
+    Entry.PREFILL_LAST: Entry.PROMPT,
+    Entry.PROMPT: Entry.PREFILL_LAST,
+}
+
+#: Hits on the rivals' entries after which every kind's count is halved, so
+#: that recent hits weigh more and a change of traffic shows. (Toward costed
+#: eviction, not built: a rank from the tokens a hit skips, their prefill
+#: cost and the bytes held, decayed with time, would let the free queues
+#: order attention KV and states in one currency.)
+RIVAL_HALF_LIFE_HITS = 512
 
 
 class Reach(Enum):
@@ -280,15 +317,41 @@ class EvictionPolicy:
 
     def __init__(self) -> None:
         self._hits: dict[int, int] = {}
+        #: Kind of each cached block ranked as one of :data:`RIVALS`.
+        self._kinds: dict[int, Entry] = {}
+        #: Recent prefix hits per rival kind (halved now and then).
+        self.rival_hits: dict[Entry, float] = dict.fromkeys(RIVALS, 0.0)
 
     def record_hit(self, block: KVCacheBlock) -> None:
         """A prefix hit took a reference to ``block``."""
         if block.block_hash is not None and not block.is_null:
             self._hits[block.block_id] = self._hits.get(block.block_id, 0) + 1
+            kind = self._kinds.get(block.block_id)
+            if kind is not None:
+                self._count_rival_hit(kind)
+
+    def _count_rival_hit(self, kind: Entry) -> None:
+        hits = self.rival_hits
+        hits[kind] += 1
+        if sum(hits.values()) > RIVAL_HALF_LIFE_HITS:
+            for k in hits:
+                hits[k] /= 2
 
     def forget(self, block: KVCacheBlock) -> None:
         """``block`` left the prefix cache: its hits no longer count."""
         self._hits.pop(block.block_id, None)
+        self._kinds.pop(block.block_id, None)
+
+    def place_of(self, block: KVCacheBlock, entry: Entry) -> Place:
+        """Where a free cached block ranked ``entry`` goes (:data:`PLACES`,
+        :data:`RIVALS`); remembers a rival's kind for its later hits."""
+        rival = RIVALS.get(entry)
+        if rival is None:
+            return PLACES[entry]
+        self._kinds[block.block_id] = entry
+        if self.rival_hits[rival] > self.rival_hits[entry]:
+            return Place.HEAD
+        return PLACES[entry]
 
     def hit_counts(self) -> dict[int, int]:
         """Prefix hits per cached block id since it was cached (a copy)."""

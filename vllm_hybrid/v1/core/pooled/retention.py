@@ -77,6 +77,9 @@ class DecodeCheckpoint:
     num_tokens: int
     #: Ranked as a turn end in its pool's eviction order once freed.
     ranked: bool = False
+    #: How a noted prefill or prompt checkpoint ranks once freed (decode
+    #: checkpoints: None, they rank as turn ends).
+    entry: Entry | None = None
 
 
 @dataclass
@@ -178,10 +181,8 @@ class TurnEndRetentionMixin:
                     num_tokens,
                     request.num_prompt_tokens,
                 )
-            elif policy.prefill_interval:
-                self._record_prefill(
-                    group_id, manager, request, num_tokens, positions.prefill
-                )
+            elif align and policy.prefill_interval:
+                self._record_prefill(group_id, manager, request, num_tokens)
 
     def _record_prefill(
         self,
@@ -189,12 +190,14 @@ class TurnEndRetentionMixin:
         manager: SingleTypeKVCacheManager,
         request: Request,
         num_tokens: int,
-        positions: range,
     ) -> None:
-        """Note the prefill checkpoints a chunk ending at ``num_tokens`` just
-        cached (``positions``: the request's in this group), to rank them
-        once their request moves past them."""
-        if num_tokens not in positions:
+        """Note the prefill checkpoint (or the prompt's own checkpoint) a
+        chunk ending at ``num_tokens`` just cached, with how the policy
+        ranks it, to rank it once its request moves past it."""
+        entry = self.checkpoint_policy.prompt_entry(
+            num_tokens, request.num_prompt_tokens, manager.block_size
+        )
+        if entry is None:
             return  # only a chunk ending on a checkpoint writes one
         blocks = manager.req_to_blocks.get(request.request_id) or []
         index = num_tokens // manager.block_size - 1
@@ -207,8 +210,9 @@ class TurnEndRetentionMixin:
         noted = counts.prefill_by_request.setdefault(request.request_id, [])
         if any(c.block is block for _, c in noted):
             return
-        noted.append((group_id, DecodeCheckpoint(block, block.block_hash, num_tokens)))
-        counts.prefill_cached += 1
+        checkpoint = DecodeCheckpoint(block, block.block_hash, num_tokens, entry=entry)
+        noted.append((group_id, checkpoint))
+        counts.prefill_cached += entry is not Entry.PROMPT
 
     def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
         """Whether a request crossing the state block edge ``edge`` (tokens;
@@ -306,8 +310,7 @@ class TurnEndRetentionMixin:
                 held.append((group_id, checkpoint))
                 continue
             pool = self.single_type_managers[group_id].block_pool
-            entry = self.checkpoint_policy.prefill_entry(checkpoint.num_tokens)
-            rank_entry(pool, block, entry)
+            rank_entry(pool, block, checkpoint.entry or Entry.PREFILL)
         return held
 
     def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:
