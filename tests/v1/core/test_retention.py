@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import CheckpointPolicy
 from vllm_hybrid.v1.core.pooled.retention import (
     RETAIN_ATTRIBUTE,
     TurnEndRetentionMixin,
@@ -78,7 +79,7 @@ class Coordinator(TurnEndRetentionMixin, Upstream):
     def __init__(self, interval: int | None, manager=None) -> None:
         self.retention_interval = interval
         self.single_type_managers = (manager,)
-        self._init_turn_ends(True)
+        self._init_turn_ends(CheckpointPolicy.of(True))
 
 
 def _decode(coord: Coordinator, manager: FakeManager, blocks: int) -> None:

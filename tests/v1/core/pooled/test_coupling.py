@@ -28,6 +28,7 @@ from vllm.v1.core.kv_cache_utils import (
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import CheckpointPolicy
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
@@ -330,7 +331,7 @@ class Retention(TurnEndRetentionMixin):
     def __init__(self, state_pool) -> None:
         self.retention_interval = 0
         self.single_type_managers = (SimpleNamespace(block_pool=state_pool),)
-        self._init_turn_ends(True)
+        self._init_turn_ends(CheckpointPolicy.of(True))
 
 
 class CoupledArenaMachine(RuleBasedStateMachine):

@@ -35,7 +35,10 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import decode_edges_policy
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+    CheckpointPolicy,
+    decode_edges_policy,
+)
 from vllm_hybrid.v1.core.pooled.eviction import RELOCATE_NEAR_BOUNDARY
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
@@ -406,11 +409,14 @@ class PooledHybridKVCacheCoordinator(
         kwargs["allow_partial_hash_hits"] = False
         super().__init__(*args, **kwargs)
         self._bind_arena()
+        config = self.kv_cache_config
         self._init_turn_ends(
-            self.kv_cache_config.retain_turn_ends,
-            self.kv_cache_config.prefill_checkpoint_interval,
-            self.kv_cache_config.prefill_checkpoint_anchor,
-            decode_edges_policy(),
+            CheckpointPolicy.of(
+                config.retain_turn_ends,
+                config.prefill_checkpoint_interval,
+                config.prefill_checkpoint_anchor,
+                decode_edges_policy(),
+            )
         )
 
 

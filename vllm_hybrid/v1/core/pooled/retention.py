@@ -49,7 +49,7 @@ from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
     decode_checkpoint_edge,
     replay_positions,
 )
-from vllm_hybrid.v1.core.pooled.eviction import DecodeEdges, Entry, rank_entry
+from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
 
 #: Whether each manager class is upstream's MambaManager (an ABC subclass,
 #: so ``isinstance`` is slow, and it is asked for every group at every step).
@@ -118,19 +118,10 @@ class TurnEndRetentionMixin:
     retention_interval: int | None
     eagle_group_ids: set[int]
 
-    def _init_turn_ends(
-        self,
-        retain: bool,
-        prefill_interval: int = 0,
-        prefill_anchor: int = 0,
-        decode_edges: DecodeEdges = DecodeEdges.EVERY,
-    ) -> None:
-        #: Which positions keep a state and how freed ones rank (pooled
-        #: mode's decode edges: ``decode_edges``; the single pool copies at
-        #: every edge anyway and keeps the latest).
-        self.checkpoint_policy = CheckpointPolicy.of(
-            retain, prefill_interval, prefill_anchor, decode_edges
-        )
+    def _init_turn_ends(self, policy: CheckpointPolicy) -> None:
+        #: Which positions keep a state and how freed ones rank (the single
+        #: pool copies at every edge anyway and keeps the latest).
+        self.checkpoint_policy = policy
         #: Requests seen by :meth:`cache_blocks`, until freed: what
         #: :meth:`keeps_edge` reads (prompt length, token budget).
         self._requests: dict[str, Request] = {}
@@ -394,4 +385,4 @@ class TurnEndHybridKVCacheCoordinator(TurnEndRetentionMixin, HybridKVCacheCoordi
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._init_turn_ends(True)
+        self._init_turn_ends(CheckpointPolicy.of(True))
