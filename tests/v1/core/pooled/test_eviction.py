@@ -145,22 +145,22 @@ def test_rival_hits_are_halved_so_recent_traffic_decides():
     own, last = pool.get_new_blocks(2)
     cache(pool, own, b"own")
     cache(pool, last, b"last")
-    assert policy.place_of(own, Entry.PROMPT) is Place.TAIL
-    assert policy.place_of(last, Entry.PREFILL_LAST) is Place.TAIL
+    assert policy.rank(own, Entry.PROMPT) is Place.TAIL
+    assert policy.rank(last, Entry.PREFILL_LAST) is Place.TAIL
     for _ in range(400):
         policy.record_hit(own)
-    assert policy.place_of(last, Entry.PREFILL_LAST) is Place.HEAD
-    assert policy.place_of(own, Entry.PROMPT) is Place.TAIL
+    assert policy.rank(last, Entry.PREFILL_LAST) is Place.HEAD
+    assert policy.rank(own, Entry.PROMPT) is Place.TAIL
     for _ in range(400):
         policy.record_hit(last)
     hits = policy.rival_hits
     # halved each time the sum passed the half-life, so it stays below it
     assert sum(hits.values()) <= eviction.RIVAL_HALF_LIFE_HITS
     assert hits[Entry.PREFILL_LAST] > hits[Entry.PROMPT]
-    assert policy.place_of(last, Entry.PREFILL_LAST) is Place.TAIL
-    assert policy.place_of(own, Entry.PROMPT) is Place.HEAD
+    assert policy.rank(last, Entry.PREFILL_LAST) is Place.TAIL
+    assert policy.rank(own, Entry.PROMPT) is Place.HEAD
     # kinds outside the rivals keep their place whatever the hits
-    assert policy.place_of(own, Entry.TURN_END) is Place.HEAD
+    assert policy.rank(own, Entry.TURN_END) is Place.HEAD
 
 
 # ---------------------------------------------------------------------------

@@ -140,8 +140,9 @@ def test_each_checkpoint_near_a_prompts_end_ranks_as_its_kind():
     tokens: 32 is speculative, 64 the last prefill checkpoint (upstream's
     kept state), 96 the prompt's own; 48 is no checkpoint."""
     policy = CheckpointPolicy.of(True, prefill_interval=32, prefill_anchor=0)
-    assert list(policy.prefill_positions(100, BLOCK)) == [32, 64]
-    kinds = {n: policy.prompt_entry(n, 100, BLOCK) for n in (32, 48, 64, 96)}
+    positions = policy.prefill_positions(100, BLOCK)
+    assert list(positions) == [32, 64]
+    kinds = {n: policy.prompt_entry(n, 100, BLOCK, positions) for n in (32, 48, 64, 96)}
     assert kinds == {
         32: Entry.PREFILL,
         48: None,
@@ -149,7 +150,7 @@ def test_each_checkpoint_near_a_prompts_end_ranks_as_its_kind():
         96: Entry.PROMPT,
     }
     anchored = CheckpointPolicy.of(True, prefill_interval=32, prefill_anchor=64)
-    assert anchored.prompt_entry(64, 100, BLOCK) is Entry.PREFILL_ANCHOR
+    assert anchored.prompt_entry(64, 100, BLOCK, positions) is Entry.PREFILL_ANCHOR
 
 
 def test_positions_lie_below_the_prompts_own_checkpoint():

@@ -296,7 +296,7 @@ class ArenaBlockPool(BlockPool):
         (see :mod:`.eviction`); a block in use is left alone."""
         if block.ref_cnt or block.is_null or block.block_hash is None:
             return
-        place = self.free_block_queue.policy.place_of(block, entry)
+        place = self.free_block_queue.policy.rank(block, entry)
         if place is Place.EVICT:
             self._maybe_evict_cached_block(block)
         else:

@@ -346,13 +346,13 @@ class CheckpointPolicy:
         return interval_keeps(retention_interval, previous_tokens) or held
 
     def prompt_entry(
-        self, num_tokens: int, num_prompt_tokens: int, block: int
+        self, num_tokens: int, num_prompt_tokens: int, block: int, positions: range
     ) -> Entry | None:
         """How the state a prefill chunk ending at ``num_tokens`` leaves ranks
-        once freed; None: no checkpoint of this policy, upstream's order."""
+        once freed (``positions``: the prompt's prefill checkpoints); None: no
+        checkpoint of this policy, upstream's order."""
         if num_tokens == prompt_checkpoint(num_prompt_tokens, block):
             return Entry.PROMPT
-        positions = self.prefill_positions(num_prompt_tokens, block)
         if num_tokens not in positions:
             return None
         if is_prefill_anchor(num_tokens, self.prefill_anchor):

@@ -342,9 +342,10 @@ class EvictionPolicy:
         self._hits.pop(block.block_id, None)
         self._kinds.pop(block.block_id, None)
 
-    def place_of(self, block: KVCacheBlock, entry: Entry) -> Place:
-        """Where a free cached block ranked ``entry`` goes (:data:`PLACES`,
-        :data:`RIVALS`); remembers a rival's kind for its later hits."""
+    def rank(self, block: KVCacheBlock, entry: Entry) -> Place:
+        """File a free cached block as ``entry``: remember a rival's kind for
+        its later hits, and say where it goes (:data:`PLACES`,
+        :data:`RIVALS`)."""
         rival = RIVALS.get(entry)
         if rival is None:
             return PLACES[entry]

@@ -173,7 +173,9 @@ class TurnEndRetentionMixin:
                     request.num_prompt_tokens,
                 )
             elif align and policy.prefill_interval:
-                self._record_prefill(group_id, manager, request, num_tokens)
+                self._record_prefill(
+                    group_id, manager, request, num_tokens, positions.prefill
+                )
 
     def _record_prefill(
         self,
@@ -181,12 +183,14 @@ class TurnEndRetentionMixin:
         manager: SingleTypeKVCacheManager,
         request: Request,
         num_tokens: int,
+        positions: range,
     ) -> None:
         """Note the prefill checkpoint (or the prompt's own checkpoint) a
-        chunk ending at ``num_tokens`` just cached, with how the policy
+        chunk ending at ``num_tokens`` just cached (``positions``: the
+        request's prefill checkpoints in this group), with how the policy
         ranks it, to rank it once its request moves past it."""
         entry = self.checkpoint_policy.prompt_entry(
-            num_tokens, request.num_prompt_tokens, manager.block_size
+            num_tokens, request.num_prompt_tokens, manager.block_size, positions
         )
         if entry is None:
             return  # only a chunk ending on a checkpoint writes one
@@ -203,7 +207,8 @@ class TurnEndRetentionMixin:
             return
         checkpoint = DecodeCheckpoint(block, block.block_hash, num_tokens, entry=entry)
         noted.append((group_id, checkpoint))
-        counts.prefill_cached += entry is not Entry.PROMPT
+        if entry is not Entry.PROMPT:
+            counts.prefill_cached += 1
 
     def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
         """Whether a request crossing the state block edge ``edge`` (tokens;
