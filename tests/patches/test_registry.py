@@ -201,11 +201,8 @@ def test_subclass_overrides_match_installed_upstream(entry: SubclassEntry):
 
 PACKAGE = Path(__file__).resolve().parents[2] / "vllm_hybrid"
 #: The modules that write patch targets (the registry's entries).
-REGISTRY_FILES = (
-    PACKAGE / "patches" / "entries.py",
-    PACKAGE / "patches" / "cuda_graph_entries.py",
-    PACKAGE / "patches" / "v2_runner_entries.py",
-)
+#: the registry's entry lists: entries.py and the *_entries.py it includes
+REGISTRY_FILES = tuple(sorted((PACKAGE / "patches").glob("*entries.py")))
 
 
 def _string_constants(path: Path) -> list[str]:

@@ -157,6 +157,32 @@ def test_a_prefix_hit_copies_the_checkpoint_and_in_place_crossing_is_a_self_copy
     assert (crossing.state_copies, crossing.state_self_copies) == (1, 1)
 
 
+def test_chunks_that_read_out_of_place_move_no_state() -> None:
+    """On an engine whose prefill chunks of 3 tokens or more read their state
+    out of place, the copy before such a chunk moves nothing; a shorter
+    chunk's and a decode crossing's still do."""
+    observer = StepObserver(state_block=4, state_group=1, copy_free_tokens=3)
+    hit = observer.observe(_output({"h": 3}, new=[_new("h", 13, 8, [5, 5, 9, 10])]))
+    # hit at 8 (column 1), a 3-token chunk to 11 (column 2): read in place 5
+    assert (hit.state_copies, hit.state_reads_elsewhere, hit.copies_moved) == (1, 1, 0)
+    short = observer.observe(_output({"h": 2}, cached=[("h", 11, None)]))
+    # 2 tokens from column 2 into column 3: copied
+    assert (short.state_copies, short.state_reads_elsewhere, short.copies_moved) == (
+        1,
+        0,
+        1,
+    )
+    for computed in (13, 14, 15):
+        observer.observe(_output({"h": 1}, cached=[("h", computed, None)]))
+    decode = observer.observe(_output({"h": 1}, cached=[("h", 16, [11])]))
+    # a decode step crossing into column 4 copies
+    assert (decode.decode_tokens, decode.copies_moved) == (1, 1)
+    assert observer.total.copies_moved == 2
+    plain = StepObserver(state_block=4, state_group=1)
+    again = plain.observe(_output({"h": 3}, new=[_new("h", 13, 8, [5, 5, 9, 10])]))
+    assert (again.state_reads_elsewhere, again.copies_moved) == (0, 1)
+
+
 def test_no_state_block_means_no_copies_and_finished_requests_are_dropped() -> None:
     observer = StepObserver(state_block=None, state_group=None)
     observer.observe(_output({"a": 16}, new=[_new("a", 16, 0, [1])]))
@@ -341,7 +367,7 @@ def test_an_edge_crossed_in_place_costs_nothing_on_either_runner(monkeypatch) ->
     Runner V2 (fused pre-copy): of 5 copies with 3 in place, 2 are paid on
     both, at each runner's price. Every engine is priced as V2 unless the
     simulation runs with upstream's switch to V1."""
-    from vllm_hybrid.tools.simulate.session import cuda_runner
+    from vllm_hybrid.tools.simulate.clock import cuda_runner
 
     record = StepRecord(requests=64, decode_tokens=64)
     record.state_copies, record.state_self_copies = 5, 3

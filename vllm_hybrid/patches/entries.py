@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from vllm_hybrid.patches.cuda_graph_entries import CUDA_GRAPH_PATCHES
 from vllm_hybrid.patches.entry import PatchEntry
+from vllm_hybrid.patches.state_read_entries import STATE_READ_PATCHES
 from vllm_hybrid.patches.v2_runner_entries import V2_RUNNER_PATCHES
 
 #: Home of the replacements of ``vllm.v1.core.kv_cache_utils`` functions.
@@ -214,6 +215,8 @@ PATCHES: list[PatchEntry] = [
     ),
     # -- pooled mode on Model Runner V2 (CUDA default) ---------------------
     *V2_RUNNER_PATCHES,
+    # -- prefill chunks reading their state out of place (CUDA) ------------
+    *STATE_READ_PATCHES,
     # -- TurboQuant KV cache on CPU, dtype validation ------------------------
     PatchEntry(
         target="vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",

@@ -12,6 +12,10 @@ from vllm_hybrid.patches.entry import (
     PrivateAttribute,
     SubclassEntry,
 )
+from vllm_hybrid.patches.state_read_entries import (
+    STATE_READ_ATTRIBUTES,
+    STATE_READ_PRIVATE,
+)
 
 SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
@@ -273,6 +277,7 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
             "factory, which sees no VllmConfig (pooled plans have the field)."
         ),
     ),
+    *STATE_READ_ATTRIBUTES,
 ]
 
 #: Private upstream attributes the overlay reads or calls (overrides of
@@ -362,4 +367,5 @@ PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
         "_set_cudagraph_sizes",
         "tools.plan.cuda_defaults (capture sizes on the planned GPU)",
     ),
+    *STATE_READ_PRIVATE,
 ]

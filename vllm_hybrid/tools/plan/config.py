@@ -297,10 +297,23 @@ def layer_specs(vllm_config: VllmConfig, backend: type) -> dict[str, Any]:
             page_size_padded=cache.mamba_page_size_padded,
             mamba_cache_mode=cache.mamba_cache_mode,
             num_speculative_blocks=0,
+            **_state_backend(vllm_config),
         )
         for j in range(kinds.state):
             specs[f"model.layers.{kinds.attention + j}.mixer"] = state
     return specs
+
+
+def _state_backend(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The ``mamba_type`` a state layer would put in its spec, where the
+    config tells: gated DeltaNet (Qwen3-Next, Qwen3.5/3.6) has linear
+    attention heads; others keep the spec's default."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    text = vllm_config.model_config.hf_text_config
+    if getattr(text, "linear_num_value_heads", None):
+        return {"mamba_type": MambaAttentionBackendEnum.GDN_ATTN}
+    return {}
 
 
 def resolve_layout(

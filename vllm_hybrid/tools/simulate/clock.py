@@ -306,3 +306,13 @@ class CostModel:
         touched = 1.0 - (1.0 - m.experts_per_token / m.experts) ** tokens
         dense = m.total_params - m.expert_params
         return (dense + m.expert_params * touched) * per_param
+
+
+def cuda_runner() -> Runner:
+    """The model runner an engine would run on CUDA: Model Runner V2,
+    vLLM 0.32's default, for every engine (pooled mode included); V1 where
+    the simulation runs with ``VLLM_USE_V2_MODEL_RUNNER=0``, as a CUDA
+    engine would. The one place the simulator picks a runner."""
+    import vllm.envs as envs
+
+    return Runner.V1 if envs.VLLM_USE_V2_MODEL_RUNNER is False else Runner.V2

@@ -134,10 +134,20 @@ class StandInExecutor(Executor):
 
     def _rpc_initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         self.kv_cache_config = kv_cache_configs[0]
+        from vllm_hybrid.tools.simulate.clock import Runner, cuda_runner
+        from vllm_hybrid.v1.worker.state_reads import copy_free_chunk_tokens
+
         block, group = state_geometry(
             self.kv_cache_config, self.cache_config.mamba_cache_mode
         )
-        self.observer = StepObserver(block, group)
+        # the engine modeled runs on CUDA; only Model Runner V2 drops the
+        # copies of chunks that read out of place
+        free = None
+        if cuda_runner() is Runner.V2:
+            free = copy_free_chunk_tokens(
+                self.vllm_config, self.kv_cache_config, cuda=True
+            )
+        self.observer = StepObserver(block, group, free)
 
     def _rpc_compile_or_warm_up_model(self) -> Any:
         from vllm.v1.worker.worker_base import CompilationTimes

@@ -24,6 +24,13 @@ ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
     ("prefill tokens above the floor", "counted", "above_floor", "{:,}", True),
     ("state copies (counted)", "counted", "copies_moved", "{:,}", True),
     ("edges crossed in place (counted)", "counted", "state_self_copies", "{:,}", False),
+    (
+        "chunks read out of place (counted)",
+        "counted",
+        "state_reads_elsewhere",
+        "{:,}",
+        False,
+    ),
     ("copy-on-write block copies (counted)", "counted", "cow_copies", "{:,}", False),
     ("bytes copied, GB (counted)", "counted", "copy_gb", "{:,.1f}", True),
     ("checkpoints cached (counted)", "counted", "checkpoints_cached", "{:,.0f}", True),
@@ -43,9 +50,12 @@ def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     counted = dict(summary.get("counted") or {})
     modeled = dict(summary.get("modeled") or {})
     counted["copy_gb"] = (counted.get("copy_bytes") or 0) / 1e9
-    # a self copy (an edge crossed in place) moves nothing; the runner skips it
-    counted["copies_moved"] = (counted.get("state_copies") or 0) - (
-        counted.get("state_self_copies") or 0
+    # a self copy (an edge crossed in place) moves nothing, and a chunk that
+    # reads out of place needs none: the runner skips both (StepRecord)
+    counted["copies_moved"] = (
+        (counted.get("state_copies") or 0)
+        - (counted.get("state_self_copies") or 0)
+        - (counted.get("state_reads_elsewhere") or 0)
     )
     floor = counted.get("floor_tokens")
     if floor is not None:

@@ -25,7 +25,7 @@ from vllm_hybrid.tools.simulate.clock import (
     GPU_PROFILES,
     CostModel,
     ModelCosts,
-    Runner,
+    cuda_runner,
     profile_for_memory,
 )
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
@@ -179,16 +179,6 @@ def cost_model(engine: SimEngine, spec: SimulationSpec) -> CostModel:
     return CostModel(costs, gpu, runner=cuda_runner())
 
 
-def cuda_runner() -> Runner:
-    """The model runner an engine would run on CUDA: Model Runner V2,
-    vLLM 0.32's default, for every engine (pooled mode included); V1 where
-    the simulation runs with ``VLLM_USE_V2_MODEL_RUNNER=0``, as a CUDA
-    engine would. The one place the simulator picks a runner."""
-    import vllm.envs as envs
-
-    return Runner.V1 if envs.VLLM_USE_V2_MODEL_RUNNER is False else Runner.V2
-
-
 def geometry_summary(scheduler: Scheduler, vllm_config: VllmConfig) -> dict[str, Any]:
     """An engine's KV cache as it started: groups, pools, capacity (of a
     simulated engine, and of ``bench_pooled``'s real ones)."""
@@ -265,6 +255,7 @@ def summarize(
         "preemptions": steps.preemptions,
         "state_copies": steps.state_copies,
         "state_self_copies": steps.state_self_copies,
+        "state_reads_elsewhere": steps.state_reads_elsewhere,
         "cow_copies": steps.cow_copies,
         "copy_bytes": copy_bytes,
         "checkpoints_cached": checkpoints,

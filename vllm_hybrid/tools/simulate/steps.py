@@ -58,14 +58,18 @@ class StepRecord:
     preemptions: int = 0
     state_copies: int = 0
     state_self_copies: int = 0
+    #: copies before a prefill chunk that reads its state in the source
+    #: block instead (:mod:`vllm_hybrid.v1.worker.state_reads`)
+    state_reads_elsewhere: int = 0
     cow_copies: int = 0
 
     @property
     def copies_moved(self) -> int:
         """State copies that move a state: all but those of a block onto
         itself (an edge crossed in place), which the overlay's runners skip
-        (:mod:`vllm_hybrid.v1.worker.mamba_copies`)."""
-        return self.state_copies - self.state_self_copies
+        (:mod:`vllm_hybrid.v1.worker.mamba_copies`), and those Model Runner
+        V2 drops before chunks that read out of place."""
+        return self.state_copies - self.state_self_copies - self.state_reads_elsewhere
 
     def add(self, other: StepRecord) -> None:
         for f in fields(self):
@@ -89,11 +93,21 @@ class StepObserver:
     ``state_block`` is the state groups' block size in align mode (None when
     the engine caches no state checkpoints: no copies), ``state_group`` the
     index of the first state group in the block id tuples.
+    ``copy_free_tokens``: on an engine whose prefill chunks of at least that
+    many tokens read their state out of place
+    (:func:`~vllm_hybrid.v1.worker.state_reads.copy_free_chunk_tokens`), the
+    copies before such chunks are counted as ``state_reads_elsewhere``.
     """
 
-    def __init__(self, state_block: int | None, state_group: int | None) -> None:
+    def __init__(
+        self,
+        state_block: int | None,
+        state_group: int | None,
+        copy_free_tokens: int | None = None,
+    ) -> None:
         self.state_block = state_block
         self.state_group = state_group
+        self.copy_free_tokens = copy_free_tokens
         self.requests: dict[str, _Tracked] = {}
         #: running-state column of each request, as ``mamba_state_idx``
         self.state_index: dict[str, int] = {}
@@ -180,6 +194,11 @@ class StepObserver:
         column = tracked.state_column
         if max(previous, current) < len(column) and column[previous] == column[current]:
             record.state_self_copies += 1
+        elif (
+            self.copy_free_tokens is not None
+            and end - computed >= self.copy_free_tokens
+        ):
+            record.state_reads_elsewhere += 1
 
 
 def state_geometry(

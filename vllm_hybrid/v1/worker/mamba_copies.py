@@ -28,6 +28,11 @@ computed with torch ops on the device: V2 schedules asynchronously and must
 not wait for the host. The block tables it compares come from
 :func:`initialize_from_forward_context`, which keeps them on pooled configs
 only, so other configs launch upstream's kernel with upstream's tensors.
+
+On engines whose prefill chunks read their state out of place
+(:mod:`vllm_hybrid.v1.worker.state_reads`), the pre-copy also drops the
+copies of rows whose chunk is long enough: :func:`preprocess_state` tells it
+which rows those are, and the layer reads their source block itself.
 """
 
 from __future__ import annotations
@@ -102,9 +107,13 @@ def keep_in_place(
     dst_cols: torch.Tensor,
     src_cols: torch.Tensor,
     biases: torch.Tensor,
+    reads_elsewhere: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``src_cols`` with the columns of copies onto themselves set to the
-    destination column, which the pre-copy kernel takes for "no copy".
+    destination column, which the pre-copy kernel takes for "no copy";
+    likewise the copies of the rows flagged in ``reads_elsewhere`` (by batch
+    row), whose step reads the source block itself
+    (:mod:`vllm_hybrid.v1.worker.state_reads`).
 
     ``slots`` are the batch's request slots (V2's ``idx_mapping``; -1 is a
     row to leave out); ``dst_cols``, ``src_cols`` and ``biases`` are indexed
@@ -129,8 +138,10 @@ def keep_in_place(
         & (biases[rows] == 0)
     )
     src_in, dst_in = src.clamp(0, width - 1), dst.clamp(0, width - 1)
+    same = torch.ones_like(skip)
     for table in state_tables:
-        skip &= table[rows, src_in] == table[rows, dst_in]
+        same &= table[rows, src_in] == table[rows, dst_in]
+    skip &= same if reads_elsewhere is None else same | reads_elsewhere
     # per slot, whether any of its rows is dropped: a max over the rows
     # gives the same answer for a slot listed twice (or a left-out row
     # clamped onto slot 0), whatever order the writes land in
@@ -163,6 +174,32 @@ def initialize_from_forward_context(
     )
     if first and isinstance(kv_cache_config, PooledKVCacheConfig):
         self.pooled_state_tables = tuple(block_tables)
+        self.pooled_reads_elsewhere = _cores_read_elsewhere(
+            kv_cache_config, forward_context
+        )
+
+
+def _cores_read_elsewhere(
+    kv_cache_config: KVCacheConfig, forward_context: dict[str, Any]
+) -> bool:
+    """Whether every state layer's core reads prefill states out of place
+    (:mod:`vllm_hybrid.model_executor.layers.mamba.gdn_out_of_place`): only
+    then may the pre-copy drop the copies of such rows."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    names = [
+        name
+        for group in kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, MambaSpec)
+        for name in group.layer_names
+    ]
+    return bool(names) and all(
+        isinstance(forward_context.get(name), QwenGatedDeltaNetAttention)
+        for name in names
+    )
 
 
 def run_fused_precopy(
@@ -182,9 +219,57 @@ def run_fused_precopy(
     """
     tables = getattr(self, "pooled_state_tables", None)
     if tables and idx_mapping is not None and num_reqs > 0:
+        long_chunks = getattr(self, "pooled_long_chunks", None)
+        if long_chunks is not None and getattr(self, "pooled_reads_elsewhere", False):
+            long_chunks = long_chunks[:num_reqs]
+        else:
+            long_chunks = None
         src_col_gpu = keep_in_place(
-            tables, idx_mapping[:num_reqs], state_idx_gpu, src_col_gpu, token_bias_gpu
+            tables,
+            idx_mapping[:num_reqs],
+            state_idx_gpu,
+            src_col_gpu,
+            token_bias_gpu,
+            long_chunks,
         )
     upstream_of(__name__, "run_fused_precopy")(
         self, num_reqs, state_idx_gpu, src_col_gpu, token_bias_gpu, idx_mapping
     )
+
+
+def preprocess_state(
+    self: Any,
+    input_batch: Any,
+    block_tables: Any,
+    kv_cache_config: KVCacheConfig,
+    num_computed_tokens: torch.Tensor,
+) -> None:
+    """Model Runner V2's state pre-processing, telling the pre-copy which
+    batch rows are prefill chunks long enough to read out of place
+    (``pooled_long_chunks``, by batch row, on the device) when this engine's
+    prefill rows do (:func:`~vllm_hybrid.v1.worker.state_reads.reads_out_of_place`)."""
+    ctx = getattr(self, "_mamba_ctx", None)
+    min_tokens = _min_chunk_tokens(self, kv_cache_config)
+    if ctx is not None and min_tokens is not None and input_batch.num_reqs > 0:
+        starts = input_batch.query_start_loc[: input_batch.num_reqs + 1]
+        ctx.pooled_long_chunks = (starts[1:] - starts[:-1]) >= min_tokens
+    try:
+        upstream_of(__name__, "preprocess_state")(
+            self, input_batch, block_tables, kv_cache_config, num_computed_tokens
+        )
+    finally:
+        if ctx is not None:
+            ctx.pooled_long_chunks = None
+
+
+def _min_chunk_tokens(model_state: Any, kv_cache_config: KVCacheConfig) -> int | None:
+    """The shortest chunk whose copy this runner drops, or None; decided once
+    per model state."""
+    cached = model_state.__dict__.get("read_min_tokens", False)
+    if cached is not False:
+        return cached
+    from vllm_hybrid.v1.worker.state_reads import copy_free_chunk_tokens
+
+    tokens = copy_free_chunk_tokens(model_state.vllm_config, kv_cache_config)
+    model_state.read_min_tokens = tokens
+    return tokens

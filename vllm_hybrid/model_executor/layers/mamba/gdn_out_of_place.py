@@ -1,0 +1,188 @@
+"""The gated-DeltaNet core of Qwen3.5/3.6 and Qwen3-Next for batches whose
+prefill chunks read their state in one block and write it into another.
+
+:mod:`vllm_hybrid.v1.worker.state_reads` explains why: a prefill chunk that
+continues from a kept checkpoint needs no copy of the whole state if the
+layer reads the checkpoint's block and writes the advanced state into the
+block the step ends in. The metadata builder hands the layer, per
+non-speculative row, the block it reads (``read_state_indices``, equal to the
+block it writes for every other row); this core then
+
+* runs the conv over every row in the conv kernel's prefix-caching form:
+  block columns ``[read, write]`` per row, the initial conv state taken from
+  the first and the final one stored in the second (rows that read out of
+  place are at least as long as the conv state, so none takes the kernel's
+  short-chunk branch, which writes where it read);
+* advances the decode rows in place, as upstream does;
+* gathers the prefill rows' initial recurrent states from the read blocks,
+  runs the chunked delta rule and scatters the final states into the write
+  blocks.
+
+Every other batch (no prefill, speculative rows, or metadata without read
+blocks) runs upstream's core unchanged. The kernels are upstream's; which
+arguments each takes is checked in ``tests/kernels/test_state_out_of_place.py``
+and the whole core against upstream's after a copy in
+``tests/kernels/test_gdn_out_of_place.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_hybrid.patches.registry import upstream_of
+
+#: ``causal_conv1d_fn`` divides positions by this when the prefix-caching form
+#: is on; no intermediate block states are stored (first == last column), so
+#: any multiple of the kernel's 8-token tile does.
+_CONV_ALIGN_TOKENS = 8
+
+
+def _gdn_metadata(layer: Any) -> Any:
+    from vllm.forward_context import get_forward_context
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    raw = get_forward_context().attn_metadata
+    metadata = raw.get(layer.prefix) if isinstance(raw, dict) else None
+    return metadata if isinstance(metadata, GDNAttentionMetadata) else None
+
+
+def reads_elsewhere(metadata: Any) -> bool:
+    """Whether this core (rather than upstream's) runs the batch."""
+    return (
+        metadata is not None
+        and getattr(metadata, "read_state_indices", None) is not None
+        and metadata.num_prefills > 0
+        and metadata.spec_sequence_masks is None
+    )
+
+
+def forward_core(
+    self: Any,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    core_attn_out: torch.Tensor,
+) -> None:
+    """``QwenGatedDeltaNetAttention._forward_core`` with prefill chunks
+    reading out of place (module docstring)."""
+    metadata = _gdn_metadata(self)
+    if not reads_elsewhere(metadata):
+        upstream_of(__name__, "forward_core")(self, mixed_qkv, b, a, core_attn_out)
+        return
+    _forward_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
+
+
+def _conv(self: Any, metadata: Any, mixed_qkv: torch.Tensor) -> torch.Tensor:
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    cache = self.kv_cache[0]
+    conv_state = cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
+    write = metadata.non_spec_state_indices_tensor
+    read = metadata.read_state_indices
+    rows = write.shape[0]
+    zeros = torch.zeros(rows, dtype=torch.int32, device=write.device)
+    weight = self.conv1d.weight
+    return gdn.causal_conv1d_fn(
+        mixed_qkv.transpose(0, 1),
+        weight.view(weight.size(0), weight.size(2)),
+        self.conv1d.bias,
+        activation=self.activation,
+        conv_states=conv_state,
+        has_initial_state=metadata.has_initial_state,
+        cache_indices=torch.stack((read.to(write.dtype), write), dim=1),
+        query_start_loc=metadata.non_spec_query_start_loc,
+        initial_state_idx=zeros,
+        block_idx_first_scheduled_token=zeros + 1,
+        block_idx_last_scheduled_token=zeros + 1,
+        num_computed_tokens=zeros,
+        block_size_to_align=_CONV_ALIGN_TOKENS,
+        metadata=metadata,
+    ).transpose(0, 1)
+
+
+def _decodes(
+    self: Any, metadata: Any, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+) -> torch.Tensor:
+    """The decode rows (first in the batch), advanced in place."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    n = metadata.num_decode_tokens
+    q, k, v = self.rearrange_mixed_qkv(conv_out[:n])
+    out, _ = gdn.fused_sigmoid_gating_delta_rule_update(
+        A_log=self.A_log,
+        a=a[:n],
+        b=b[:n],
+        dt_bias=self.dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        initial_state=self.kv_cache[1],
+        inplace_final_state=True,
+        cu_seqlens=metadata.non_spec_query_start_loc[: metadata.num_decodes + 1],
+        ssm_state_indices=metadata.non_spec_state_indices_tensor,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out
+
+
+def _prefills(
+    self: Any, metadata: Any, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+) -> torch.Tensor:
+    """The prefill rows: initial states from the read blocks, final states
+    into the write blocks."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    n = metadata.num_decode_tokens
+    q, k, v, g, beta = gdn.fused_post_conv_prep(
+        conv_output=conv_out[n:],
+        a=a[n:],
+        b=b[n:],
+        A_log=self.A_log,
+        dt_bias=self.dt_bias,
+        num_k_heads=self.num_k_heads // self.tp_size,
+        head_k_dim=self.head_k_dim,
+        head_v_dim=self.head_v_dim,
+        apply_l2norm=True,
+        output_g_exp=False,
+    )
+    ssm_state = self.kv_cache[1]
+    read = metadata.read_state_indices[metadata.num_decodes :]
+    initial_state = ssm_state[read.long()]
+    initial_state[~metadata.prefill_has_initial_state, ...] = 0
+    out, final_state = self.chunk_gated_delta_rule(
+        q=q.unsqueeze(0),
+        k=k.unsqueeze(0),
+        v=v.unsqueeze(0),
+        g=g.unsqueeze(0),
+        beta=beta.unsqueeze(0),
+        initial_state=initial_state,
+        output_final_state=True,
+        cu_seqlens=metadata.prefill_query_start_loc,
+        chunk_indices=metadata.chunk_indices,
+        chunk_offsets=metadata.chunk_offsets,
+        use_qk_l2norm_in_kernel=False,
+        aiter_prefill_metadata=metadata.aiter_prefill_metadata,
+    )
+    ssm_state[metadata.prefill_state_indices] = final_state.to(ssm_state.dtype)
+    return out
+
+
+def _forward_out_of_place(
+    self: Any,
+    metadata: Any,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    core_attn_out: torch.Tensor,
+) -> None:
+    n = metadata.num_actual_tokens
+    mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
+    conv_out = _conv(self, metadata, mixed_qkv)
+    # decodes first, as upstream orders both the kernels and the output rows
+    decoded = _decodes(self, metadata, conv_out, b, a) if metadata.num_decodes else None
+    out = _prefills(self, metadata, conv_out, b, a)
+    if decoded is not None:
+        out = torch.cat((decoded, out), dim=1)
+    core_attn_out[:n] = out.squeeze(0)

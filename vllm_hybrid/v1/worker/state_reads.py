@@ -1,0 +1,119 @@
+"""Prefill chunks that read their checkpoint in one state block and write the
+advanced state into another, so that keeping the checkpoint costs no copy.
+
+Align mode keeps a request's recurrent state at each state block edge it
+crosses: before the step the runner copies the running state from the block
+of the request's last computed token (the *read* column, ``(computed - 1) //
+block_size``) into the block the step ends in (the *write* column,
+``(seq_len - 1) // block_size``) and the layer advances the copy in place.
+With pooled mode's 16-token state blocks most copies are made before prefill
+chunks that continue from a kept checkpoint (a prefill checkpoint, the
+prompt's end, a prefix hit), each moving the whole state (61.4 MiB for
+Qwen3.6-35B-A3B).
+
+A prefill chunk needs no copy: the gated-DeltaNet layer gathers the chunk's
+initial states and scatters its final states itself, and its conv kernel
+reads one block column and writes another in its prefix-caching form, as
+long as the chunk is at least as long as the conv state (``width - 1``
+tokens: a shorter chunk's conv state is shifted where it was read,
+``tests/kernels/test_state_out_of_place.py``). One rule, used by the runner
+that drops the copy and by the metadata builder that hands the layer the
+read blocks, decides which rows read out of place (:func:`reads_elsewhere`).
+Decode steps and shorter chunks keep align mode's copy.
+
+Where it applies (:func:`reads_out_of_place`): pooled mode on CUDA, align
+mode, no speculative decoding (whose rows read at an accepted-token offset).
+The runner drops copies only when every state layer of the model is one
+whose core reads out of place (Qwen3.5/3.6 and Qwen3-Next gated DeltaNet).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def min_chunk_tokens(conv_state_shape: tuple[int, ...], dim_first: bool) -> int:
+    """Shortest chunk that may read out of place: the conv state's length in
+    tokens (kernel width - 1), at least two so that no decode row qualifies.
+    ``conv_state_shape`` is the per-block conv state shape, ``(dim, width -
+    1)`` when ``dim_first`` else ``(width - 1, dim)``."""
+    state_len = conv_state_shape[-1] if dim_first else conv_state_shape[0]
+    return max(2, int(state_len))
+
+
+def reads_elsewhere(
+    computed: torch.Tensor, query_lens: torch.Tensor, min_tokens: int
+) -> torch.Tensor:
+    """Per row, whether this step reads its state out of place: a chunk of at
+    least ``min_tokens`` tokens continuing from computed tokens."""
+    return (query_lens >= min_tokens) & (computed > 0)
+
+
+def read_columns(
+    seq_lens: torch.Tensor, query_lens: torch.Tensor, block_size: int, min_tokens: int
+) -> torch.Tensor:
+    """Per row, the block column the step reads its state from: the column of
+    the last computed token for rows that read elsewhere, else the column it
+    writes (that of its last token, as upstream's state indices)."""
+    computed = seq_lens - query_lens
+    write = ((seq_lens - 1) // block_size).clamp(min=0)
+    read = ((computed - 1) // block_size).clamp(min=0)
+    return torch.where(reads_elsewhere(computed, query_lens, min_tokens), read, write)
+
+
+def read_state_ids(block_table: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """The block id each row reads, from its group's (batch-ordered) table."""
+    rows = block_table[: columns.shape[0]]
+    return torch.gather(rows, 1, columns.long().unsqueeze(1)).squeeze(1)
+
+
+def reads_out_of_place(vllm_config: Any, cuda: bool | None = None) -> bool:
+    """Whether prefill chunks of this engine read out of place (module
+    docstring): pooled mode, CUDA, align mode, no speculative decoding.
+    ``cuda`` stands for the platform (the simulator models a CUDA engine on
+    a CPU); None asks the platform."""
+    from vllm.platforms import current_platform
+
+    from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
+
+    if cuda is None:
+        cuda = current_platform.is_cuda()
+    cache = vllm_config.cache_config
+    return (
+        cuda
+        and vllm_config.speculative_config is None
+        and getattr(cache, "mamba_cache_mode", None) == "align"
+        and pooled_mode_decision(vllm_config).enabled
+    )
+
+
+def copy_free_chunk_tokens(
+    vllm_config: Any, kv_cache_config: Any, cuda: bool | None = None
+) -> int | None:
+    """The shortest prefill chunk whose align copy Model Runner V2 drops on
+    this engine, or None where it drops none: a pooled config whose prefill
+    rows read out of place and whose state groups are all gated-DeltaNet
+    groups (the longest conv state of them decides). The runner also checks
+    the model's layers; the simulator, which has none, stops here."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+
+    if not isinstance(kv_cache_config, PooledKVCacheConfig):
+        return None
+    if not reads_out_of_place(vllm_config, cuda):
+        return None
+    specs = [
+        group.kv_cache_spec
+        for group in kv_cache_config.kv_cache_groups
+        if isinstance(group.kv_cache_spec, MambaSpec)
+    ]
+    gdn = MambaAttentionBackendEnum.GDN_ATTN
+    if not specs or any(spec.mamba_type is not gdn for spec in specs):
+        return None
+    dim_first = is_conv_state_dim_first()
+    return max(min_chunk_tokens(tuple(spec.shapes[0]), dim_first) for spec in specs)
