@@ -118,8 +118,8 @@ def _metadata() -> GDNAttentionMetadata:
     return metadata
 
 
-def _inputs():
-    tokens = sum(n for n, _, _, _ in ROWS)
+def _inputs(tokens: int | None = None):
+    tokens = tokens or sum(n for n, _, _, _ in ROWS)
     return (
         seeded((tokens, CONV_DIM), 11),
         seeded((tokens, HV), 12),
@@ -129,12 +129,13 @@ def _inputs():
 
 @pytest.fixture
 def triton_conv(monkeypatch):
-    """The layer module's conv entry point as CUDA binds it (on a CPU
-    platform upstream rebinds it to a CPU version)."""
+    """The layer module's conv entry points as CUDA binds them (on a CPU
+    platform upstream rebinds them to CPU versions)."""
     monkeypatch.setattr(gdn, "causal_conv1d_fn", causal_conv1d.causal_conv1d_fn)
+    monkeypatch.setattr(gdn, "causal_conv1d_update", causal_conv1d.causal_conv1d_update)
 
 
-def _run(core, layer: _Layer, metadata, monkeypatch) -> torch.Tensor:
+def _run(core, layer: _Layer, metadata, monkeypatch, tokens=None) -> torch.Tensor:
     from types import SimpleNamespace
 
     import vllm.forward_context as fc
@@ -142,7 +143,7 @@ def _run(core, layer: _Layer, metadata, monkeypatch) -> torch.Tensor:
     context = SimpleNamespace(attn_metadata={PREFIX: metadata})
     monkeypatch.setattr(gdn, "get_forward_context", lambda: context)
     monkeypatch.setattr(fc, "get_forward_context", lambda: context)
-    mixed_qkv, b, a = _inputs()
+    mixed_qkv, b, a = _inputs(tokens)
     out = torch.zeros((mixed_qkv.shape[0], HV, V), dtype=mixed_qkv.dtype, device=DEVICE)
     core(layer, mixed_qkv=mixed_qkv, b=b, a=a, core_attn_out=out)
     return out
@@ -186,3 +187,53 @@ def test_a_batch_without_read_blocks_runs_upstreams_core(triton_conv, monkeypatc
     assert torch.equal(out, ref_out)
     for state, ref_state in zip(ours.kv_cache, ref.kv_cache, strict=True):
         assert torch.equal(state, ref_state)
+
+
+#: A batch of decodes only, as full CUDA graphs replay it: (read, write) per
+#: row; the second row crosses into a kept checkpoint's block (the turn end),
+#: the last is a padded row (null block in both).
+DECODES = [(3, 3), (5, 9), (6, 6), (0, 0)]
+
+
+def _decode_metadata(packed_reference: bool) -> GDNAttentionMetadata:
+    rows = len(DECODES)
+    write = torch.tensor([w for _, w in DECODES], dtype=torch.int32, device=DEVICE)
+    return GDNAttentionMetadata(
+        num_prefills=0,
+        num_prefill_tokens=0,
+        num_decodes=rows - 1,
+        num_decode_tokens=rows - 1,
+        num_spec_decodes=0,
+        num_spec_decode_tokens=0,
+        num_actual_tokens=rows,
+        has_initial_state=torch.ones(rows, dtype=torch.bool, device=DEVICE),
+        non_spec_query_start_loc=query_start_loc([1] * rows).to(DEVICE),
+        non_spec_state_indices_tensor=write,
+    )
+
+
+def test_decode_rows_read_out_of_place_as_upstream_after_a_copy(
+    triton_conv, monkeypatch
+):
+    """Upstream's unpacked decode path after the copy, against the overlay's
+    decode-only core without it: bitwise equal outputs and states."""
+    ref, ours = _Layer(), _Layer()
+    before = tuple(t.clone() for t in ours.kv_cache)
+    for state in ref.kv_cache:
+        state[9] = state[5]
+    rows = len(DECODES)
+    upstream_core = registry.upstream(UPSTREAM_CORE)
+    ref_out = _run(upstream_core, ref, _decode_metadata(True), monkeypatch, rows)
+
+    metadata = _decode_metadata(False)
+    metadata.read_state_indices = torch.tensor(
+        [r for r, _ in DECODES], dtype=torch.int32, device=DEVICE
+    )
+    out = _run(gdn_out_of_place.forward_core, ours, metadata, monkeypatch, rows)
+    # the kernels skip the padded row, its output is left as allocated
+    assert torch.equal(out[: rows - 1], ref_out[: rows - 1])
+    assert out[: rows - 1].abs().sum() > 0
+    for state, ref_state, old in zip(ours.kv_cache, ref.kv_cache, before, strict=True):
+        assert torch.equal(state[1:], ref_state[1:])  # block 0: padding's
+        assert torch.equal(state[5], old[5])  # the turn end stayed
+        assert not torch.equal(state[9], old[5])

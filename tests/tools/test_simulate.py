@@ -157,10 +157,11 @@ def test_a_prefix_hit_copies_the_checkpoint_and_in_place_crossing_is_a_self_copy
     assert (crossing.state_copies, crossing.state_self_copies) == (1, 1)
 
 
-def test_chunks_that_read_out_of_place_move_no_state() -> None:
-    """On an engine whose prefill chunks of 3 tokens or more read their state
-    out of place, the copy before such a chunk moves nothing; a shorter
-    chunk's and a decode crossing's still do."""
+def test_chunks_and_decode_only_steps_that_read_out_of_place_move_no_state() -> None:
+    """On an engine whose prefill chunks of 3 tokens or more, and the decodes
+    of a step of decodes only, read their state out of place, the copies
+    before them move nothing; a shorter chunk's and a decode crossing's next
+    to a prefill still do."""
     observer = StepObserver(state_block=4, state_group=1, copy_free_tokens=3)
     hit = observer.observe(_output({"h": 3}, new=[_new("h", 13, 8, [5, 5, 9, 10])]))
     # hit at 8 (column 1), a 3-token chunk to 11 (column 2): read in place 5
@@ -175,8 +176,18 @@ def test_chunks_that_read_out_of_place_move_no_state() -> None:
     for computed in (13, 14, 15):
         observer.observe(_output({"h": 1}, cached=[("h", computed, None)]))
     decode = observer.observe(_output({"h": 1}, cached=[("h", 16, [11])]))
-    # a decode step crossing into column 4 copies
-    assert (decode.decode_tokens, decode.copies_moved) == (1, 1)
+    # a decode crossing into column 4 in a step of decodes only: read there
+    assert (decode.decode_tokens, decode.state_reads_elsewhere) == (1, 1)
+    assert decode.copies_moved == 0
+    # the same crossing beside a prefill chunk is copied
+    for computed in (17, 18, 19):
+        observer.observe(_output({"h": 1}, cached=[("h", computed, None)]))
+    both = observer.observe(
+        _output(
+            {"h": 1, "p": 8}, cached=[("h", 20, [12])], new=[_new("p", 8, 0, [20, 21])]
+        )
+    )
+    assert (both.decode_tokens, both.prefill_tokens, both.copies_moved) == (1, 8, 1)
     assert observer.total.copies_moved == 2
     plain = StepObserver(state_block=4, state_group=1)
     again = plain.observe(_output({"h": 3}, new=[_new("h", 13, 8, [5, 5, 9, 10])]))

@@ -33,8 +33,10 @@ STATE_READ_PATCHES: list[PatchEntry] = [
             "Class attribute replaced; the replacement calls upstream's build "
             "unchanged and, on engines whose prefill chunks read out of place "
             "(pooled mode, CUDA, align mode, no speculative decoding) and for "
-            "batches with prefills, adds read_state_columns and "
-            "read_state_indices to the metadata."
+            "batches without speculative rows, adds read_state_columns and "
+            "read_state_indices to the metadata (for a batch of decodes only "
+            "that full CUDA graphs replay, in a buffer of the builder's beside "
+            "its write-id buffer)."
         ),
         upstream_status="none",
         removal=(
@@ -79,11 +81,14 @@ STATE_READ_PATCHES: list[PatchEntry] = [
         how=(
             "Class attribute replaced (its callers, the custom ops and the "
             "fused-norm core, call it through self). Batches whose metadata "
-            "carries read_state_indices and has prefill rows and no "
-            "speculative rows run the overlay's core, which calls upstream's "
-            "kernels (conv in its prefix-caching form, decode rows in place, "
+            "carries read_state_indices and has no speculative rows run the "
+            "overlay's core, which calls upstream's kernels: with prefills, "
+            "the conv in its prefix-caching form, decode rows in place, "
             "prefill states gathered from the read blocks and scattered to "
-            "the write blocks); every other batch runs upstream's core."
+            "the write blocks; decodes only, the conv update in its "
+            "prefix-caching form and the unpacked recurrent update in its "
+            "speculative-decoding form (read column, write column). Every "
+            "other batch runs upstream's core."
         ),
         upstream_status="none",
         removal="With the build entry.",
@@ -101,13 +106,14 @@ STATE_READ_PATCHES: list[PatchEntry] = [
             "sees neither the chunk lengths nor the config."
         ),
         how=(
-            "Class attribute replaced; on a pooled config whose prefill rows "
-            "read out of place the replacement hands the pre-copy context, "
-            "per batch row, whether the chunk is long enough "
-            "(pooled_long_chunks, a device tensor, cleared after the call), "
-            "then calls upstream's method unchanged; the run_fused_precopy "
-            "entry drops those rows' copies when every state layer is a Qwen "
-            "gated-DeltaNet layer."
+            "Class attribute replaced; on a pooled config whose rows read out "
+            "of place the replacement hands the pre-copy context each batch "
+            "row's scheduled tokens (pooled_query_lens, a device tensor, "
+            "cleared after the call) and the shortest chunk that reads out "
+            "of place, then calls upstream's method unchanged; the "
+            "run_fused_precopy entry drops the copies of the rows that read "
+            "out of place when every state layer is a Qwen gated-DeltaNet "
+            "layer."
         ),
         upstream_status="none",
         removal="With the build entry.",
@@ -147,9 +153,21 @@ STATE_READ_ATTRIBUTES: list[AddedAttribute] = [
     ),
     AddedAttribute(
         cls="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext",
-        name="pooled_long_chunks",
+        name="pooled_query_lens",
         where="vllm_hybrid.v1.worker.mamba_copies (preprocess_state)",
-        why="Per batch row of the current step, whether its chunk reads out of place.",
+        why="Per batch row of the current step, its scheduled tokens.",
+    ),
+    AddedAttribute(
+        cls="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext",
+        name="pooled_min_tokens",
+        where="vllm_hybrid.v1.worker.mamba_copies (preprocess_state)",
+        why="The shortest prefill chunk that reads out of place.",
+    ),
+    AddedAttribute(
+        cls="vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadataBuilder",
+        name="read_state_indices_buffer",
+        where="vllm_hybrid.v1.attention.backends.gdn_reads (_staged)",
+        why="Full CUDA graphs' buffer of the read ids, beside upstream's write ids.",
     ),
 ]
 

@@ -66,6 +66,7 @@ def test_engines_off_cuda_read_in_place():
 def _built(rows: int) -> SimpleNamespace:
     return SimpleNamespace(
         num_prefills=4,
+        num_decodes=1,
         spec_sequence_masks=None,
         non_spec_state_indices_tensor=torch.zeros(rows, dtype=torch.int32),
     )
@@ -74,6 +75,7 @@ def _built(rows: int) -> SimpleNamespace:
 def _common(table: torch.Tensor) -> SimpleNamespace:
     starts = torch.cat((torch.zeros(1, dtype=torch.int32), SCHEDULED.cumsum(0)))
     return SimpleNamespace(
+        num_reqs=7,
         query_start_loc=starts.to(torch.int32),
         seq_lens=COMPUTED + SCHEDULED,
         block_table_tensor=table,
@@ -84,21 +86,24 @@ def test_the_builder_names_the_read_blocks_for_every_group(monkeypatch):
     built = _built(7)
     monkeypatch.setattr(gdn_reads, "upstream_of", lambda *_: lambda *a, **k: built)
     builder = SimpleNamespace(
-        read_min_tokens=MIN_TOKENS, kv_cache_spec=SimpleNamespace(block_size=BLOCK)
+        read_min_tokens=MIN_TOKENS,
+        kv_cache_spec=SimpleNamespace(block_size=BLOCK),
+        non_spec_state_indices_tensor=torch.zeros(9, dtype=torch.int32),
     )
     table = torch.arange(70, dtype=torch.int32).view(7, 10)
     metadata = gdn_reads.build(builder, 0, _common(table))
     assert metadata.read_state_columns.tolist() == [1, 2, 1, 2, 1, 1, 1]
     assert metadata.read_state_indices.tolist() == [1, 12, 21, 32, 41, 51, 61]
     # another state group: the same columns in its own table
-    regathered = SimpleNamespace()
+    regathered = SimpleNamespace(non_spec_state_indices_tensor=None)
     monkeypatch.setattr(gdn_reads, "upstream_of", lambda *_: lambda *a: regathered)
     other = gdn_reads.update_block_table(builder, metadata, table + 500, None)
     assert other.read_state_indices.tolist() == [501, 512, 521, 532, 541, 551, 561]
-    # engines that read in place, and decode-only batches, get none
+    # engines that read in place, and batches without rows, get none
     for builder_tokens, prefills in ((None, 4), (MIN_TOKENS, 0)):
         built = _built(7)
         built.num_prefills = prefills
+        built.num_decodes = 0
         monkeypatch.setattr(
             gdn_reads, "upstream_of", lambda *_, b=built: lambda *a, **k: b
         )
@@ -134,12 +139,12 @@ def test_the_pre_copy_drops_exactly_the_rows_that_read_elsewhere():
         assert columns[row] == src[6 - row] != dst[6 - row]
 
 
-def test_preprocess_state_hands_the_pre_copy_the_long_chunks(monkeypatch):
+def test_preprocess_state_hands_the_pre_copy_the_query_lengths(monkeypatch):
     seen: list = []
-    ctx = SimpleNamespace(pooled_long_chunks=None)
+    ctx = SimpleNamespace(pooled_query_lens=None)
 
     def upstream(model_state, input_batch, *rest):
-        seen.append(ctx.pooled_long_chunks.tolist())
+        seen.append((ctx.pooled_query_lens.tolist(), ctx.pooled_min_tokens))
 
     monkeypatch.setattr(mamba_copies, "upstream_of", lambda *_: upstream)
     starts = torch.cat((torch.zeros(1, dtype=torch.int32), SCHEDULED.cumsum(0)))
@@ -147,18 +152,88 @@ def test_preprocess_state_hands_the_pre_copy_the_long_chunks(monkeypatch):
     state = SimpleNamespace(_mamba_ctx=ctx, read_min_tokens=MIN_TOKENS)
     config = PooledKVCacheConfig(0, [], [])
     mamba_copies.preprocess_state(state, batch, (), config, COMPUTED)
-    assert seen == [[False, False, True, True, True, True, True]]
-    assert ctx.pooled_long_chunks is None
+    assert seen == [(SCHEDULED.tolist(), MIN_TOKENS)]
+    assert ctx.pooled_query_lens is None
     # an engine whose rows read in place hands nothing over
     state.read_min_tokens = None
     seen.clear()
     monkeypatch.setattr(
         mamba_copies,
         "upstream_of",
-        lambda *_: lambda *a: seen.append(ctx.pooled_long_chunks),
+        lambda *_: lambda *a: seen.append(ctx.pooled_query_lens),
     )
     mamba_copies.preprocess_state(state, batch, (), config, COMPUTED)
     assert seen == [None]
+
+
+def test_decode_rows_read_elsewhere_in_a_batch_of_decodes_only():
+    """The turn end: a decode crossing into a kept checkpoint's block. In a
+    batch of decodes only it reads the old block; with a prefill beside it
+    (or a fresh one-token prompt, a prefill for the builder) it is copied."""
+    computed, decode = _i32([16, 47, 5]), _i32([1, 1, 1])
+    only = state_reads.decode_only_batch(computed, decode)
+    assert bool(only)
+    assert state_reads.reads_elsewhere(computed, decode, 3, only).tolist() == [True] * 3
+    columns = state_reads.read_columns(computed + decode, decode, 16, 3, True)
+    assert columns.tolist() == [0, 2, 0]  # the last computed token's column
+    # a fresh one-token prompt in the batch: decodes copy again
+    fresh = _i32([16, 47, 0])
+    assert not bool(state_reads.decode_only_batch(fresh, decode))
+    # padded rows (nothing scheduled) do not count
+    assert bool(state_reads.decode_only_batch(_i32([16, 0]), _i32([1, 0])))
+    mixed = state_reads.reads_elsewhere(_i32([16, 32]), _i32([1, 8]), 3, False)
+    assert mixed.tolist() == [False, True]
+
+
+def test_the_pre_copy_drops_a_turn_end_copy_in_a_decode_only_batch():
+    """Slot r holds batch row r. Both rows cross an edge into a fresh block;
+    in a batch of decodes only neither copies, with a 2-token chunk beside
+    them (a prefill batch) both do."""
+    tables = (_i32([[3, 4, 0], [5, 6, 0], [7, 8, 0]]),)
+    slots, src = _i32([0, 1, 2]), _i32([0, 0, 0])
+    dst, bias = _i32([1, 1, 1]), _i32([0, 0, 0])
+    ctx = SimpleNamespace(pooled_reads_elsewhere=True, pooled_min_tokens=3)
+    ctx.pooled_query_lens = _i32([1, 1, 1])
+    rows = mamba_copies._rows_reading_elsewhere(ctx, slots, src)
+    assert keep_in_place(tables, slots, dst, src, bias, rows).tolist() == [1, 1, 1]
+    ctx.pooled_query_lens = _i32([1, 1, 2])
+    rows = mamba_copies._rows_reading_elsewhere(ctx, slots, src)
+    assert keep_in_place(tables, slots, dst, src, bias, rows).tolist() == [0, 0, 0]
+    # not every core reads out of place: nothing is dropped
+    ctx.pooled_reads_elsewhere = False
+    assert mamba_copies._rows_reading_elsewhere(ctx, slots, src) is None
+
+
+def test_a_decode_batch_replayed_by_cuda_graphs_gets_a_padded_read_buffer(
+    monkeypatch,
+):
+    """Full CUDA graphs read the write ids from the builder's buffer; the
+    read ids go to a buffer of the same shape, padded with the null block."""
+    persistent = torch.full((6,), -7, dtype=torch.int32)
+    built = SimpleNamespace(
+        num_prefills=0,
+        num_decodes=2,
+        spec_sequence_masks=None,
+        non_spec_state_indices_tensor=persistent[:4],
+    )
+    monkeypatch.setattr(gdn_reads, "upstream_of", lambda *_: lambda *a, **k: built)
+    builder = SimpleNamespace(
+        read_min_tokens=MIN_TOKENS,
+        kv_cache_spec=SimpleNamespace(block_size=BLOCK),
+        non_spec_state_indices_tensor=persistent,
+    )
+    table = torch.arange(20, dtype=torch.int32).view(2, 10) + 100
+    common = SimpleNamespace(
+        num_reqs=2,
+        query_start_loc=_i32([0, 1, 2]),
+        seq_lens=_i32([17, 40]),  # row 0 crosses into column 1, row 1 does not
+        block_table_tensor=table,
+    )
+    metadata = gdn_reads.build(builder, 0, common)
+    assert metadata.read_state_indices.tolist() == [100, 112, 0, 0]
+    buffer = builder.read_state_indices_buffer
+    assert buffer.shape == persistent.shape
+    assert metadata.read_state_indices.data_ptr() == buffer.data_ptr()
 
 
 def test_the_pre_copy_drops_long_chunks_only_where_every_core_reads_them():

@@ -94,9 +94,9 @@ class StepObserver:
     the engine caches no state checkpoints: no copies), ``state_group`` the
     index of the first state group in the block id tuples.
     ``copy_free_tokens``: on an engine whose prefill chunks of at least that
-    many tokens read their state out of place
-    (:func:`~vllm_hybrid.v1.worker.state_reads.copy_free_chunk_tokens`), the
-    copies before such chunks are counted as ``state_reads_elsewhere``.
+    many tokens, and the decodes of a step of decodes only, read their state
+    out of place (:mod:`vllm_hybrid.v1.worker.state_reads`), the copies
+    before such steps are counted as ``state_reads_elsewhere``.
     """
 
     def __init__(
@@ -108,6 +108,8 @@ class StepObserver:
         self.state_block = state_block
         self.state_group = state_group
         self.copy_free_tokens = copy_free_tokens
+        #: whether the step being observed runs decodes only
+        self.decode_only = False
         self.requests: dict[str, _Tracked] = {}
         #: running-state column of each request, as ``mamba_state_idx``
         self.state_index: dict[str, int] = {}
@@ -125,6 +127,7 @@ class StepObserver:
             self.state_index.pop(req_id, None)
         record.preemptions = len(preempted)
         scheduled = output.num_scheduled_tokens
+        self.decode_only = self._decodes_only(output)
         for new in output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is None:
@@ -148,6 +151,23 @@ class StepObserver:
         record.cow_copies = len(output.kv_cache_block_copies or ())
         self.total.add(record)
         return record
+
+    @staticmethod
+    def _decodes_only(output: Any) -> bool:
+        """Whether every scheduled request runs one token on computed ones
+        (the metadata builder's batch without prefills)."""
+        scheduled = output.num_scheduled_tokens
+        cached = output.scheduled_cached_reqs
+        steps = [
+            (n.num_computed_tokens, scheduled.get(n.req_id, 0))
+            for n in output.scheduled_new_reqs
+        ]
+        steps += [
+            (cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+            for i, req_id in enumerate(cached.req_ids)
+        ]
+        steps = [(computed, n) for computed, n in steps if n > 0]
+        return bool(steps) and all(n == 1 and computed > 0 for computed, n in steps)
 
     def _count(
         self,
@@ -194,9 +214,9 @@ class StepObserver:
         column = tracked.state_column
         if max(previous, current) < len(column) and column[previous] == column[current]:
             record.state_self_copies += 1
-        elif (
-            self.copy_free_tokens is not None
-            and end - computed >= self.copy_free_tokens
+        elif self.copy_free_tokens is not None and (
+            end - computed >= self.copy_free_tokens
+            or (self.decode_only and end - computed == 1)
         ):
             record.state_reads_elsewhere += 1
 

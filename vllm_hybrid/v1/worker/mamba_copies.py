@@ -29,10 +29,11 @@ not wait for the host. The block tables it compares come from
 :func:`initialize_from_forward_context`, which keeps them on pooled configs
 only, so other configs launch upstream's kernel with upstream's tensors.
 
-On engines whose prefill chunks read their state out of place
-(:mod:`vllm_hybrid.v1.worker.state_reads`), the pre-copy also drops the
-copies of rows whose chunk is long enough: :func:`preprocess_state` tells it
-which rows those are, and the layer reads their source block itself.
+On engines whose steps read their state out of place
+(:mod:`vllm_hybrid.v1.worker.state_reads`: prefill chunks long enough, and
+the rows of a batch of decodes only), the pre-copy also drops those rows'
+copies: :func:`preprocess_state` hands it the rows' scheduled tokens, and
+the layer reads their source block itself.
 """
 
 from __future__ import annotations
@@ -219,22 +220,36 @@ def run_fused_precopy(
     """
     tables = getattr(self, "pooled_state_tables", None)
     if tables and idx_mapping is not None and num_reqs > 0:
-        long_chunks = getattr(self, "pooled_long_chunks", None)
-        if long_chunks is not None and getattr(self, "pooled_reads_elsewhere", False):
-            long_chunks = long_chunks[:num_reqs]
-        else:
-            long_chunks = None
+        slots = idx_mapping[:num_reqs]
         src_col_gpu = keep_in_place(
             tables,
-            idx_mapping[:num_reqs],
+            slots,
             state_idx_gpu,
             src_col_gpu,
             token_bias_gpu,
-            long_chunks,
+            _rows_reading_elsewhere(self, slots, src_col_gpu),
         )
     upstream_of(__name__, "run_fused_precopy")(
         self, num_reqs, state_idx_gpu, src_col_gpu, token_bias_gpu, idx_mapping
     )
+
+
+def _rows_reading_elsewhere(
+    ctx: Any, slots: torch.Tensor, src_cols: torch.Tensor
+) -> torch.Tensor | None:
+    """Per batch row, whether the step reads its state in the source block
+    itself (:func:`~vllm_hybrid.v1.worker.state_reads.reads_elsewhere`, the
+    metadata builder's rule; a source column of -1 is a row with nothing
+    computed), or None where this engine's rows never do."""
+    from vllm_hybrid.v1.worker.state_reads import decode_only_batch, reads_elsewhere
+
+    query_lens = getattr(ctx, "pooled_query_lens", None)
+    if query_lens is None or not getattr(ctx, "pooled_reads_elsewhere", False):
+        return None
+    query_lens = query_lens[: slots.shape[0]]
+    computed = (src_cols[slots.clamp(min=0).long()] >= 0) & (slots >= 0)
+    decode_only = decode_only_batch(computed, query_lens)
+    return reads_elsewhere(computed, query_lens, ctx.pooled_min_tokens, decode_only)
 
 
 def preprocess_state(
@@ -244,22 +259,24 @@ def preprocess_state(
     kv_cache_config: KVCacheConfig,
     num_computed_tokens: torch.Tensor,
 ) -> None:
-    """Model Runner V2's state pre-processing, telling the pre-copy which
-    batch rows are prefill chunks long enough to read out of place
-    (``pooled_long_chunks``, by batch row, on the device) when this engine's
-    prefill rows do (:func:`~vllm_hybrid.v1.worker.state_reads.reads_out_of_place`)."""
+    """Model Runner V2's state pre-processing, handing the pre-copy each
+    batch row's scheduled tokens (``pooled_query_lens``, on the device) and
+    the shortest chunk that reads out of place (``pooled_min_tokens``) when
+    this engine's rows read out of place
+    (:func:`~vllm_hybrid.v1.worker.state_reads.copy_free_chunk_tokens`)."""
     ctx = getattr(self, "_mamba_ctx", None)
     min_tokens = _min_chunk_tokens(self, kv_cache_config)
     if ctx is not None and min_tokens is not None and input_batch.num_reqs > 0:
         starts = input_batch.query_start_loc[: input_batch.num_reqs + 1]
-        ctx.pooled_long_chunks = (starts[1:] - starts[:-1]) >= min_tokens
+        ctx.pooled_query_lens = starts[1:] - starts[:-1]
+        ctx.pooled_min_tokens = min_tokens
     try:
         upstream_of(__name__, "preprocess_state")(
             self, input_batch, block_tables, kv_cache_config, num_computed_tokens
         )
     finally:
         if ctx is not None:
-            ctx.pooled_long_chunks = None
+            ctx.pooled_query_lens = None
 
 
 def _min_chunk_tokens(model_state: Any, kv_cache_config: KVCacheConfig) -> int | None:

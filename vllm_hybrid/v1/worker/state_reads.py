@@ -19,7 +19,14 @@ tokens: a shorter chunk's conv state is shifted where it was read,
 ``tests/kernels/test_state_out_of_place.py``). One rule, used by the runner
 that drops the copy and by the metadata builder that hands the layer the
 read blocks, decides which rows read out of place (:func:`reads_elsewhere`).
-Decode steps and shorter chunks keep align mode's copy.
+
+Decode steps read out of place too, in batches of decodes only: the conv
+update kernel takes the same prefix-caching form and the recurrent decode
+kernel upstream's speculative-decoding form (read column, write column), so
+a decode that crosses into a kept checkpoint's block (the turn end) needs no
+copy either. Such batches then run the unpacked decode kernel instead of the
+packed one (both upstream's). Decode rows of a batch with prefills, and
+chunks of one or two tokens, keep align mode's copy.
 
 Where it applies (:func:`reads_out_of_place`): pooled mode on CUDA, align
 mode, no speculative decoding (whose rows read at an accepted-token offset).
@@ -44,15 +51,35 @@ def min_chunk_tokens(conv_state_shape: tuple[int, ...], dim_first: bool) -> int:
 
 
 def reads_elsewhere(
-    computed: torch.Tensor, query_lens: torch.Tensor, min_tokens: int
+    computed: torch.Tensor,
+    query_lens: torch.Tensor,
+    min_tokens: int,
+    decode_only: bool | torch.Tensor = False,
 ) -> torch.Tensor:
     """Per row, whether this step reads its state out of place: a chunk of at
-    least ``min_tokens`` tokens continuing from computed tokens."""
-    return (query_lens >= min_tokens) & (computed > 0)
+    least ``min_tokens`` tokens continuing from computed tokens, or, in a
+    batch of decodes only (``decode_only``), any decode row."""
+    continues = computed > 0
+    decoding = (query_lens == 1) & decode_only
+    return continues & ((query_lens >= min_tokens) | decoding)
+
+
+def decode_only_batch(computed: torch.Tensor, query_lens: torch.Tensor) -> torch.Tensor:
+    """Whether every row with tokens is a one-token step continuing from
+    computed tokens: the metadata builder's batch without prefills (a fresh
+    one-token prompt counts as a prefill there). On the tensors' device,
+    no host sync."""
+    scheduled = query_lens > 0
+    decode = (query_lens == 1) & (computed > 0)
+    return (decode | ~scheduled).all() & scheduled.any()
 
 
 def read_columns(
-    seq_lens: torch.Tensor, query_lens: torch.Tensor, block_size: int, min_tokens: int
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    block_size: int,
+    min_tokens: int,
+    decode_only: bool = False,
 ) -> torch.Tensor:
     """Per row, the block column the step reads its state from: the column of
     the last computed token for rows that read elsewhere, else the column it
@@ -60,7 +87,8 @@ def read_columns(
     computed = seq_lens - query_lens
     write = ((seq_lens - 1) // block_size).clamp(min=0)
     read = ((computed - 1) // block_size).clamp(min=0)
-    return torch.where(reads_elsewhere(computed, query_lens, min_tokens), read, write)
+    elsewhere = reads_elsewhere(computed, query_lens, min_tokens, decode_only)
+    return torch.where(elsewhere, read, write)
 
 
 def read_state_ids(block_table: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,11 @@ block it writes for every other row); this core then
   runs the chunked delta rule and scatters the final states into the write
   blocks.
 
-Every other batch (no prefill, speculative rows, or metadata without read
-blocks) runs upstream's core unchanged. The kernels are upstream's; which
+A batch of decodes only reads out of place as well (``_decode_out_of_place``:
+the conv update's prefix-caching form, the recurrent update's speculative
+form), taking upstream's unpacked decode kernel where upstream would take
+its packed one. Every other batch (speculative rows, or metadata without
+read blocks) runs upstream's core unchanged. The kernels are upstream's; which
 arguments each takes is checked in ``tests/kernels/test_state_out_of_place.py``
 and the whole core against upstream's after a copy in
 ``tests/kernels/test_gdn_out_of_place.py``.
@@ -53,8 +56,8 @@ def reads_elsewhere(metadata: Any) -> bool:
     return (
         metadata is not None
         and getattr(metadata, "read_state_indices", None) is not None
-        and metadata.num_prefills > 0
         and metadata.spec_sequence_masks is None
+        and (metadata.num_prefills > 0 or metadata.num_decodes > 0)
     )
 
 
@@ -70,8 +73,64 @@ def forward_core(
     metadata = _gdn_metadata(self)
     if not reads_elsewhere(metadata):
         upstream_of(__name__, "forward_core")(self, mixed_qkv, b, a, core_attn_out)
-        return
-    _forward_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
+    elif metadata.num_prefills > 0:
+        _forward_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
+    else:
+        _decode_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
+
+
+def _decode_out_of_place(
+    self: Any,
+    metadata: Any,
+    mixed_qkv: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    core_attn_out: torch.Tensor,
+) -> None:
+    """A batch of decodes only (full CUDA graphs replay these): the conv
+    update in its prefix-caching form, the recurrent update in its
+    speculative-decoding form with one token per row, two accepted tokens
+    and columns ``[write, read]`` (it reads column ``accepted - 1``, writes
+    column 0). Rows whose two blocks are one advance in place; padded rows
+    carry the null block in both, which the kernels skip."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    n = metadata.num_actual_tokens
+    mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
+    cache = self.kv_cache[0]
+    conv_state = cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
+    write = metadata.non_spec_state_indices_tensor[:n]
+    read = metadata.read_state_indices[:n].to(write.dtype)
+    zeros = torch.zeros(n, dtype=torch.int32, device=write.device)
+    weight = self.conv1d.weight
+    conv_out = gdn.causal_conv1d_update(
+        mixed_qkv,
+        conv_state,
+        weight.view(weight.size(0), weight.size(2)),
+        self.conv1d.bias,
+        self.activation,
+        conv_state_indices=torch.stack((read, write), dim=1),
+        initial_state_idx=zeros,
+        block_idx_last_scheduled_token=zeros + 1,
+        validate_data=False,
+    )
+    q, k, v = self.rearrange_mixed_qkv(conv_out)
+    out, _ = gdn.fused_sigmoid_gating_delta_rule_update(
+        A_log=self.A_log,
+        a=a,
+        b=b,
+        dt_bias=self.dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        initial_state=self.kv_cache[1],
+        inplace_final_state=True,
+        cu_seqlens=metadata.non_spec_query_start_loc[: n + 1],
+        ssm_state_indices=torch.stack((write, read), dim=1),
+        num_accepted_tokens=zeros + 2,
+        use_qk_l2norm_in_kernel=True,
+    )
+    core_attn_out[:n] = out.squeeze(0)
 
 
 def _conv(self: Any, metadata: Any, mixed_qkv: torch.Tensor) -> torch.Tensor:

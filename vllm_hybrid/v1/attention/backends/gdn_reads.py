@@ -9,12 +9,17 @@ and ``read_state_indices`` (that column's block id in this group's table).
 Both runners build one group's metadata and re-gather the state ids for the
 other state groups with ``update_block_table``; the columns are the same for
 every group, so the re-gather takes them along and looks the ids up in the
-new table.
+new table. A batch of decodes only that full CUDA graphs replay has its
+write ids in a buffer of the builder's; its read ids go to a second buffer
+of the same shape (``read_state_indices_buffer``), which the captured layer
+reads.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.worker.state_reads import (
@@ -44,26 +49,31 @@ def _min_tokens(builder: Any) -> int | None:
 def build(
     self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kw: Any
 ) -> Any:
-    """Upstream's build, plus the read blocks of a batch with prefills."""
+    """Upstream's build, plus the read blocks of a batch without speculative
+    rows (prefill chunks, or a batch of decodes only)."""
     metadata = upstream_of(__name__, "build")(
         self, common_prefix_len, common_attn_metadata, *args, **kw
     )
-    if metadata.num_prefills == 0 or metadata.spec_sequence_masks is not None:
+    if metadata.spec_sequence_masks is not None:
+        return metadata
+    if metadata.num_prefills == 0 and metadata.num_decodes == 0:
         return metadata
     min_tokens = _min_tokens(self)
     if min_tokens is None:
         return metadata
     m = common_attn_metadata
-    rows = metadata.non_spec_state_indices_tensor.shape[0]
+    rows = m.num_reqs
     starts = m.query_start_loc[: rows + 1]
     columns = read_columns(
         m.seq_lens[:rows],
         starts[1:] - starts[:-1],
         self.kv_cache_spec.block_size,
         min_tokens,
+        decode_only=metadata.num_prefills == 0,
     )
     metadata.read_state_columns = columns
-    metadata.read_state_indices = read_state_ids(m.block_table_tensor, columns)
+    ids = read_state_ids(m.block_table_tensor, columns)
+    metadata.read_state_indices = _staged(self, metadata, ids)
     return metadata
 
 
@@ -77,5 +87,28 @@ def update_block_table(
     columns = getattr(metadata, "read_state_columns", None)
     if columns is not None:
         updated.read_state_columns = columns
-        updated.read_state_indices = read_state_ids(blk_table, columns)
+        ids = read_state_ids(blk_table, columns)
+        updated.read_state_indices = _staged(self, updated, ids)
     return updated
+
+
+def _staged(builder: Any, metadata: Any, ids: Any) -> Any:
+    """``ids`` where the layer will read them: for a batch whose write ids
+    sit in the builder's full-CUDA-graph buffer (decodes only), a buffer of
+    the builder's own beside it, padded as upstream pads the write ids (the
+    null block, which the kernels skip); else ``ids`` themselves."""
+    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+    write = metadata.non_spec_state_indices_tensor
+    persistent = builder.non_spec_state_indices_tensor
+    if write is None or write.data_ptr() != persistent.data_ptr():
+        return ids
+    buffer = builder.__dict__.get("read_state_indices_buffer")
+    if buffer is None:
+        buffer = torch.zeros_like(persistent)
+        builder.read_state_indices_buffer = buffer
+    rows = metadata.num_decodes
+    buffer[:rows].copy_(ids[:rows], non_blocking=True)
+    staged = buffer[: write.shape[0]]
+    staged[rows:].fill_(NULL_BLOCK_ID)
+    return staged
