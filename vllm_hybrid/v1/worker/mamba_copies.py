@@ -48,6 +48,7 @@ from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
     from vllm.v1.worker.mamba_utils import MambaSpecDecodeGPUContext
 
 
@@ -253,7 +254,7 @@ def _rows_reading_elsewhere(
 
 
 def preprocess_state(
-    self: Any,
+    self: MambaHybridModelState,
     input_batch: Any,
     block_tables: Any,
     kv_cache_config: KVCacheConfig,
@@ -279,7 +280,9 @@ def preprocess_state(
             ctx.pooled_query_lens = None
 
 
-def _min_chunk_tokens(model_state: Any, kv_cache_config: KVCacheConfig) -> int | None:
+def _min_chunk_tokens(
+    model_state: MambaHybridModelState, kv_cache_config: KVCacheConfig
+) -> int | None:
     """The shortest chunk whose copy this runner drops, or None; decided once
     per model state."""
     cached = model_state.__dict__.get("read_min_tokens", False)

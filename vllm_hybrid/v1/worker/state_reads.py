@@ -36,9 +36,13 @@ whose core reads out of place (Qwen3.5/3.6 and Qwen3-Next gated DeltaNet).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 def min_chunk_tokens(conv_state_shape: tuple[int, ...], dim_first: bool) -> int:
@@ -97,7 +101,7 @@ def read_state_ids(block_table: torch.Tensor, columns: torch.Tensor) -> torch.Te
     return torch.gather(rows, 1, columns.long().unsqueeze(1)).squeeze(1)
 
 
-def reads_out_of_place(vllm_config: Any, cuda: bool | None = None) -> bool:
+def reads_out_of_place(vllm_config: VllmConfig, cuda: bool | None = None) -> bool:
     """Whether prefill chunks of this engine read out of place (module
     docstring): pooled mode, CUDA, align mode, no speculative decoding.
     ``cuda`` stands for the platform (the simulator models a CUDA engine on
@@ -118,7 +122,7 @@ def reads_out_of_place(vllm_config: Any, cuda: bool | None = None) -> bool:
 
 
 def copy_free_chunk_tokens(
-    vllm_config: Any, kv_cache_config: Any, cuda: bool | None = None
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cuda: bool | None = None
 ) -> int | None:
     """The shortest prefill chunk whose align copy Model Runner V2 drops on
     this engine, or None where it drops none: a pooled config whose prefill

@@ -30,11 +30,17 @@ and the whole core against upstream's after a copy in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_hybrid.patches.registry import upstream_of
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 #: ``causal_conv1d_fn`` divides positions by this when the prefix-caching form
 #: is on; no intermediate block states are stored (first == last column), so
@@ -42,7 +48,7 @@ from vllm_hybrid.patches.registry import upstream_of
 _CONV_ALIGN_TOKENS = 8
 
 
-def _gdn_metadata(layer: Any) -> Any:
+def _gdn_metadata(layer: QwenGatedDeltaNetAttention) -> GDNAttentionMetadata | None:
     from vllm.forward_context import get_forward_context
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
@@ -51,7 +57,7 @@ def _gdn_metadata(layer: Any) -> Any:
     return metadata if isinstance(metadata, GDNAttentionMetadata) else None
 
 
-def reads_elsewhere(metadata: Any) -> bool:
+def reads_elsewhere(metadata: GDNAttentionMetadata | None) -> bool:
     """Whether this core (rather than upstream's) runs the batch."""
     return (
         metadata is not None
@@ -62,7 +68,7 @@ def reads_elsewhere(metadata: Any) -> bool:
 
 
 def forward_core(
-    self: Any,
+    self: QwenGatedDeltaNetAttention,
     mixed_qkv: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
@@ -80,8 +86,8 @@ def forward_core(
 
 
 def _decode_out_of_place(
-    self: Any,
-    metadata: Any,
+    self: QwenGatedDeltaNetAttention,
+    metadata: GDNAttentionMetadata,
     mixed_qkv: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
@@ -133,7 +139,11 @@ def _decode_out_of_place(
     core_attn_out[:n] = out.squeeze(0)
 
 
-def _conv(self: Any, metadata: Any, mixed_qkv: torch.Tensor) -> torch.Tensor:
+def _conv(
+    self: QwenGatedDeltaNetAttention,
+    metadata: GDNAttentionMetadata,
+    mixed_qkv: torch.Tensor,
+) -> torch.Tensor:
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
     cache = self.kv_cache[0]
@@ -162,7 +172,11 @@ def _conv(self: Any, metadata: Any, mixed_qkv: torch.Tensor) -> torch.Tensor:
 
 
 def _decodes(
-    self: Any, metadata: Any, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+    self: QwenGatedDeltaNetAttention,
+    metadata: GDNAttentionMetadata,
+    conv_out: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
 ) -> torch.Tensor:
     """The decode rows (first in the batch), advanced in place."""
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
@@ -187,7 +201,11 @@ def _decodes(
 
 
 def _prefills(
-    self: Any, metadata: Any, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor
+    self: QwenGatedDeltaNetAttention,
+    metadata: GDNAttentionMetadata,
+    conv_out: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
 ) -> torch.Tensor:
     """The prefill rows: initial states from the read blocks, final states
     into the write blocks."""
@@ -229,8 +247,8 @@ def _prefills(
 
 
 def _forward_out_of_place(
-    self: Any,
-    metadata: Any,
+    self: QwenGatedDeltaNetAttention,
+    metadata: GDNAttentionMetadata,
     mixed_qkv: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,

@@ -17,7 +17,7 @@ reads.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,8 +29,14 @@ from vllm_hybrid.v1.worker.state_reads import (
     reads_out_of_place,
 )
 
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.gdn_attn import (
+        GDNAttentionMetadata,
+        GDNAttentionMetadataBuilder,
+    )
 
-def _min_tokens(builder: Any) -> int | None:
+
+def _min_tokens(builder: GDNAttentionMetadataBuilder) -> int | None:
     """The builder's shortest out-of-place chunk, or None where prefill rows
     read in place; decided once per builder from its config."""
     cached = builder.__dict__.get("read_min_tokens", False)
@@ -47,7 +53,11 @@ def _min_tokens(builder: Any) -> int | None:
 
 
 def build(
-    self: Any, common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kw: Any
+    self: GDNAttentionMetadataBuilder,
+    common_prefix_len: int,
+    common_attn_metadata: Any,
+    *args: Any,
+    **kw: Any,
 ) -> Any:
     """Upstream's build, plus the read blocks of a batch without speculative
     rows (prefill chunks, or a batch of decodes only)."""
@@ -78,7 +88,7 @@ def build(
 
 
 def update_block_table(
-    self: Any, metadata: Any, blk_table: Any, slot_mapping: Any
+    self: GDNAttentionMetadataBuilder, metadata: Any, blk_table: Any, slot_mapping: Any
 ) -> Any:
     """Upstream's re-gather for another state group, the read blocks too."""
     updated = upstream_of(__name__, "update_block_table")(
@@ -92,7 +102,11 @@ def update_block_table(
     return updated
 
 
-def _staged(builder: Any, metadata: Any, ids: Any) -> Any:
+def _staged(
+    builder: GDNAttentionMetadataBuilder,
+    metadata: GDNAttentionMetadata,
+    ids: torch.Tensor,
+) -> torch.Tensor:
     """``ids`` where the layer will read them: for a batch whose write ids
     sit in the builder's full-CUDA-graph buffer (decodes only), a buffer of
     the builder's own beside it, padded as upstream pads the write ids (the
