@@ -85,6 +85,15 @@ def forward_core(
         _decode_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
 
 
+def _conv_state(self: QwenGatedDeltaNetAttention) -> torch.Tensor:
+    """The layer's conv states as the conv kernels take them, ``(..., dim,
+    width - 1)``: stored so in the dim-first layout, transposed otherwise."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+
+    cache = self.kv_cache[0]
+    return cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
+
+
 def _decode_out_of_place(
     self: QwenGatedDeltaNetAttention,
     metadata: GDNAttentionMetadata,
@@ -103,8 +112,7 @@ def _decode_out_of_place(
 
     n = metadata.num_actual_tokens
     mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
-    cache = self.kv_cache[0]
-    conv_state = cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
+    conv_state = _conv_state(self)
     write = metadata.non_spec_state_indices_tensor[:n]
     read = metadata.read_state_indices[:n].to(write.dtype)
     zeros = torch.zeros(n, dtype=torch.int32, device=write.device)
@@ -146,8 +154,7 @@ def _conv(
 ) -> torch.Tensor:
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
-    cache = self.kv_cache[0]
-    conv_state = cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
+    conv_state = _conv_state(self)
     write = metadata.non_spec_state_indices_tensor
     read = metadata.read_state_indices
     rows = write.shape[0]
