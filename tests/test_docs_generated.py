@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = {
     "README.md": 4,
     "docs/plan.md": 2,
-    "docs/simulation.md": 2,
+    "docs/simulation.md": 4,
     "docs/benchmarks.md": 1,
 }
 
