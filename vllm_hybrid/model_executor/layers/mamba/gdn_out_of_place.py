@@ -18,7 +18,7 @@ block it writes for every other row); this core then
   runs the chunked delta rule and scatters the final states into the write
   blocks.
 
-A batch of decodes only reads out of place as well (``_decode_out_of_place``:
+A batch of decodes only reads out of place as well (``_decodes_only``:
 the conv update's prefix-caching form, the recurrent update's speculative
 form), taking upstream's unpacked decode kernel where upstream would take
 its packed one. Every other batch (speculative rows, or metadata without
@@ -79,10 +79,10 @@ def forward_core(
     metadata = _gdn_metadata(self)
     if not reads_elsewhere(metadata):
         upstream_of(__name__, "forward_core")(self, mixed_qkv, b, a, core_attn_out)
-    elif metadata.num_prefills > 0:
-        _forward_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
-    else:
-        _decode_out_of_place(self, metadata, mixed_qkv, b, a, core_attn_out)
+        return
+    n = metadata.num_actual_tokens
+    core = _with_prefills if metadata.num_prefills > 0 else _decodes_only
+    core_attn_out[:n] = core(self, metadata, mixed_qkv[:n], b[:n], a[:n]).squeeze(0)
 
 
 def _conv_state(self: QwenGatedDeltaNetAttention) -> torch.Tensor:
@@ -94,14 +94,13 @@ def _conv_state(self: QwenGatedDeltaNetAttention) -> torch.Tensor:
     return cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
 
 
-def _decode_out_of_place(
+def _decodes_only(
     self: QwenGatedDeltaNetAttention,
     metadata: GDNAttentionMetadata,
     mixed_qkv: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
-    core_attn_out: torch.Tensor,
-) -> None:
+) -> torch.Tensor:
     """A batch of decodes only (full CUDA graphs replay these): the conv
     update in its prefix-caching form, the recurrent update in its
     speculative-decoding form with one token per row, two accepted tokens
@@ -111,7 +110,6 @@ def _decode_out_of_place(
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
 
     n = metadata.num_actual_tokens
-    mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
     conv_state = _conv_state(self)
     write = metadata.non_spec_state_indices_tensor[:n]
     read = metadata.read_state_indices[:n].to(write.dtype)
@@ -144,7 +142,7 @@ def _decode_out_of_place(
         num_accepted_tokens=zeros + 2,
         use_qk_l2norm_in_kernel=True,
     )
-    core_attn_out[:n] = out.squeeze(0)
+    return out
 
 
 def _conv(
@@ -253,20 +251,16 @@ def _prefills(
     return out
 
 
-def _forward_out_of_place(
+def _with_prefills(
     self: QwenGatedDeltaNetAttention,
     metadata: GDNAttentionMetadata,
     mixed_qkv: torch.Tensor,
     b: torch.Tensor,
     a: torch.Tensor,
-    core_attn_out: torch.Tensor,
-) -> None:
-    n = metadata.num_actual_tokens
-    mixed_qkv, b, a = mixed_qkv[:n], b[:n], a[:n]
+) -> torch.Tensor:
+    """A batch with prefill rows: decodes first, in place, as upstream
+    orders both the kernels and the output rows; then the prefills."""
     conv_out = _conv(self, metadata, mixed_qkv)
-    # decodes first, as upstream orders both the kernels and the output rows
     decoded = _decodes(self, metadata, conv_out, b, a) if metadata.num_decodes else None
     out = _prefills(self, metadata, conv_out, b, a)
-    if decoded is not None:
-        out = torch.cat((decoded, out), dim=1)
-    core_attn_out[:n] = out.squeeze(0)
+    return out if decoded is None else torch.cat((decoded, out), dim=1)
