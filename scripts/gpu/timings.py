@@ -16,7 +16,13 @@ layer out. Kernels, as a CUDA worker calls them:
   the packed recurrent decode at batch 64 and 256, and the FLA chunked
   prefill on states gathered from the views.
 
-Only the cache or state tensor differs between the two runs of a pair.
+Only the cache or state tensor differs between the two runs of a pair, with
+one exception: the pooled engine's decode path, where a batch of decodes
+only reads its states out of place (conv update in its prefix-caching form,
+the unpacked recurrent update), is timed against upstream's packed decode
+path (conv update and packed recurrent decode), both on the pooled views;
+its row names both paths, and its "pooled" and "contiguous" columns are the
+overlay's path and upstream's.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from gdn_ops import (  # noqa: E402
     conv_update,
     decode_batch,
     gdn_weights,
+    out_of_place_decode,
     packed_decode,
 )
 from interpreter_numerics import interpreter_fixes  # noqa: E402
@@ -220,6 +227,27 @@ def decode_pair(states: tuple, state_ids: torch.Tensor, batch: GDNBatch, w) -> t
     )
 
 
+def decode_paths_pair(
+    states: tuple, state_ids: torch.Tensor, batch: GDNBatch, w
+) -> tuple:
+    """The overlay's decode-only path (every row reading a block of its own
+    elsewhere: the second half of the ids) and upstream's packed path (conv
+    update and packed decode, in place), both on the pooled views."""
+    pooled = states[0]
+    half = state_ids.shape[0] // 2
+    read, write = state_ids[:half], state_ids[half:]
+    rows = GDNBatch(lens=[1] * half, has_initial_state=[True] * half, seed=21)
+    mixed = rows.mixed_qkv.clone()
+    out = torch.zeros((half, 1, HV, V), dtype=mixed.dtype, device=mixed.device)
+
+    def upstream() -> None:
+        packed_decode(
+            pooled, write, conv_update(pooled, write, mixed.clone(), w), rows, w, out
+        )
+
+    return partial(out_of_place_decode, pooled, read, write, rows, w), upstream
+
+
 def prefill_pair(states: tuple, state_ids: torch.Tensor, batch: GDNBatch, w) -> tuple:
     return tuple(
         partial(chunked_prefill, batch.mixed_qkv, s[1], state_ids, batch, w)
@@ -246,6 +274,16 @@ def gdn(results: Results, sizes: Sizes, rounds: int) -> None:
             results.measure(
                 name, partial(timed, partial(pair, *args), rounds, shape), 10
             )
+        results.measure(
+            f"GDN decode of {n // 2}, overlay's out-of-place / upstream's packed path",
+            partial(
+                timed,
+                partial(decode_paths_pair, *args),
+                rounds,
+                f"batch {n // 2}, one layer, both on pooled views",
+            ),
+            10,
+        )
     requests, tokens = sizes.prefill
     batch = GDNBatch(lens=[tokens] * requests, has_initial_state=[True] * requests)
     args = ((pooled, twin), ids(requests, seed=7), batch, weights)

@@ -285,5 +285,49 @@ def packed_decode(
     )
 
 
+def out_of_place_decode(
+    layer_states: tuple[torch.Tensor, ...],
+    read_ids: torch.Tensor,
+    write_ids: torch.Tensor,
+    batch: GDNBatch,
+    w: GDNWeights,
+) -> torch.Tensor:
+    """A decode-only batch as the overlay's core runs it when rows read their
+    state in one block and write another
+    (``vllm_hybrid.model_executor.layers.mamba.gdn_out_of_place``): the conv
+    update in its prefix-caching form, then the unpacked recurrent update in
+    its speculative form (columns ``[write, read]``, two accepted tokens)."""
+    rows = write_ids.shape[0]
+    zeros = torch.zeros(rows, dtype=torch.int32, device=write_ids.device)
+    conv = causal_conv1d.causal_conv1d_update(
+        batch.mixed_qkv.clone(),
+        conv_view(layer_states[0]),
+        w.conv,
+        None,
+        "silu",
+        conv_state_indices=torch.stack((read_ids, write_ids), dim=1),
+        initial_state_idx=zeros,
+        block_idx_last_scheduled_token=zeros + 1,
+        validate_data=False,
+    )
+    q, k, v = split_qkv(conv)
+    out, _ = fused_sigmoid_gating_delta_rule_update(
+        A_log=w.A_log,
+        a=batch.a,
+        b=batch.b,
+        dt_bias=w.dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        initial_state=layer_states[1],
+        inplace_final_state=True,
+        cu_seqlens=query_start_loc([1] * rows).to(write_ids.device),
+        ssm_state_indices=torch.stack((write_ids, read_ids), dim=1),
+        num_accepted_tokens=zeros + 2,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out
+
+
 def decode_batch(rows: int, seed: int = 21) -> GDNBatch:
     return GDNBatch(lens=[1] * rows, has_initial_state=[True] * rows, seed=seed)
