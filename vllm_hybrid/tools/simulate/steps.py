@@ -127,7 +127,9 @@ class StepObserver:
             self.state_index.pop(req_id, None)
         record.preemptions = len(preempted)
         scheduled = output.num_scheduled_tokens
-        self.decode_only = self._decodes_only(output)
+        self.decode_only = self.copy_free_tokens is not None and self._decodes_only(
+            output
+        )
         for new in output.scheduled_new_reqs:
             tracked = self.requests.get(new.req_id)
             if tracked is None:

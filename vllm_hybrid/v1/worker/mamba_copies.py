@@ -45,6 +45,11 @@ import torch
 
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+from vllm_hybrid.v1.worker.state_reads import (
+    copy_free_chunk_tokens,
+    decode_only_batch,
+    reads_elsewhere,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -242,8 +247,6 @@ def _rows_reading_elsewhere(
     itself (:func:`~vllm_hybrid.v1.worker.state_reads.reads_elsewhere`, the
     metadata builder's rule; a source column of -1 is a row with nothing
     computed), or None where this engine's rows never do."""
-    from vllm_hybrid.v1.worker.state_reads import decode_only_batch, reads_elsewhere
-
     query_lens = getattr(ctx, "pooled_query_lens", None)
     if query_lens is None or not getattr(ctx, "pooled_reads_elsewhere", False):
         return None
@@ -288,8 +291,6 @@ def _min_chunk_tokens(
     cached = model_state.__dict__.get("read_min_tokens", False)
     if cached is not False:
         return cached
-    from vllm_hybrid.v1.worker.state_reads import copy_free_chunk_tokens
-
     tokens = copy_free_chunk_tokens(model_state.vllm_config, kv_cache_config)
     model_state.read_min_tokens = tokens
     return tokens

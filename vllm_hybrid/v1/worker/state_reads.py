@@ -42,7 +42,7 @@ import torch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
 
 def min_chunk_tokens(conv_state_shape: tuple[int, ...], dim_first: bool) -> int:
@@ -52,6 +52,14 @@ def min_chunk_tokens(conv_state_shape: tuple[int, ...], dim_first: bool) -> int:
     1)`` when ``dim_first`` else ``(width - 1, dim)``."""
     state_len = conv_state_shape[-1] if dim_first else conv_state_shape[0]
     return max(2, int(state_len))
+
+
+def spec_min_chunk_tokens(spec: MambaSpec) -> int:
+    """:func:`min_chunk_tokens` of a state group's spec, in the conv state
+    layout this process uses."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return min_chunk_tokens(tuple(spec.shapes[0]), is_conv_state_dim_first())
 
 
 def reads_elsewhere(
@@ -102,7 +110,7 @@ def read_state_ids(block_table: torch.Tensor, columns: torch.Tensor) -> torch.Te
 
 
 def reads_out_of_place(vllm_config: VllmConfig, cuda: bool | None = None) -> bool:
-    """Whether prefill chunks of this engine read out of place (module
+    """Whether this engine's steps may read their state out of place (module
     docstring): pooled mode, CUDA, align mode, no speculative decoding.
     ``cuda`` stands for the platform (the simulator models a CUDA engine on
     a CPU); None asks the platform."""
@@ -129,7 +137,6 @@ def copy_free_chunk_tokens(
     rows read out of place and whose state groups are all gated-DeltaNet
     groups (the longest conv state of them decides). The runner also checks
     the model's layers; the simulator, which has none, stops here."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -147,5 +154,4 @@ def copy_free_chunk_tokens(
     gdn = MambaAttentionBackendEnum.GDN_ATTN
     if not specs or any(spec.mamba_type is not gdn for spec in specs):
         return None
-    dim_first = is_conv_state_dim_first()
-    return max(min_chunk_tokens(tuple(spec.shapes[0]), dim_first) for spec in specs)
+    return max(spec_min_chunk_tokens(spec) for spec in specs)

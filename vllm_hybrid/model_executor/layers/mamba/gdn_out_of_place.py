@@ -33,6 +33,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import vllm.forward_context as forward_context
+from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 from vllm_hybrid.patches.registry import upstream_of
 
@@ -40,7 +43,6 @@ if TYPE_CHECKING:
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
     )
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 #: ``causal_conv1d_fn`` divides positions by this when the prefix-caching form
 #: is on; no intermediate block states are stored (first == last column), so
@@ -49,10 +51,7 @@ _CONV_ALIGN_TOKENS = 8
 
 
 def _gdn_metadata(layer: QwenGatedDeltaNetAttention) -> GDNAttentionMetadata | None:
-    from vllm.forward_context import get_forward_context
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-
-    raw = get_forward_context().attn_metadata
+    raw = forward_context.get_forward_context().attn_metadata
     metadata = raw.get(layer.prefix) if isinstance(raw, dict) else None
     return metadata if isinstance(metadata, GDNAttentionMetadata) else None
 
@@ -88,10 +87,45 @@ def forward_core(
 def _conv_state(self: QwenGatedDeltaNetAttention) -> torch.Tensor:
     """The layer's conv states as the conv kernels take them, ``(..., dim,
     width - 1)``: stored so in the dim-first layout, transposed otherwise."""
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
-
     cache = self.kv_cache[0]
     return cache if gdn.is_conv_state_dim_first() else cache.transpose(-1, -2)
+
+
+def _conv_weight(self: QwenGatedDeltaNetAttention) -> torch.Tensor:
+    """The conv1d weight as the conv kernels take it, ``(dim, width)``."""
+    weight = self.conv1d.weight
+    return weight.view(weight.size(0), weight.size(2))
+
+
+def _recurrent_decode(
+    self: QwenGatedDeltaNetAttention,
+    conv_out: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    accepted: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Upstream's unpacked recurrent update of one token per row: in place
+    with one state id per row, or in its speculative form with ``[write,
+    read]`` columns and ``accepted`` tokens."""
+    q, k, v = self.rearrange_mixed_qkv(conv_out)
+    out, _ = gdn.fused_sigmoid_gating_delta_rule_update(
+        A_log=self.A_log,
+        a=a,
+        b=b,
+        dt_bias=self.dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        initial_state=self.kv_cache[1],
+        inplace_final_state=True,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=state_indices,
+        num_accepted_tokens=accepted,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out
 
 
 def _decodes_only(
@@ -107,18 +141,14 @@ def _decodes_only(
     and columns ``[write, read]`` (it reads column ``accepted - 1``, writes
     column 0). Rows whose two blocks are one advance in place; padded rows
     carry the null block in both, which the kernels skip."""
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
-
     n = metadata.num_actual_tokens
-    conv_state = _conv_state(self)
     write = metadata.non_spec_state_indices_tensor[:n]
     read = metadata.read_state_indices[:n].to(write.dtype)
     zeros = torch.zeros(n, dtype=torch.int32, device=write.device)
-    weight = self.conv1d.weight
     conv_out = gdn.causal_conv1d_update(
         mixed_qkv,
-        conv_state,
-        weight.view(weight.size(0), weight.size(2)),
+        _conv_state(self),
+        _conv_weight(self),
         self.conv1d.bias,
         self.activation,
         conv_state_indices=torch.stack((read, write), dim=1),
@@ -126,23 +156,15 @@ def _decodes_only(
         block_idx_last_scheduled_token=zeros + 1,
         validate_data=False,
     )
-    q, k, v = self.rearrange_mixed_qkv(conv_out)
-    out, _ = gdn.fused_sigmoid_gating_delta_rule_update(
-        A_log=self.A_log,
-        a=a,
-        b=b,
-        dt_bias=self.dt_bias,
-        q=q,
-        k=k,
-        v=v,
-        initial_state=self.kv_cache[1],
-        inplace_final_state=True,
-        cu_seqlens=metadata.non_spec_query_start_loc[: n + 1],
-        ssm_state_indices=torch.stack((write, read), dim=1),
-        num_accepted_tokens=zeros + 2,
-        use_qk_l2norm_in_kernel=True,
+    return _recurrent_decode(
+        self,
+        conv_out,
+        b,
+        a,
+        metadata.non_spec_query_start_loc[: n + 1],
+        torch.stack((write, read), dim=1),
+        zeros + 2,
     )
-    return out
 
 
 def _conv(
@@ -150,20 +172,16 @@ def _conv(
     metadata: GDNAttentionMetadata,
     mixed_qkv: torch.Tensor,
 ) -> torch.Tensor:
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
-
-    conv_state = _conv_state(self)
     write = metadata.non_spec_state_indices_tensor
     read = metadata.read_state_indices
     rows = write.shape[0]
     zeros = torch.zeros(rows, dtype=torch.int32, device=write.device)
-    weight = self.conv1d.weight
     return gdn.causal_conv1d_fn(
         mixed_qkv.transpose(0, 1),
-        weight.view(weight.size(0), weight.size(2)),
+        _conv_weight(self),
         self.conv1d.bias,
         activation=self.activation,
-        conv_states=conv_state,
+        conv_states=_conv_state(self),
         has_initial_state=metadata.has_initial_state,
         cache_indices=torch.stack((read.to(write.dtype), write), dim=1),
         query_start_loc=metadata.non_spec_query_start_loc,
@@ -184,25 +202,15 @@ def _decodes(
     a: torch.Tensor,
 ) -> torch.Tensor:
     """The decode rows (first in the batch), advanced in place."""
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
-
     n = metadata.num_decode_tokens
-    q, k, v = self.rearrange_mixed_qkv(conv_out[:n])
-    out, _ = gdn.fused_sigmoid_gating_delta_rule_update(
-        A_log=self.A_log,
-        a=a[:n],
-        b=b[:n],
-        dt_bias=self.dt_bias,
-        q=q,
-        k=k,
-        v=v,
-        initial_state=self.kv_cache[1],
-        inplace_final_state=True,
-        cu_seqlens=metadata.non_spec_query_start_loc[: metadata.num_decodes + 1],
-        ssm_state_indices=metadata.non_spec_state_indices_tensor,
-        use_qk_l2norm_in_kernel=True,
+    return _recurrent_decode(
+        self,
+        conv_out[:n],
+        b[:n],
+        a[:n],
+        metadata.non_spec_query_start_loc[: metadata.num_decodes + 1],
+        metadata.non_spec_state_indices_tensor,
     )
-    return out
 
 
 def _prefills(
@@ -214,8 +222,6 @@ def _prefills(
 ) -> torch.Tensor:
     """The prefill rows: initial states from the read blocks, final states
     into the write blocks."""
-    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
-
     n = metadata.num_decode_tokens
     q, k, v, g, beta = gdn.fused_post_conv_prep(
         conv_output=conv_out[n:],

@@ -20,13 +20,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.worker.state_reads import (
-    min_chunk_tokens,
     read_columns,
     read_state_ids,
     reads_out_of_place,
+    spec_min_chunk_tokens,
 )
 
 if TYPE_CHECKING:
@@ -37,17 +38,14 @@ if TYPE_CHECKING:
 
 
 def _min_tokens(builder: GDNAttentionMetadataBuilder) -> int | None:
-    """The builder's shortest out-of-place chunk, or None where prefill rows
+    """The builder's shortest out-of-place chunk, or None where its rows
     read in place; decided once per builder from its config."""
     cached = builder.__dict__.get("read_min_tokens", False)
     if cached is not False:
         return cached
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
     tokens = None
     if reads_out_of_place(builder.vllm_config):
-        conv_shape = tuple(builder.kv_cache_spec.shapes[0])
-        tokens = min_chunk_tokens(conv_shape, is_conv_state_dim_first())
+        tokens = spec_min_chunk_tokens(builder.kv_cache_spec)
     builder.read_min_tokens = tokens
     return tokens
 
@@ -111,8 +109,6 @@ def _staged(
     sit in the builder's full-CUDA-graph buffer (decodes only), a buffer of
     the builder's own beside it, padded as upstream pads the write ids (the
     null block, which the kernels skip); else ``ids`` themselves."""
-    from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
-
     write = metadata.non_spec_state_indices_tensor
     persistent = builder.non_spec_state_indices_tensor
     if write is None or write.data_ptr() != persistent.data_ptr():
