@@ -30,6 +30,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.request import Request
 
+from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled import eviction
 from vllm_hybrid.v1.core.pooled.eviction import (
@@ -305,13 +306,24 @@ def test_a_shared_prefix_outlives_a_burst_of_one_off_prompts(
     driver.arena.check_invariants()
 
 
-def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(driver):
+def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
+    monkeypatch,
+):
     """After the shared prefix, the state pool holds its protected checkpoint
     and one clean block; a 129-token prompt takes the clean one and eight
     token blocks, leaving one token block free. At its edge (token 128) it
     needs a token and a state block: the boundary cannot give the state pool
     that last token block, so the request advances its state in place. Its
-    own checkpoint at 128 is the one lost; the prefix still hits 64."""
+    own checkpoint at 128 is the one lost; the prefix still hits 64.
+
+    The boundary moves on demand only here: by recency the state pool would
+    have grown into a clean token block while the prefix was shared
+    (``test_arena_split.py``), and the arena would differ from the start."""
+    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, "demand")
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    driver = Driver()
     driver.share(3)
     state_queue = driver.arena.state_pool.free_block_queue
     assert state_queue.protected_ids() == [15] and state_queue.clean_ids() == [14]

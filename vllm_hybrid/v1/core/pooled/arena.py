@@ -12,6 +12,8 @@ themselves.
 
 from __future__ import annotations
 
+from itertools import count
+
 from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
@@ -45,6 +47,7 @@ class KVArena:
         self.coupling: PrefixCacheCoupling | None = None
         common = dict(
             enable_caching=enable_caching,
+            clock=count(),
             hash_block_size=hash_block_size,
             enable_kv_cache_events=enable_kv_cache_events,
             medium=medium,

@@ -12,8 +12,9 @@ calls nothing above it and knows nothing of the other pool's rules.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
@@ -91,8 +92,12 @@ class ArenaBlockPool(BlockPool):
         metrics_collector: KVCacheMetricsCollector | None = None,
         medium: str = MEDIUM_GPU,
         events_of: ArenaBlockPool | None = None,
+        clock: Iterator[int] | None = None,
     ) -> None:
         self.side = side
+        #: ticks the free queue files cached blocks with (shared by an
+        #: arena's two pools, so that their entries' ages compare)
+        self._clock = count() if clock is None else clock
         self._owned_ids = owned_ids
         #: another pool whose KV cache events this one hands out with its own
         self._events_of = events_of
@@ -133,6 +138,7 @@ class ArenaBlockPool(BlockPool):
             (self.blocks[i] for i in self.owned_ids if self.blocks[i].ref_cnt == 0),
             low_ids_first=self.side is PoolKind.TOKEN,
             window=1 if self.side is PoolKind.TOKEN else state_eviction_window(),
+            clock=self._clock,
         )
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:

@@ -14,12 +14,15 @@ How far it may go (floors)
     highest state floor.
 
 When it moves (:meth:`ArenaBoundary.ensure`)
-    Only on demand, when one pool lacks free blocks for the request at hand; by
+    On demand, when one pool lacks free blocks for the request at hand; by
     the smallest whole number of state blocks that covers the deficit; never
-    in advance. The ids of the shrinking pool in the way must all be free and
-    not about to be reused by a prefix hit; cached ones among them are evicted
-    (with ``BlockRemoved`` events). All-or-nothing: either every condition
-    holds and the boundary moves, or nothing changes. Live blocks never move.
+    in advance. With :attr:`~.eviction.ArenaSplit.RECENCY` also when a pool
+    would evict a cached entry filed in LRU order while the other pool's
+    least recently used entry is older (:meth:`ArenaBoundary._recency_target`).
+    The ids of the shrinking pool in the way must all be free and not about
+    to be reused by a prefix hit; cached ones among them are evicted (with
+    ``BlockRemoved`` events). All-or-nothing: either every condition holds
+    and the boundary moves, or nothing changes. Live blocks never move.
 
 Who is admitted (:meth:`ArenaBoundary.admit`)
     The ways to serve a request's blocks, tried in the order of
@@ -37,18 +40,27 @@ Worst case
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from enum import Enum
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.coupling import (
     PrefixCacheCoupling,
     resize_settled,
 )
-from vllm_hybrid.v1.core.pooled.eviction import ADMISSION, Reach
+from vllm_hybrid.v1.core.pooled.eviction import (
+    ADMISSION,
+    ARENA_SPLIT,
+    SPLIT_TOKEN_RESERVE,
+    ArenaSplit,
+    Reach,
+)
+from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
 logger = init_logger(__name__)
@@ -130,6 +142,12 @@ class ArenaBoundary:
         self.token_pool = token_pool
         self.state_pool = state_pool
         self._state_floor = layout.initial_state_floor
+        #: when the boundary moves (:class:`~.eviction.ArenaSplit`)
+        self.split = arena_split()
+        #: token blocks at the planned boundary (a recency move's reserve)
+        self._initial_token_capacity = layout.token_capacity_at(
+            layout.initial_state_floor
+        )
         #: handles the prefix-cache events of each resize (set by the arena)
         self.coupling: PrefixCacheCoupling | None = None
 
@@ -221,6 +239,12 @@ class ArenaBoundary:
         short_token = need_token > free_token
         short_state = need_state > free_state
         if not short_token and not short_state:
+            if self.split is ArenaSplit.RECENCY:
+                target = self._recency_target(
+                    need_token, need_state, free_token, free_state, keep
+                )
+                if target is not None:
+                    return target
             return self._state_floor
         if short_token and short_state:
             return None  # a move only ever helps one side
@@ -241,6 +265,60 @@ class ArenaBoundary:
         if free_token - len(lost) < need_token:
             return None
         return target if _all_free(token, lost, self._kept(keep, reach)) else None
+
+    def _recency_target(
+        self,
+        need_token: int,
+        need_state: int,
+        free_token: int,
+        free_state: int,
+        keep: Iterable[KVCacheBlock],
+    ) -> int | None:
+        """State floor of a recency move (:attr:`~.eviction.ArenaSplit.RECENCY`),
+        None when neither pool makes one.
+
+        A pool whose need would evict a cached entry filed in LRU order (its
+        *victim*) takes the other pool's free blocks next to the boundary
+        instead, when the other pool's own next LRU victim is older than this
+        one's (or it has none), and the other pool keeps enough free blocks
+        for its own need. The state pool grows only into token blocks that
+        are clean or were filed before its victim, leaving free in the token
+        pool :data:`~.eviction.SPLIT_TOKEN_RESERVE` of the blocks it had at
+        the planned boundary: one state block takes hundreds of token
+        blocks, parts of many cached prefixes, and running requests grow
+        into clean ones. The token pool takes the state blocks next to the boundary
+        whatever their age: the state pool hands out the blocks farthest
+        from the boundary first, so those next to it were often filed
+        recently, and one of them is one entry, traded for the staler pool's.
+        """
+        layout = self.layout
+        token, state = self.token_pool, self.state_pool
+        token_q, state_q = token.free_block_queue, state.free_block_queue
+        victim = _lru_victim(state_q, need_state)
+        if victim is not None:
+            target = self._state_floor - (need_state - victim[0])
+            lost = self._token_ids_lost(target)
+            reserve = math.ceil(SPLIT_TOKEN_RESERVE * self._initial_token_capacity)
+            if (
+                target >= layout.min_state_floor
+                and free_token - len(lost) >= need_token + reserve
+                and _staler(token_q.oldest_lru_tick(), victim[1])
+                and _movable(token, lost, keep, filed_before=victim[1])
+            ):
+                return target
+        victim = _lru_victim(token_q, need_token)
+        if victim is not None:
+            capacity = token.owned_capacity + need_token - victim[0]
+            target = layout.state_floor_for_token_capacity(capacity)
+            lost = range(self._state_floor, target)
+            if (
+                target <= layout.max_state_floor
+                and free_state - len(lost) >= need_state
+                and _staler(state_q.oldest_lru_tick(), victim[1])
+                and _movable(state, lost, keep)
+            ):
+                return target
+        return None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
         """(pool, id) of the blocks a move must leave alone; built only when
@@ -282,6 +360,53 @@ class ArenaBoundary:
         )
 
 
+def _lru_victim(queue: ArenaFreeBlockQueue, need: int) -> tuple[int, int] | None:
+    """(free blocks handed out before any LRU-filed entry, that entry's
+    filing tick) when a need of ``need`` blocks would evict such an entry,
+    else None. O(need) when it would not."""
+    if not need:
+        return None
+    cheap = queue.num_free_before_lru(need)
+    if cheap >= need:
+        return None
+    tick = queue.oldest_lru_tick()
+    return None if tick is None else (cheap, tick)
+
+
+def _staler(other: int | None, victim: int) -> bool:
+    """Whether the other pool's next LRU victim (its filing tick; None when
+    it has none) is older than this pool's ``victim``."""
+    return other is None or other < victim
+
+
+def _movable(
+    pool: ArenaBlockPool,
+    ids: range,
+    keep: Iterable[KVCacheBlock],
+    filed_before: int | None = None,
+) -> bool:
+    """Whether every block of ``pool`` at ``ids`` is free, unprotected and not
+    about to be reused (``keep``), and, with ``filed_before``, clean or filed
+    before that tick."""
+    queue, blocks = pool.free_block_queue, pool.blocks
+    kept = {block.block_id for block in keep if block.pool is pool}
+    for i in ids:
+        block = blocks[i]
+        if block.ref_cnt or i in kept or queue.is_protected(block):
+            return False
+        if filed_before is None:
+            continue
+        filed = queue.filed_tick(block)
+        if filed is not None and filed >= filed_before:
+            return False
+    return True
+
+
 def _all_free(pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]) -> bool:
     blocks = pool.blocks
     return all(blocks[i].ref_cnt == 0 and (id(pool), i) not in kept for i in ids)
+
+
+def arena_split(environ: dict[str, str] | None = None) -> ArenaSplit:
+    """``VLLM_HYBRID_ARENA_SPLIT`` when set, else :data:`~.eviction.ARENA_SPLIT`."""
+    return envs.choice(envs.ARENA_SPLIT_VAR, ARENA_SPLIT, environ)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from itertools import chain, islice, takewhile
+from itertools import chain, count, islice, takewhile
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -46,9 +46,18 @@ class ArenaFreeBlockQueue:
     """
 
     def __init__(
-        self, blocks: Iterable[KVCacheBlock], low_ids_first: bool, window: int = 1
+        self,
+        blocks: Iterable[KVCacheBlock],
+        low_ids_first: bool,
+        window: int = 1,
+        clock: Iterator[int] | None = None,
     ) -> None:
         self.low_ids_first = low_ids_first
+        #: ticks when cached blocks are filed; an arena hands its two pools
+        #: one clock, so that their entries' ages compare
+        self._clock = count() if clock is None else clock
+        #: tick at which each cached free block was last filed
+        self._filed_at: dict[int, int] = {}
         #: oldest cached blocks among which a pop picks by position
         self.window = window
         #: the order's per-pool state (prefix hits per cached block)
@@ -107,6 +116,35 @@ class ArenaFreeBlockQueue:
     def protected_ids(self) -> list[int]:
         """Ids of the protected segment, in hand-out order."""
         return self._ids_of(Segment.PROTECTED)
+
+    def num_free_before_lru(self, need: int) -> int:
+        """Free blocks handed out before any cached block filed in LRU
+        order (clean ones, then those filed at the cached segment's head),
+        counted up to ``need``: O(need), called on every allocation."""
+        found = len(self._clean)
+        if found >= need:
+            return found
+        for bid in self._lru[Segment.CACHED]:
+            if bid not in self._front or found >= need:
+                break
+            found += 1
+        return found
+
+    def oldest_lru_tick(self) -> int | None:
+        """Filing tick of the oldest cached block filed in LRU order (the
+        next entry an allocation past the clean and head-filed blocks
+        evicts), None if there is none. O(head-filed blocks)."""
+        for bid in self._lru[Segment.CACHED]:
+            if bid not in self._front:
+                return self._filed_at[bid]
+        return None
+
+    def filed_tick(self, block: KVCacheBlock) -> int | None:
+        """Tick at which a free cached block was filed; None for a clean
+        one. Raises KeyError for a block that is not free."""
+        if self._clean.get(block.block_id) is block:
+            return None
+        return self._filed_at[block.block_id]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
@@ -229,6 +267,7 @@ class ArenaFreeBlockQueue:
             return
         lru = self._lru[segment]
         lru[block.block_id] = block
+        self._filed_at[block.block_id] = next(self._clock)
         if place is Place.HEAD:
             lru.move_to_end(block.block_id, last=False)
             self._front.add(block.block_id)

@@ -128,7 +128,7 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
     per_req = max_state_blocks_per_request(state.spec)
     lone = min_state_blocks_per_request(state.spec)
     arena = budget.aligned_arena_bytes
-    # The boundary's start and floors; it moves on demand from there.
+    # The boundary's start and floors; it moves at run time from there.
     start = initial_state_blocks(arena, sb, per_req, budget.max_num_seqs)
     layout = plan_arena_layout(arena, tb, sb, lone, budget.null_blocks_overlap, start)
     if layout is None or token_capacity(layout, block_size) < budget.max_model_len:
@@ -235,7 +235,7 @@ def describe_plan(config: PooledKVCacheConfig) -> str:
         f"layers, page {state_page} B ({padding} B padding), "
         f"block {state.block_bytes} B, {state.num_blocks} ids, "
         f"{config.max_state_blocks_per_request} per request; boundary at "
-        f"{config.initial_boundary / 2**20:.2f} MiB (moves on demand, "
+        f"{config.initial_boundary / 2**20:.2f} MiB (moves at run time, "
         f"granularity gcd {gcd} B)"
     )
 
