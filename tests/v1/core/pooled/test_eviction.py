@@ -102,6 +102,42 @@ def test_serving_without_protected_entries_spares_them():
     assert not arena.boundary.ensure(0, everything, reach=Reach.SPARE_PROTECTED)
 
 
+def _rivals(policy) -> dict:
+    kinds = (Entry.PREFILL_LAST, Entry.PROMPT)
+    return {kind: policy.rival_hits[kind] for kind in kinds}
+
+
+def test_turn_ends_are_ranked_like_any_entry_while_they_serve_more_hits():
+    """A turn end goes to the head of its segment until turn ends served more
+    hits than prefill checkpoints; then it is filed in LRU order. (The token
+    pool, whose cached segment is plain LRU, as in the test below.)"""
+    arena = make_arena()
+    pool = arena.token_pool
+    queue, policy = pool.free_block_queue, pool.free_block_queue.policy
+    end, prefill, other = pool.get_new_blocks(3)
+    for block, name in ((end, b"end"), (prefill, b"prefill"), (other, b"other")):
+        cache(pool, block, name)
+    pool.free_blocks([other, prefill, end])
+    eviction.rank_entry(pool, prefill, Entry.PREFILL)
+    eviction.rank_entry(pool, end, Entry.TURN_END)
+    # no hits yet: both at the head, the last filed first
+    assert queue.cached_ids()[:2] == [end.block_id, prefill.block_id]
+    # a follow-up hits the turn end: the next one is filed in LRU order
+    pool.touch([end])
+    pool.free_blocks([end])
+    assert policy.rival_hits[Entry.TURN_END] == 1.0
+    eviction.rank_entry(pool, end, Entry.TURN_END)
+    assert queue.cached_ids() == [prefill.block_id, other.block_id, end.block_id]
+    # two hits on the prefill checkpoint: turn ends go to the head again
+    for _ in range(2):
+        pool.touch([prefill])
+        pool.free_blocks([prefill])
+        eviction.rank_entry(pool, prefill, Entry.PREFILL)
+    eviction.rank_entry(pool, end, Entry.TURN_END)
+    assert queue.cached_ids()[0] == end.block_id
+    arena.check_invariants()
+
+
 def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
     """Both kinds are ordinary (tail) entries until one served more hits
     lately: the other's entries then go first. (The token pool: its cached
@@ -122,14 +158,14 @@ def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
     pool.touch([last])
     pool.free_blocks([last])
     eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
-    assert policy.rival_hits == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 0.0}
+    assert _rivals(policy) == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 0.0}
     eviction.rank_entry(pool, own, Entry.PROMPT)
     assert queue.cached_ids() == [own.block_id, other.block_id, last.block_id]
     # two resent prompts hit their own checkpoint: last ones go first now
     for _ in range(2):
         pool.touch([own])
         pool.free_blocks([own])
-    assert policy.rival_hits == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 2.0}
+    assert _rivals(policy) == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 2.0}
     eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
     assert queue.cached_ids()[0] == last.block_id
     # evicted, a block's kind is forgotten: its later hits count for nobody

@@ -165,6 +165,18 @@ RIVALS: dict[Entry, Entry] = {
     Entry.PROMPT: Entry.PREFILL_LAST,
 }
 
+#: Kinds filed at the head (:data:`PLACES`) that go to the tail of their
+#: segment, ranked like any entry, while their entries served more prefix
+#: hits lately than the value's kind did. A coding agent's turn end is hit
+#: when its tool returns; at the head, the next allocation of another task
+#: took it while the tool ran (the simulator at 80 GB: 0.79x tq and 0.97x
+#: bf16 of upstream-best's prefill tokens above the floor, 0.10x and 0.06x
+#: ranked so). Chat conversations that cycle through more turn ends than
+#: the state pool holds lose some of theirs in LRU order that the head's
+#: last-in-first-out order kept (chat_server at 80 GB tq: 1.12x the prefill
+#: tokens; benchmarks/results/sim-20261129-arena-split.md).
+PROMOTED: dict[Entry, Entry] = {Entry.TURN_END: Entry.PREFILL}
+
 #: Hits on the rivals' entries after which every kind's count is halved, so
 #: that recent hits weigh more and a change of traffic shows. (Toward costed
 #: eviction, not built: a rank from the tokens a hit skips, their prefill
@@ -349,7 +361,9 @@ class EvictionPolicy:
         #: Kind of each cached block ranked as one of :data:`RIVALS`.
         self._kinds: dict[int, Entry] = {}
         #: Recent prefix hits per rival kind (halved now and then).
-        self.rival_hits: dict[Entry, float] = dict.fromkeys(RIVALS, 0.0)
+        self.rival_hits: dict[Entry, float] = dict.fromkeys(
+            (*RIVALS, *PROMOTED, *PROMOTED.values()), 0.0
+        )
 
     def record_hit(self, block: KVCacheBlock) -> None:
         """A prefix hit took a reference to ``block``."""
@@ -375,10 +389,15 @@ class EvictionPolicy:
         """File a free cached block as ``entry``: remember a rival's kind for
         its later hits, and say where it goes (:data:`PLACES`,
         :data:`RIVALS`)."""
+        if entry in self.rival_hits:
+            self._kinds[block.block_id] = entry
+        over = PROMOTED.get(entry)
+        if over is not None:
+            hits = self.rival_hits
+            return Place.TAIL if hits[entry] > hits[over] else PLACES[entry]
         rival = RIVALS.get(entry)
         if rival is None:
             return PLACES[entry]
-        self._kinds[block.block_id] = entry
         if self.rival_hits[rival] > self.rival_hits[entry]:
             return Place.HEAD
         return PLACES[entry]
