@@ -107,17 +107,26 @@ def _rivals(policy) -> dict:
     return {kind: policy.rival_hits[kind] for kind in kinds}
 
 
-def test_turn_ends_are_ranked_like_any_entry_while_they_serve_more_hits():
-    """A turn end goes to the head of its segment until turn ends served more
-    hits than prefill checkpoints; then it is filed in LRU order. (The token
-    pool, whose cached segment is plain LRU, as in the test below.)"""
+def _three_free_entries(names: tuple[bytes, bytes, bytes], freed: tuple[int, ...]):
+    """A small arena's token pool (plain LRU in its cached segment, where
+    the state pool picks among its least recent by position) with three
+    cached blocks named ``names``, freed in the order ``freed`` (indices)."""
     arena = make_arena()
     pool = arena.token_pool
-    queue, policy = pool.free_block_queue, pool.free_block_queue.policy
-    end, prefill, other = pool.get_new_blocks(3)
-    for block, name in ((end, b"end"), (prefill, b"prefill"), (other, b"other")):
+    blocks = pool.get_new_blocks(3)
+    for block, name in zip(blocks, names, strict=True):
         cache(pool, block, name)
-    pool.free_blocks([other, prefill, end])
+    pool.free_blocks([blocks[i] for i in freed])
+    return arena, pool, blocks
+
+
+def test_turn_ends_are_ranked_like_any_entry_while_they_serve_more_hits():
+    """A turn end goes to the head of its segment until turn ends served more
+    hits than prefill checkpoints; then it is filed in LRU order."""
+    arena, pool, (end, prefill, other) = _three_free_entries(
+        (b"end", b"prefill", b"other"), (2, 1, 0)
+    )
+    queue, policy = pool.free_block_queue, pool.free_block_queue.policy
     eviction.rank_entry(pool, prefill, Entry.PREFILL)
     eviction.rank_entry(pool, end, Entry.TURN_END)
     # no hits yet: both at the head, the last filed first
@@ -140,16 +149,11 @@ def test_turn_ends_are_ranked_like_any_entry_while_they_serve_more_hits():
 
 def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
     """Both kinds are ordinary (tail) entries until one served more hits
-    lately: the other's entries then go first. (The token pool: its cached
-    segment is plain LRU, where the state pool picks among its least recent
-    by position.)"""
-    arena = make_arena()
-    pool = arena.token_pool
+    lately: the other's entries then go first."""
+    arena, pool, (own, last, other) = _three_free_entries(
+        (b"own", b"last", b"other"), (1, 0, 2)
+    )
     queue, policy = pool.free_block_queue, pool.free_block_queue.policy
-    own, last, other = pool.get_new_blocks(3)
-    for block, name in ((own, b"own"), (last, b"last"), (other, b"other")):
-        cache(pool, block, name)
-    pool.free_blocks([last, own, other])
     eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
     eviction.rank_entry(pool, own, Entry.PROMPT)
     # no hits yet: both in LRU order, behind the entry freed before them
