@@ -286,10 +286,11 @@ class ArenaBoundary:
         pool :data:`~.eviction.SPLIT_TOKEN_RESERVE` of the blocks it had at
         the planned boundary: one state block takes hundreds of token
         blocks, parts of many cached prefixes, and running requests grow
-        into clean ones. The token pool takes the state blocks next to the boundary
-        whatever their age: the state pool hands out the blocks farthest
-        from the boundary first, so those next to it were often filed
-        recently, and one of them is one entry, traded for the staler pool's.
+        into clean ones. The token pool takes the state blocks next to the
+        boundary whatever their age: the state pool hands out the blocks
+        farthest from the boundary first, so those next to it were often
+        filed recently, and one of them is one entry, traded for the staler
+        pool's.
         """
         layout = self.layout
         token, state = self.token_pool, self.state_pool

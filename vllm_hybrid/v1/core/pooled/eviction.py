@@ -358,9 +358,10 @@ class EvictionPolicy:
 
     def __init__(self) -> None:
         self._hits: dict[int, int] = {}
-        #: Kind of each cached block ranked as one of :data:`RIVALS`.
+        #: Kind of each cached block ranked as a kind whose hits are counted
+        #: (:data:`RIVALS`, :data:`PROMOTED` and the kinds they weigh against).
         self._kinds: dict[int, Entry] = {}
-        #: Recent prefix hits per rival kind (halved now and then).
+        #: Recent prefix hits per counted kind (halved now and then).
         self.rival_hits: dict[Entry, float] = dict.fromkeys(
             (*RIVALS, *PROMOTED, *PROMOTED.values()), 0.0
         )
@@ -386,9 +387,9 @@ class EvictionPolicy:
         self._kinds.pop(block.block_id, None)
 
     def rank(self, block: KVCacheBlock, entry: Entry) -> Place:
-        """File a free cached block as ``entry``: remember a rival's kind for
-        its later hits, and say where it goes (:data:`PLACES`,
-        :data:`RIVALS`)."""
+        """File a free cached block as ``entry``: remember a counted kind
+        for its later hits, and say where it goes (:data:`PLACES`,
+        :data:`PROMOTED`, :data:`RIVALS`)."""
         if entry in self.rival_hits:
             self._kinds[block.block_id] = entry
         over = PROMOTED.get(entry)

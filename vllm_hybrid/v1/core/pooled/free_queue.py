@@ -124,24 +124,21 @@ class ArenaFreeBlockQueue:
         found = len(self._clean)
         if found >= need:
             return found
-        for bid in self._lru[Segment.CACHED]:
-            if bid not in self._front or found >= need:
-                break
-            found += 1
-        return found
+        head = takewhile(self._front.__contains__, self._lru[Segment.CACHED])
+        return found + sum(1 for _ in islice(head, need - found))
 
     def oldest_lru_tick(self) -> int | None:
         """Filing tick of the oldest cached block filed in LRU order (the
         next entry an allocation past the clean and head-filed blocks
         evicts), None if there is none. O(head-filed blocks)."""
-        for bid in self._lru[Segment.CACHED]:
-            if bid not in self._front:
-                return self._filed_at[bid]
-        return None
+        _, rest = self._split_front(self._lru[Segment.CACHED])
+        oldest = next(rest, None)
+        return None if oldest is None else self._filed_at[oldest]
 
     def filed_tick(self, block: KVCacheBlock) -> int | None:
         """Tick at which a free cached block was filed; None for a clean
-        one. Raises KeyError for a block that is not free."""
+        one. For a block that is not free the answer means nothing (ticks of
+        blocks handed out are not dropped)."""
         if self._clean.get(block.block_id) is block:
             return None
         return self._filed_at[block.block_id]
