@@ -282,3 +282,36 @@ def test_a_shared_prefix_hits_on_its_first_reuse(tiny_model_dir):
     )
     model = str(tiny_model_dir("qwen3_6"))
     assert with_engine(model, True, kwargs, run) == ([0, 1056, 1184], 1056, 1)
+
+
+def test_a_junction_seen_twice_is_kept(monkeypatch):
+    """Without prefill checkpoints a 100-token prompt keeps one state, at
+    96. A second prompt sharing its first 70 tokens finds the attention KV of
+    64 of them but no state there: it hits nothing, and upstream names 64
+    the junction its prefix shares, where its first chunk ends. The state
+    there stays cached, so a third prompt of that prefix hits 64 tokens."""
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    driver = Driver(arena_blocks=40, max_num_seqs=2)
+    rng = random.Random(5)
+    shared = [rng.randrange(200, 900) for _ in range(70)]
+
+    def serve(name: str, tail: int) -> tuple[int, int]:
+        """Serve a prompt as the scheduler does: a first chunk ends at the
+        junction, if any; the tokens it hit and the junction."""
+        request = driver.request(name, shared + [tail] * 30)
+        driver.manager.new_step_starts()
+        blocks, hit, junction = driver.manager.get_computed_blocks(request)
+        request.shared_prefix_boundary = junction
+        chunk = (junction or 96) - hit
+        assert driver.manager.allocate_slots(request, chunk, hit, blocks)
+        request.num_computed_tokens = hit + chunk
+        assert driver.step(request)
+        driver.manager.free(request)
+        return hit, junction
+
+    assert serve("first", 1) == (0, 0)
+    assert serve("second", 2) == (0, 64)
+    assert serve("third", 3)[0] == 64
+    driver.arena.check_invariants()
