@@ -89,9 +89,9 @@ PREFILL_PACING_VAR = "VLLM_HYBRID_PREFILL_PACING"
 #: :data:`vllm_hybrid.v1.core.pooled.eviction.STATE_EVICTION_WINDOW` when
 #: unset); for A/B runs.
 STATE_EVICTION_WINDOW_VAR = "VLLM_HYBRID_STATE_EVICTION_WINDOW"
-#: When pooled mode's arena moves its boundary: ``recency`` (the default) or
-#: ``demand`` (:class:`vllm_hybrid.v1.core.pooled.eviction.ArenaSplit`); for
-#: A/B runs.
+#: When pooled mode's arena moves its boundary: ``costed`` (the default),
+#: ``recency`` or ``demand``
+#: (:class:`vllm_hybrid.v1.core.pooled.eviction.ArenaSplit`); for A/B runs.
 ARENA_SPLIT_VAR = "VLLM_HYBRID_ARENA_SPLIT"
 
 

@@ -129,7 +129,8 @@ def test_the_token_pool_takes_state_blocks_when_the_state_pool_is_staler(
 
 
 def test_the_split_is_read_from_its_variable():
-    assert arena_split({}) is ArenaSplit.RECENCY
+    assert arena_split({}) is ArenaSplit.COSTED
+    assert arena_split({envs.ARENA_SPLIT_VAR: "recency"}) is ArenaSplit.RECENCY
     assert arena_split({envs.ARENA_SPLIT_VAR: "Demand"}) is ArenaSplit.DEMAND
     with pytest.raises(ValueError, match="VLLM_HYBRID_ARENA_SPLIT='lru'.*demand"):
         arena_split({envs.ARENA_SPLIT_VAR: "lru"})

@@ -40,6 +40,7 @@ class KVArena:
         token_metrics_collector: KVCacheMetricsCollector | None = None,
         state_metrics_collector: KVCacheMetricsCollector | None = None,
         medium: str = MEDIUM_GPU,
+        token_block_tokens: int | None = None,
     ) -> None:
         self.layout = layout
         floor = layout.initial_state_floor
@@ -70,7 +71,10 @@ class KVArena:
         )
         self.state_pool = PoolHandle(state_pool)
         self.token_pool = PoolHandle(token_pool)
-        self.boundary = ArenaBoundary(layout, token_pool, state_pool)
+        self.boundary = ArenaBoundary(
+            layout, token_pool, state_pool, token_block_tokens
+        )
+        state_pool.weigh_entries(self.boundary.weighed_break_even())
 
     # -- read side --------------------------------------------------------
 

@@ -109,6 +109,9 @@ class ArenaBlockPool(BlockPool):
         self._caching: Request | None = None
         #: keys are being re-pointed to another block, not leaving the cache
         self._moving = False
+        #: tokens of attention KV one of this pool's blocks holds, when its
+        #: entries are weighed against attention KV (see ``weigh_entries``)
+        self._break_even: int | None = None
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -134,12 +137,20 @@ class ArenaBlockPool(BlockPool):
         return events
 
     def _new_free_queue(self) -> ArenaFreeBlockQueue:
-        return ArenaFreeBlockQueue(
+        queue = ArenaFreeBlockQueue(
             (self.blocks[i] for i in self.owned_ids if self.blocks[i].ref_cnt == 0),
             low_ids_first=self.side is PoolKind.TOKEN,
             window=1 if self.side is PoolKind.TOKEN else state_eviction_window(),
             clock=self._clock,
         )
+        queue.policy.break_even = self._break_even
+        return queue
+
+    def weigh_entries(self, break_even: int | None) -> None:
+        """Weigh this pool's entries against attention KV, of which one of
+        its blocks holds ``break_even`` tokens (None: not weighed)."""
+        self._break_even = break_even
+        self.free_block_queue.policy.break_even = break_even
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Upstream's touch (a prefix hit takes a reference), counting the
@@ -297,12 +308,15 @@ class ArenaBlockPool(BlockPool):
         which is the pool's handle, and the handle calls this."""
         return self._maybe_evict_cached_block(block)
 
-    def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None:
+    def rank_entry(
+        self, block: KVCacheBlock, entry: Entry, saves: int | None = None
+    ) -> None:
         """Put a free cached block where the eviction order wants ``entry``
-        (see :mod:`.eviction`); a block in use is left alone."""
+        (see :mod:`.eviction`), noting the ``saves`` tokens of recomputation
+        it saves; a block in use is left alone."""
         if block.ref_cnt or block.is_null or block.block_hash is None:
             return
-        place = self.free_block_queue.policy.rank(block, entry)
+        place = self.free_block_queue.policy.rank(block, entry, saves)
         if place is Place.EVICT:
             self._maybe_evict_cached_block(block)
         else:

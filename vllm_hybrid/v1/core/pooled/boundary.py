@@ -59,6 +59,7 @@ from vllm_hybrid.v1.core.pooled.eviction import (
     SPLIT_TOKEN_RESERVE,
     ArenaSplit,
     Reach,
+    worth_more_than_attention,
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
@@ -137,6 +138,7 @@ class ArenaBoundary:
         layout: ArenaLayout,
         token_pool: ArenaBlockPool,
         state_pool: ArenaBlockPool,
+        token_block_tokens: int | None = None,
     ) -> None:
         self.layout = layout
         self.token_pool = token_pool
@@ -150,6 +152,15 @@ class ArenaBoundary:
         )
         #: handles the prefix-cache events of each resize (set by the arena)
         self.coupling: PrefixCacheCoupling | None = None
+        #: tokens of attention KV one state block's bytes hold (None: the
+        #: token block's tokens unknown, entries not weighed)
+        self.break_even = (
+            None
+            if token_block_tokens is None
+            else layout.state_block_bytes
+            * token_block_tokens
+            // layout.token_block_bytes
+        )
 
     # -- read side --------------------------------------------------------
 
@@ -239,7 +250,7 @@ class ArenaBoundary:
         short_token = need_token > free_token
         short_state = need_state > free_state
         if not short_token and not short_state:
-            if self.split is ArenaSplit.RECENCY:
+            if self.split is not ArenaSplit.DEMAND:
                 target = self._recency_target(
                     need_token, need_state, free_token, free_state, keep
                 )
@@ -290,7 +301,8 @@ class ArenaBoundary:
         boundary whatever their age: the state pool hands out the blocks
         farthest from the boundary first, so those next to it were often
         filed recently, and one of them is one entry, traded for the staler
-        pool's.
+        pool's. With :attr:`~.eviction.ArenaSplit.COSTED` it leaves a state
+        entry that saves more recomputation per byte than attention KV.
         """
         layout = self.layout
         token, state = self.token_pool, self.state_pool
@@ -316,10 +328,15 @@ class ArenaBoundary:
                 target <= layout.max_state_floor
                 and free_state - len(lost) >= need_state
                 and _staler(state_q.oldest_lru_tick(), victim[1])
-                and _movable(state, lost, keep)
+                and _movable(state, lost, keep, break_even=self.weighed_break_even())
             ):
                 return target
         return None
+
+    def weighed_break_even(self) -> int | None:
+        """Break-even of the state entries the token pool may take (None:
+        any, as :attr:`~.eviction.ArenaSplit.RECENCY` takes them)."""
+        return self.break_even if self.split is ArenaSplit.COSTED else None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
         """(pool, id) of the blocks a move must leave alone; built only when
@@ -385,15 +402,21 @@ def _movable(
     ids: range,
     keep: Iterable[KVCacheBlock],
     filed_before: int | None = None,
+    break_even: int | None = None,
 ) -> bool:
     """Whether every block of ``pool`` at ``ids`` is free, unprotected and not
-    about to be reused (``keep``), and, with ``filed_before``, clean or filed
-    before that tick."""
+    about to be reused (``keep``); with ``filed_before``, clean or filed
+    before that tick; with ``break_even``, worth no more per byte than
+    attention KV (:func:`~.eviction.worth_more_than_attention`)."""
     queue, blocks = pool.free_block_queue, pool.blocks
     kept = {block.block_id for block in keep if block.pool is pool}
     for i in ids:
         block = blocks[i]
         if block.ref_cnt or i in kept or queue.is_protected(block):
+            return False
+        if break_even is not None and worth_more_than_attention(
+            queue.policy.saves_of(block), break_even
+        ):
             return False
         if filed_before is None:
             continue

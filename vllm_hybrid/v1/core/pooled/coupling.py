@@ -302,8 +302,10 @@ class PoolHandle:
         self._settle()
         return evicted
 
-    def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None:
-        self.pool.rank_entry(block, entry)
+    def rank_entry(
+        self, block: KVCacheBlock, entry: Entry, saves: int | None = None
+    ) -> None:
+        self.pool.rank_entry(block, entry, saves)
         self._settle()
 
     def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:

@@ -11,8 +11,9 @@ Hand-out order of one pool's free blocks, first to last (:data:`HAND_OUT_ORDER`)
    next to the boundary stay free and the boundary stays movable;
 2. ``CACHED``: evictable cached blocks, least recently freed first, as
    upstream does, except that in the state pool, of the
-   :data:`STATE_EVICTION_WINDOW` least recently freed the one farthest from
-   the boundary goes first; a freed turn-end
+   :data:`STATE_EVICTION_WINDOW` least recently freed, entries worth no more
+   per byte than attention KV (:func:`worth_more_than_attention`) go
+   first, then the one farthest from the boundary; a freed turn-end
    (decode) or prefill checkpoint goes to the head of its segment
    (:data:`PLACES`), so it only uses memory no other entry wants (entries
    filed at the head go before the rest, the window applying among them);
@@ -326,11 +327,32 @@ class ArenaSplit(Enum):
     #: arena's bytes, as upstream's single pool does, so that the split
     #: follows where entries are used again.
     RECENCY = "recency"
+    #: As ``RECENCY``, with state entries weighed by the recomputation they
+    #: save per byte against attention KV (:func:`worth_more_than_attention`):
+    #: the token pool takes only those worth no more, and among the state
+    #: pool's oldest (:data:`STATE_EVICTION_WINDOW`) those go first. A long
+    #: prompt's only checkpoint outlives the attention blocks of staler
+    #: prefixes; a turn end a few hundred tokens past its prompt does not.
+    COSTED = "costed"
 
 
 #: Pooled mode's split (``VLLM_HYBRID_ARENA_SPLIT`` overrides it for A/B
 #: runs).
-ARENA_SPLIT = ArenaSplit.RECENCY
+ARENA_SPLIT = ArenaSplit.COSTED
+
+
+def worth_more_than_attention(saves: int | None, break_even: int | None) -> bool:
+    """Whether a state entry that saves ``saves`` tokens of recomputation is
+    worth more per byte than attention KV, of which a state block's bytes
+    hold ``break_even`` tokens.
+
+    An attention block saves the recomputation of its own tokens, so per
+    byte it is worth one token per token's KV; a state entry saves the
+    tokens between the previous checkpoint its request kept (or hit) and its
+    own position, in one state block. Unknown on either side: not more.
+    """
+    return saves is not None and break_even is not None and saves > break_even
+
 
 #: Share of the token blocks the planner gave the token pool that a recency
 #: move of the state pool leaves free beyond the need at hand. Clean token
@@ -365,6 +387,12 @@ class EvictionPolicy:
         self.rival_hits: dict[Entry, float] = dict.fromkeys(
             (*RIVALS, *PROMOTED, *PROMOTED.values()), 0.0
         )
+        #: Tokens of recomputation each ranked cached block saves: its
+        #: position past the previous checkpoint its request kept or hit.
+        self._saves: dict[int, int] = {}
+        #: Tokens of attention KV one of this pool's blocks holds, when its
+        #: entries are weighed against attention KV (the state pool's)
+        self.break_even: int | None = None
 
     def record_hit(self, block: KVCacheBlock) -> None:
         """A prefix hit took a reference to ``block``."""
@@ -385,13 +413,19 @@ class EvictionPolicy:
         """``block`` left the prefix cache: its hits no longer count."""
         self._hits.pop(block.block_id, None)
         self._kinds.pop(block.block_id, None)
+        self._saves.pop(block.block_id, None)
 
-    def rank(self, block: KVCacheBlock, entry: Entry) -> Place:
+    def rank(
+        self, block: KVCacheBlock, entry: Entry, saves: int | None = None
+    ) -> Place:
         """File a free cached block as ``entry``: remember a counted kind
-        for its later hits, and say where it goes (:data:`PLACES`,
+        for its later hits and the recomputation it saves (``saves`` tokens,
+        when its caller knows), and say where it goes (:data:`PLACES`,
         :data:`PROMOTED`, :data:`RIVALS`)."""
         if entry in self.rival_hits:
             self._kinds[block.block_id] = entry
+        if saves is not None:
+            self._saves[block.block_id] = saves
         over = PROMOTED.get(entry)
         if over is not None:
             hits = self.rival_hits
@@ -402,6 +436,16 @@ class EvictionPolicy:
         if self.rival_hits[rival] > self.rival_hits[entry]:
             return Place.HEAD
         return PLACES[entry]
+
+    def worth_more(self, block_id: int) -> bool:
+        """Whether the cached block ``block_id`` saves more per byte than
+        attention KV (:func:`worth_more_than_attention`)."""
+        return worth_more_than_attention(self._saves.get(block_id), self.break_even)
+
+    def saves_of(self, block: KVCacheBlock) -> int | None:
+        """Tokens of recomputation a cached block saves, if it was ranked
+        with them (see :meth:`rank`)."""
+        return self._saves.get(block.block_id)
 
     def hit_counts(self) -> dict[int, int]:
         """Prefix hits per cached block id since it was cached (a copy)."""
@@ -422,21 +466,26 @@ class EvictionPolicy:
 class RanksEntries(Protocol):
     """A pool that files ranked entries itself (the arena's pools)."""
 
-    def rank_entry(self, block: KVCacheBlock, entry: Entry) -> None: ...
+    def rank_entry(
+        self, block: KVCacheBlock, entry: Entry, saves: int | None = None
+    ) -> None: ...
 
 
-def rank_entry(pool: BlockPool, block: KVCacheBlock, entry: Entry) -> None:
+def rank_entry(
+    pool: BlockPool, block: KVCacheBlock, entry: Entry, saves: int | None = None
+) -> None:
     """Put a free cached block of ``pool`` where :data:`PLACES` says.
 
-    The arena's pools file it in their segments; upstream's single pool (one
-    LRU list, used with turn-end retention outside pooled mode) gets the same
-    place in its one list.
+    The arena's pools file it in their segments, with the recomputation it
+    saves (``saves`` tokens); upstream's single pool (one LRU list, used with
+    turn-end retention outside pooled mode) gets the same place in its one
+    list.
     """
     # what isinstance(pool, RanksEntries) asks, without the protocol check's
     # cost (tens of microseconds, at every decode edge)
     ranks = getattr(pool, "rank_entry", None)
     if ranks is not None:
-        ranks(block, entry)
+        ranks(block, entry, saves)
         return
     place = PLACES[entry]
     if place is Place.EVICT:

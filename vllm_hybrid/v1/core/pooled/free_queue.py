@@ -232,8 +232,8 @@ class ArenaFreeBlockQueue:
             return self.clean_ids()
         front, rest = self._split_front(self._lru[segment])
         return [
-            *_windowed(front, self.window, self._id_to_key),
-            *_windowed(rest, self.window, self._id_to_key),
+            *_windowed(front, self.window, self._pop_key),
+            *_windowed(rest, self.window, self._pop_key),
         ]
 
     def _split_front(
@@ -278,7 +278,7 @@ class ArenaFreeBlockQueue:
             if oldest[0] in self._front:
                 # entries filed at the head go first, as the order says
                 oldest = list(takewhile(self._front.__contains__, oldest))
-            bid = min(oldest, key=self._id_to_key)
+            bid = min(oldest, key=self._pop_key)
             self._front.discard(bid)
             return lru.pop(bid)
         while self._heap:
@@ -287,6 +287,12 @@ class ArenaFreeBlockQueue:
             if block is not None:
                 return block
         return None
+
+    def _pop_key(self, bid: int) -> tuple[bool, int]:
+        """Order of a pop among the window's oldest cached blocks: those
+        worth no more per byte than attention KV first, then farthest from
+        the boundary."""
+        return self.policy.worth_more(bid), self._id_to_key(bid)
 
     def _id_to_key(self, bid: int) -> int:
         return bid if self.low_ids_first else -bid

@@ -80,6 +80,9 @@ class DecodeCheckpoint:
     #: How a noted prefill or prompt checkpoint ranks once freed (decode
     #: checkpoints: None, they rank as turn ends).
     entry: Entry | None = None
+    #: Tokens of recomputation a hit on it saves: past the previous
+    #: checkpoint its request kept, or the prefix hit it started from.
+    saves: int | None = None
 
 
 @dataclass
@@ -125,7 +128,28 @@ class TurnEndRetentionMixin:
         #: Requests seen by :meth:`cache_blocks`, until freed: what
         #: :meth:`keeps_edge` reads (prompt length, token budget).
         self._requests: dict[str, Request] = {}
+        #: Per request and state group, the position of the latest state it
+        #: kept or started from (its prefix hit): what its next checkpoint
+        #: saves is measured from there.
+        self._kept_at: dict[str, dict[int, int]] = {}
         self.turn_end_counts = TurnEndCounts()
+
+    def allocate_new_computed_blocks(
+        self, request_id: str, *args: Any, **kwargs: Any
+    ) -> None:
+        """Upstream's, noting the prefix hit a (re)started request starts
+        from."""
+        super().allocate_new_computed_blocks(request_id, *args, **kwargs)
+        hit = kwargs.get("num_local_computed_tokens", args[1] if len(args) > 1 else 0)
+        self._kept_at[request_id] = dict.fromkeys(
+            range(len(self.single_type_managers)), hit
+        )
+
+    def _saves(self, request_id: str, group_id: int, position: int) -> int:
+        """Tokens a checkpoint at ``position`` saves over the previous one the
+        request kept in this group (or its prefix hit)."""
+        kept = self._kept_at.get(request_id, {}).get(group_id, 0)
+        return max(0, position - kept)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Upstream's caching, with the decode position and the prefill
@@ -205,7 +229,11 @@ class TurnEndRetentionMixin:
         noted = counts.prefill_by_request.setdefault(request.request_id, [])
         if any(c.block is block for _, c in noted):
             return
-        checkpoint = DecodeCheckpoint(block, block.block_hash, num_tokens, entry=entry)
+        saves = self._saves(request.request_id, group_id, num_tokens)
+        self._kept_at.setdefault(request.request_id, {})[group_id] = num_tokens
+        checkpoint = DecodeCheckpoint(
+            block, block.block_hash, num_tokens, entry=entry, saves=saves
+        )
         noted.append((group_id, checkpoint))
         if entry is not Entry.PROMPT:
             counts.prefill_cached += 1
@@ -260,7 +288,9 @@ class TurnEndRetentionMixin:
         previous = latest.get(group_id)
         if previous is not None and previous.num_tokens == edge:
             return
-        latest[group_id] = DecodeCheckpoint(block, block.block_hash, edge)
+        latest[group_id] = DecodeCheckpoint(
+            block, block.block_hash, edge, saves=self._saves(request_id, group_id, edge)
+        )
         counts.cached += 1
         if previous is None:
             return
@@ -284,6 +314,7 @@ class TurnEndRetentionMixin:
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._kept_at.pop(request_id, None)
         latest = self.turn_end_counts.by_request.pop(request_id, None)
         noted = self.turn_end_counts.prefill_by_request.pop(request_id, None)
         super().free(request_id)
@@ -306,7 +337,7 @@ class TurnEndRetentionMixin:
                 held.append((group_id, checkpoint))
                 continue
             pool = self.single_type_managers[group_id].block_pool
-            rank_entry(pool, block, checkpoint.entry or Entry.PREFILL)
+            rank_entry(pool, block, checkpoint.entry or Entry.PREFILL, checkpoint.saves)
         return held
 
     def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:
@@ -327,12 +358,13 @@ class TurnEndRetentionMixin:
             ):
                 continue  # done, still held, or no longer this checkpoint
             pool = self.single_type_managers[group_id].block_pool
-            rank_entry(pool, block, Entry.TURN_END)
+            rank_entry(pool, block, Entry.TURN_END, checkpoint.saves)
             checkpoint.ranked = True
             self.turn_end_counts.ranked_first += 1
 
     def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._requests.pop(request_id, None)
+        self._kept_at.pop(request_id, None)
         self.turn_end_counts.by_request.pop(request_id, None)
         self.turn_end_counts.prefill_by_request.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
