@@ -59,6 +59,7 @@ SUBCLASSES: list[SubclassEntry] = [
         ),
         overrides=(
             "get_num_blocks_to_allocate",
+            "allocate_new_computed_blocks",
             "allocate_new_blocks",
             "cache_blocks",
             "remove_skipped_blocks",
@@ -76,7 +77,10 @@ SUBCLASSES: list[SubclassEntry] = [
             "reachable boundary to align-mode state managers and evicts the "
             "request's previous decode checkpoint; remove_skipped_blocks and "
             "free put a freed decode checkpoint first in its pool's eviction "
-            "order; free/pop_blocks_for_free drop the request's record and "
+            "order; allocate_new_computed_blocks notes the prefix hit a "
+            "request starts from, which the recomputation its checkpoints "
+            "save is measured from (pooled.eviction, the costed split); "
+            "free/pop_blocks_for_free drop the request's record and "
             "any reservation no allocation came for."
         ),
         upstream_status="none",
@@ -88,6 +92,7 @@ SUBCLASSES: list[SubclassEntry] = [
             "vllm_hybrid.v1.core.pooled.retention:TurnEndHybridKVCacheCoordinator"
         ),
         overrides=(
+            "allocate_new_computed_blocks",
             "cache_blocks",
             "remove_skipped_blocks",
             "free",
@@ -102,7 +107,9 @@ SUBCLASSES: list[SubclassEntry] = [
             "Returned by the get_kv_cache_coordinator entry for single-pool "
             "configs with a Mamba group and prefix caching; the same mixin as "
             "the pooled coordinator's turn-end retention (a freed decode "
-            "checkpoint is the first cached block evicted)."
+            "checkpoint is the first cached block evicted; the prefix hit "
+            "allocate_new_computed_blocks notes weighs entries only in "
+            "pooled mode's arena)."
         ),
         upstream_status=(
             "none; related: https://github.com/vllm-project/vllm/pull/50551 "

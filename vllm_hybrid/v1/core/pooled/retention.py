@@ -32,6 +32,7 @@ each request cached and ranks it once freed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,14 +136,24 @@ class TurnEndRetentionMixin:
         self.turn_end_counts = TurnEndCounts()
 
     def allocate_new_computed_blocks(
-        self, request_id: str, *args: Any, **kwargs: Any
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> None:
         """Upstream's, noting the prefix hit a (re)started request starts
-        from."""
-        super().allocate_new_computed_blocks(request_id, *args, **kwargs)
-        hit = kwargs.get("num_local_computed_tokens", args[1] if len(args) > 1 else 0)
+        from: what its first checkpoint saves is measured from there."""
+        super().allocate_new_computed_blocks(
+            request_id,
+            new_computed_blocks,
+            num_local_computed_tokens,
+            num_external_computed_tokens,
+            skip_zeroing_group_ids,
+        )
         self._kept_at[request_id] = dict.fromkeys(
-            range(len(self.single_type_managers)), hit
+            range(len(self.single_type_managers)), num_local_computed_tokens
         )
 
     def _saves(self, request_id: str, group_id: int, position: int) -> int:
