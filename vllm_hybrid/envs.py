@@ -93,6 +93,11 @@ STATE_EVICTION_WINDOW_VAR = "VLLM_HYBRID_STATE_EVICTION_WINDOW"
 #: ``recency`` or ``demand``
 #: (:class:`vllm_hybrid.v1.core.pooled.eviction.ArenaSplit`); for A/B runs.
 ARENA_SPLIT_VAR = "VLLM_HYBRID_ARENA_SPLIT"
+#: State blocks' worth of token ids next to pooled mode's arena boundary whose
+#: clean blocks the token pool hands out after its cached ones (0: none;
+#: :data:`vllm_hybrid.v1.core.pooled.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`
+#: when unset); for A/B runs.
+BOUNDARY_CLEAR_VAR = "VLLM_HYBRID_BOUNDARY_CLEAR"
 
 
 def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -137,6 +142,7 @@ OVERLAY_ENV_VARS = (
     PREFILL_PACING_VAR,
     STATE_EVICTION_WINDOW_VAR,
     ARENA_SPLIT_VAR,
+    BOUNDARY_CLEAR_VAR,
 )
 
 

@@ -36,7 +36,12 @@ from vllm.v1.core.kv_cache_utils import (
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool, InPlaceView
-from vllm_hybrid.v1.core.pooled.eviction import PROTECT_AFTER_HITS, Place, Reach
+from vllm_hybrid.v1.core.pooled.eviction import (
+    PROTECT_AFTER_HITS,
+    Place,
+    Reach,
+    Segment,
+)
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -265,7 +270,7 @@ def test_queue_heap_compaction_keeps_order():
     queue = ArenaFreeBlockQueue(blocks[1:], low_ids_first=False)
     for block in blocks[100:299]:
         queue.remove(block)
-    assert len(queue._heap) <= 2 * queue.num_free_blocks + 64
+    assert len(queue._clean[Segment.CLEAN]._heap) <= 2 * queue.num_free_blocks + 64
     assert queue.num_free_blocks == 100
     assert [queue.popleft().block_id for _ in range(3)] == [299, 99, 98]
     with pytest.raises(RuntimeError, match="not free"):
@@ -587,6 +592,8 @@ class ArenaMachine(RuleBasedStateMachine):
         assert layout.initial_state_floor == floor
         self.events = data.draw(st.booleans(), label="events")
         self.arena = make_arena(layout, events=self.events)
+        clear = data.draw(st.integers(0, 6), label="boundary_clear_ids")
+        self.arena.token_pool.keep_boundary_clear(clear)
 
     # -- helpers ------------------------------------------------------------
 
@@ -817,6 +824,11 @@ class ArenaMachine(RuleBasedStateMachine):
                 assert all(b.block_hash is None for b in pool.blocks)
 
     # -- invariants ---------------------------------------------------------
+
+    @rule(clearing=st.booleans())
+    def clear_boundary(self, clearing):
+        assert self.arena is not None
+        self.arena.token_pool.clear_boundary(clearing)
 
     @invariant()
     def bookkeeping_is_consistent(self):

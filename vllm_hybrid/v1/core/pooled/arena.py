@@ -18,7 +18,10 @@ from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.block_pool import (
+    ArenaBlockPool,
+    boundary_clear_state_blocks,
+)
 from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
 from vllm_hybrid.v1.core.pooled.coupling import PoolHandle, PrefixCacheCoupling
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
@@ -75,6 +78,11 @@ class KVArena:
             layout, token_pool, state_pool, token_block_tokens
         )
         state_pool.weigh_entries(self.boundary.weighed_break_even())
+        token_pool.keep_boundary_clear(
+            boundary_clear_state_blocks()
+            * layout.state_block_bytes
+            // layout.token_block_bytes
+        )
 
     # -- read side --------------------------------------------------------
 
@@ -208,6 +216,12 @@ def _check_pool(pool: ArenaBlockPool) -> None:
     for i in queue.clean_ids():
         _require(pool.blocks[i].block_hash is None, f"{name}: hashed block {i} clean")
     policy = queue.policy
+    held = policy.held_from
+    _require(
+        set(queue.clean_at_boundary_ids())
+        == {i for i in queue.clean_ids() if held is not None and i >= held},
+        f"{name}: clean blocks next to the boundary filed apart from the rest",
+    )
     for i in queue.cached_ids():
         block = pool.blocks[i]
         _require(block.block_hash is not None, f"{name}: cached {i} no hash")

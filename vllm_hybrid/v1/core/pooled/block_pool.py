@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.eviction import (
+    BOUNDARY_CLEAR_STATE_BLOCKS,
     STATE_EVICTION_WINDOW,
     Entry,
     Place,
@@ -112,6 +113,9 @@ class ArenaBlockPool(BlockPool):
         #: tokens of attention KV one of this pool's blocks holds, when its
         #: entries are weighed against attention KV (see ``weigh_entries``)
         self._break_even: int | None = None
+        #: token ids next to the boundary whose clean blocks go after the
+        #: cached ones (see ``keep_boundary_clear``)
+        self._clear_ids = 0
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -144,7 +148,26 @@ class ArenaBlockPool(BlockPool):
             clock=self._clock,
         )
         queue.policy.break_even = self._break_even
+        queue.hold_clean_from(self._held_from())
         return queue
+
+    def keep_boundary_clear(self, num_ids: int) -> None:
+        """File the clean blocks among this pool's ``num_ids`` ids next to the
+        boundary apart (:attr:`~.eviction.Segment.CLEAN_AT_BOUNDARY`; token
+        pool only), to hand out after its cached ones while the arena refuses
+        requests (:meth:`clear_boundary`)."""
+        self._clear_ids = num_ids
+        self.free_block_queue.hold_clean_from(self._held_from())
+
+    def clear_boundary(self, clearing: bool) -> None:
+        """Hand out the clean blocks next to the boundary after the cached
+        ones while ``clearing`` (:data:`~.eviction.CLEARING_ORDER`)."""
+        self.free_block_queue.clearing = clearing
+
+    def _held_from(self) -> int | None:
+        if not self._clear_ids or self.side is not PoolKind.TOKEN:
+            return None
+        return max(self._owned_ids.start, self._owned_ids.stop - self._clear_ids)
 
     def weigh_entries(self, break_even: int | None) -> None:
         """Weigh this pool's entries against attention KV, of which one of
@@ -411,6 +434,7 @@ class ArenaBlockPool(BlockPool):
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids
         self.free_block_queue.append_n(arriving)
+        self.free_block_queue.hold_clean_from(self._held_from())
 
 
 class InPlaceView:
@@ -436,6 +460,20 @@ class InPlaceView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pool, name)
+
+
+def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
+    """``VLLM_HYBRID_BOUNDARY_CLEAR`` when set, else
+    :data:`~vllm_hybrid.v1.core.pooled.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`."""
+    value = envs.raw(envs.BOUNDARY_CLEAR_VAR, environ)
+    if value is None:
+        return BOUNDARY_CLEAR_STATE_BLOCKS
+    if not value.isdigit():
+        raise ValueError(
+            f"{envs.BOUNDARY_CLEAR_VAR}={value!r} is not understood: state "
+            "blocks' worth of token ids to keep clear, a whole number >= 0"
+        )
+    return int(value)
 
 
 def state_eviction_window(environ: dict[str, str] | None = None) -> int:

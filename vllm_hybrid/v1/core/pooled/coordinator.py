@@ -169,6 +169,7 @@ class PooledCoordinatorMixin:
         if not self._holds_blocks(request_id):
             # a waiting or preempted request (admission takes no block yet)
             self._refusing_new = reservation is None
+            self.arena.token_pool.clear_boundary(self._refusing_new)
         if reservation is None:
             # upstream's "cannot allocate": more than the token pool has free
             return self.block_pool.get_num_free_blocks() + 1

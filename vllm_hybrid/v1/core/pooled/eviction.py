@@ -8,7 +8,9 @@ Hand-out order of one pool's free blocks, first to last (:data:`HAND_OUT_ORDER`)
 
 1. ``CLEAN``: blocks without a prefix-cache hash, farthest from the arena's
    boundary first (token pool: lowest id, state pool: highest id), so blocks
-   next to the boundary stay free and the boundary stays movable;
+   next to the boundary stay free and the boundary stays movable (while the
+   arena refuses requests, the token pool's next to it go after the cached
+   ones: :data:`CLEARING_ORDER`);
 2. ``CACHED``: evictable cached blocks, least recently freed first, as
    upstream does, except that in the state pool, of the
    :data:`STATE_EVICTION_WINDOW` least recently freed, entries worth no more
@@ -57,20 +59,22 @@ class Segment(Enum):
 
     CLEAN = "clean"
     CACHED = "cached"
+    #: The token pool's clean blocks next to the boundary
+    #: (:data:`BOUNDARY_CLEAR_STATE_BLOCKS`)
+    CLEAN_AT_BOUNDARY = "clean_at_boundary"
     PROTECTED = "protected"
+
+
+#: Segments of blocks without a prefix-cache hash.
+CLEAN_SEGMENTS = (Segment.CLEAN, Segment.CLEAN_AT_BOUNDARY)
 
 
 #: Least recently freed cached blocks of the state pool among which it hands
 #: out the one farthest from the arena's boundary (1: plain LRU). A state
-#: block handed out next to the boundary is live until its request ends and
-#: pins the boundary: the token pool then cannot grow into a state pool that
-#: has free blocks elsewhere, and admission waits although the arena has room
-#: (at 48 GB turboquant_k8v4 on Mooncake, with about 28 of 69 state blocks
-#: free, the boundary could not move for half the admissions tried). Bounded
-#: so that the order stays close to LRU. The token pool keeps plain LRU:
-#: upstream frees a request's blocks last block first, so a cached prefix is
-#: evicted from its end; picking by position would evict its first block and
-#: orphan the rest.
+#: block handed out next to the boundary pins it until its request ends
+#: (docs/pooled-mode.md, "The boundary"). The token pool keeps plain
+#: LRU: upstream frees a request's blocks last block first, so a cached
+#: prefix is evicted from its end; picking by position would orphan it.
 STATE_EVICTION_WINDOW = 8
 
 #: A running request's state block among this many ids above the state
@@ -78,18 +82,33 @@ STATE_EVICTION_WINDOW = 8
 #: price of one state copy, at its next state block edge that no checkpoint
 #: keeps, while the arena refuses requests that hold no blocks yet; 0: never.
 #: Decode advances a state in place at such edges, so without a move a
-#: request keeps one block for its whole life, and a block next to the
-#: boundary stops the token pool from growing into the free state blocks
-#: beyond it: requests wait although the arena has room. Measured in
-#: docs/simulation.md (TTFT where memory is short).
+#: request keeps one block for its whole life and, next to the boundary,
+#: stops the token pool from growing (docs/pooled-mode.md, "The boundary").
 RELOCATE_NEAR_BOUNDARY = 4
 
 #: Segments in the order their blocks are handed out.
 HAND_OUT_ORDER: tuple[Segment, ...] = (
     Segment.CLEAN,
+    Segment.CLEAN_AT_BOUNDARY,
     Segment.CACHED,
     Segment.PROTECTED,
 )
+
+#: The order while the arena refuses requests that hold no blocks yet: the
+#: token pool's clean blocks next to the boundary go after its unprotected
+#: cached ones, so that the state pool can grow past them (a token block
+#: handed out there stays live as long as its request;
+#: benchmarks/results/sim-20261129-boundary-clear.md).
+CLEARING_ORDER: tuple[Segment, ...] = (
+    Segment.CLEAN,
+    Segment.CACHED,
+    Segment.CLEAN_AT_BOUNDARY,
+    Segment.PROTECTED,
+)
+
+#: State blocks' worth of token ids next to the boundary in
+#: :attr:`Segment.CLEAN_AT_BOUNDARY` (0: none).
+BOUNDARY_CLEAR_STATE_BLOCKS = 16
 
 
 class Entry(Enum):
@@ -127,15 +146,11 @@ class Place(Enum):
 
 #: Where each kind of entry goes. A turn end goes to the head: ranked like
 #: any freed block it would be newer than the prompt checkpoints retired
-#: before it, and a full pool would evict those first, so a resent prompt
-#: would lose its hit to make room for an answer nobody may follow up on. At
-#: the head it only uses memory no other entry wants. A prefill checkpoint is
-#: as speculative and goes there too: kept like any entry, a long prompt's
-#: checkpoints push a repeated prompt's own checkpoints out. An anchor, every
-#: few prefill checkpoints, is kept like any entry: where states are the
-#: scarce side the prefix keeps checkpoints at its anchors. The measurements
-#: behind each choice are in docs/pooled-mode.md ("Turn-end checkpoints",
-#: "Prefill checkpoints").
+#: before it, which a full pool would evict first for an answer nobody may
+#: follow up on. A prefill checkpoint is as speculative: kept like any entry,
+#: a long prompt's checkpoints push a repeated prompt's own out. An anchor,
+#: every few prefill checkpoints, is kept like any entry. The measurements
+#: are in docs/pooled-mode.md ("Turn-end checkpoints", "Prefill checkpoints").
 PLACES: dict[Entry, Place] = {
     Entry.TURN_END: Place.HEAD,
     Entry.PREFILL: Place.HEAD,
@@ -179,10 +194,7 @@ RIVALS: dict[Entry, Entry] = {
 PROMOTED: dict[Entry, Entry] = {Entry.TURN_END: Entry.PREFILL}
 
 #: Hits on the rivals' entries after which every kind's count is halved, so
-#: that recent hits weigh more and a change of traffic shows. (Toward costed
-#: eviction, not built: a rank from the tokens a hit skips, their prefill
-#: cost and the bytes held, decayed with time, would let the free queues
-#: order attention KV and states in one currency.)
+#: that recent hits weigh more and a change of traffic shows.
 RIVAL_HALF_LIFE_HITS = 512
 
 
@@ -250,15 +262,11 @@ DECODE_EDGES = DecodeEdges.BUDGET_END
 class PrefillPacing(Enum):
     """How many prompt tokens one step computes while the queue is short.
 
-    A step takes longer the more prompt tokens it computes, and every running
-    request's next token waits for it: the decode tail (TPOT p99) follows the
-    prompt tokens of the steps decodes share. Upstream's align mode ends a
-    chunk that does not finish its prompt on its state block, the block its
-    single pool inflates attention to (1,056-2,768 tokens for Qwen3.5/3.6):
-    with a token budget of 8,192 and a 2,768-token block a long prompt's
-    chunk is 5,536 tokens, and a step fills the rest only with prompts it
-    finishes. Pooled mode's state block is 16 tokens, so its steps fill the
-    whole budget with chunks of several prompts.
+    Every running request's next token waits for the step: the decode tail
+    follows the prompt tokens of the steps decodes share. Upstream's align
+    mode ends an unfinished chunk on its 1,056-2,768-token state block;
+    pooled mode's is 16 tokens, so its steps fill the whole budget
+    (docs/pooled-mode.md, "Prefill pacing").
     """
 
     #: Every step may fill the token budget (``--max-num-batched-tokens``):
@@ -266,19 +274,14 @@ class PrefillPacing(Enum):
     FILL = "fill"
     #: While at most :data:`PACING_MAX_WAITING` requests wait, a step's token
     #: budget is the largest multiple of the state page in tokens (upstream's
-    #: state block) it holds, and a chunk that does not finish its prompt
-    #: ends on a multiple of the page, as upstream's align split ends it on
-    #: its block: no step computes more than upstream's chunk of one long
-    #: prompt, and with decodes in the step one page of it. Prefill
-    #: checkpoints on page multiples are kept where such chunks end, without
-    #: cutting chunks for them. With more waiting, queueing dominates their
-    #: latency and steps fill the budget as with ``FILL``.
+    #: state block) it holds, and an unfinished chunk ends on a multiple of
+    #: the page, as upstream's align split ends it on its block. With more
+    #: waiting, queueing dominates and steps fill the budget as with ``FILL``.
     STATE_PAGE = "state_page"
 
 
 #: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
-#: for A/B runs; the simulator's comparison is in
-#: benchmarks/results/sim-20261128-prefill-pacing.md).
+#: for A/B runs; benchmarks/results/sim-20261128-prefill-pacing.md).
 PREFILL_PACING = PrefillPacing.STATE_PAGE
 
 #: Waiting requests up to which :attr:`PrefillPacing.STATE_PAGE` paces.
@@ -292,24 +295,18 @@ PACING_MAX_WAITING = 4
 PACING_MIN_PAGES = 2
 
 #: Whether a running request's prefill chunk leaves room in the step's token
-#: budget for the decodes of the running requests after it. vLLM schedules
-#: running requests in order and a chunk takes what the budget has left, so
-#: a long prompt admitted earlier starves the decodes of shorter prompts that
-#: started after it, step after step until it finishes. Upstream's align
-#: split ends such a chunk on its 1,056-2,768-token block, which leaves room;
-#: pooled mode's 16-token block does not, and a prefill checkpoint's cut
-#: lets a later prompt finish and then wait behind the long one (the
-#: simulator at 48 GB bf16: 18 requests lost 3 to 20 decode steps each, the
-#: TPOT p99 tail; upstream none).
+#: budget for the decodes of the running requests after it: vLLM schedules
+#: running requests in order, so a long prompt admitted earlier would starve
+#: the decodes of shorter ones after it, which upstream's align split (its
+#: chunk ends on a 1,056-2,768-token block) leaves room for
+#: (docs/pooled-mode.md, "Room for the decodes behind a long prompt").
 DECODE_ROOM = True
 
 #: Admission's growth reserve, in state pages of tokens (the block upstream's
 #: single pool inflates attention to; 0 turns the reserve off). A waiting
 #: request is admitted only while the token pool keeps, beyond its blocks,
 #: room for every running request to grow that many tokens (or to its token
-#: budget, if nearer): upstream's large block reserves as much implicitly,
-#: pooled mode's 16-token blocks reserve nothing, so without it more
-#: requests started than could grow and were preempted (see
+#: budget, if nearer), as upstream's large block does implicitly (see
 #: ``PooledSchedulerMixin``).
 ADMISSION_GROWTH_STATE_PAGES = 1.0
 
@@ -336,8 +333,7 @@ class ArenaSplit(Enum):
     COSTED = "costed"
 
 
-#: Pooled mode's split (``VLLM_HYBRID_ARENA_SPLIT`` overrides it for A/B
-#: runs).
+#: Pooled mode's split (``VLLM_HYBRID_ARENA_SPLIT`` overrides it).
 ARENA_SPLIT = ArenaSplit.COSTED
 
 
@@ -393,6 +389,9 @@ class EvictionPolicy:
         #: Tokens of attention KV one of this pool's blocks holds, when its
         #: entries are weighed against attention KV (the state pool's)
         self.break_even: int | None = None
+        #: First id of the clean blocks handed out after the cached ones
+        #: (:attr:`Segment.CLEAN_AT_BOUNDARY`; None: none are)
+        self.held_from: int | None = None
 
     def record_hit(self, block: KVCacheBlock) -> None:
         """A prefix hit took a reference to ``block``."""
@@ -458,7 +457,8 @@ class EvictionPolicy:
     def segment_of(self, block: KVCacheBlock) -> Segment:
         """The segment a free block belongs in."""
         if block.block_hash is None:
-            return Segment.CLEAN
+            held = self.held_from is not None and block.block_id >= self.held_from
+            return Segment.CLEAN_AT_BOUNDARY if held else Segment.CLEAN
         return Segment.PROTECTED if self.is_proven(block) else Segment.CACHED
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, count, islice, takewhile
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_hybrid.v1.core.pooled.eviction import (
+    CLEAN_SEGMENTS,
+    CLEARING_ORDER,
     HAND_OUT_ORDER,
     SPARED,
     EvictionPolicy,
@@ -29,7 +31,8 @@ class ArenaFreeBlockQueue:
 
     Same interface as upstream's ``FreeKVCacheBlockQueue`` as ``BlockPool`` and
     the simple KV offloader use it, different order: one segment per
-    :class:`~.eviction.Segment`, handed out in ``HAND_OUT_ORDER``.
+    :class:`~.eviction.Segment`, handed out in ``HAND_OUT_ORDER`` (in
+    ``CLEARING_ORDER`` while :attr:`clearing`).
 
     * the clean segment is a min-heap of ids (token side) or of negated ids
       (state side) with lazy deletion, so every operation is O(log n)
@@ -60,14 +63,20 @@ class ArenaFreeBlockQueue:
         self._filed_at: dict[int, int] = {}
         #: oldest cached blocks among which a pop picks by position
         self.window = window
+        #: whether the clean blocks next to the boundary go after the cached
+        #: ones (:data:`~.eviction.CLEARING_ORDER`)
+        self.clearing = False
         #: the order's per-pool state (prefix hits per cached block)
         self.policy = EvictionPolicy()
-        self._clean: dict[int, KVCacheBlock] = {}
-        self._heap: list[int] = []
-        self._lru: dict[Segment, OrderedDict[int, KVCacheBlock]] = {
-            segment: OrderedDict() for segment in HAND_OUT_ORDER
+        #: clean blocks of each clean segment, in a heap by hand-out order
+        self._clean: dict[Segment, _CleanBlocks] = {
+            segment: _CleanBlocks(self._id_to_key) for segment in CLEAN_SEGMENTS
         }
-        del self._lru[Segment.CLEAN]
+        self._lru: dict[Segment, OrderedDict[int, KVCacheBlock]] = {
+            segment: OrderedDict()
+            for segment in HAND_OUT_ORDER
+            if segment not in CLEAN_SEGMENTS
+        }
         #: cached ids filed at their segment's head and not moved since: a
         #: prefix of the segment, handed out before the rest of it
         self._front: set[int] = set()
@@ -77,7 +86,12 @@ class ArenaFreeBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._clean) + sum(map(len, self._lru.values()))
+        return sum(map(len, self._clean.values())) + sum(map(len, self._lru.values()))
+
+    @property
+    def order(self) -> tuple[Segment, ...]:
+        """The segments in the order pops take them now."""
+        return CLEARING_ORDER if self.clearing else HAND_OUT_ORDER
 
     def num_free_within(self, reach: Reach) -> int:
         """Free blocks an allocation of ``reach`` may take."""
@@ -101,15 +115,20 @@ class ArenaFreeBlockQueue:
         return self._lru[Segment.PROTECTED].get(block.block_id) is block
 
     def clean_ids(self) -> list[int]:
-        """Ids of clean free blocks, in hand-out order."""
-        return sorted(self._clean, reverse=not self.low_ids_first)
+        """Ids of clean free blocks, in hand-out order (those next to the
+        boundary last)."""
+        return [bid for s in CLEAN_SEGMENTS for bid in self._clean[s].ids()]
+
+    def clean_at_boundary_ids(self) -> list[int]:
+        """Ids of the clean blocks filed as next to the boundary."""
+        return self._clean[Segment.CLEAN_AT_BOUNDARY].ids()
 
     def cached_ids(self) -> list[int]:
         """Ids of cached free blocks, in hand-out order."""
         return [
             bid
             for s in HAND_OUT_ORDER
-            if s is not Segment.CLEAN
+            if s not in CLEAN_SEGMENTS
             for bid in self._ids_of(s)
         ]
 
@@ -119,9 +138,12 @@ class ArenaFreeBlockQueue:
 
     def num_free_before_lru(self, need: int) -> int:
         """Free blocks handed out before any cached block filed in LRU
-        order (clean ones, then those filed at the cached segment's head),
+        order (clean ones, but those next to the boundary while
+        :attr:`clearing`, then those filed at the cached segment's head),
         counted up to ``need``: O(need), called on every allocation."""
-        found = len(self._clean)
+        found = sum(
+            len(self._clean[s]) for s in self.order[: self.order.index(Segment.CACHED)]
+        )
         if found >= need:
             return found
         head = takewhile(self._front.__contains__, self._lru[Segment.CACHED])
@@ -139,16 +161,17 @@ class ArenaFreeBlockQueue:
         """Tick at which a free cached block was filed; None for a clean
         one. For a block that is not free the answer means nothing (ticks of
         blocks handed out are not dropped)."""
-        if self._clean.get(block.block_id) is block:
+        if any(c.get(block.block_id) is block for c in self._clean.values()):
             return None
         return self._filed_at[block.block_id]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
         out: list[KVCacheBlock] = []
-        for segment in HAND_OUT_ORDER:
-            if segment is Segment.CLEAN:
-                out += [self._clean[bid] for bid in self.clean_ids()]
+        for segment in self.order:
+            if segment in CLEAN_SEGMENTS:
+                clean = self._clean[segment]
+                out += [clean[bid] for bid in clean.ids()]
             else:
                 lru = self._lru[segment]
                 out += [lru[bid] for bid in self._ids_of(segment)]
@@ -170,7 +193,7 @@ class ArenaFreeBlockQueue:
     # -- write side -------------------------------------------------------
 
     def popleft(self) -> KVCacheBlock:
-        for segment in HAND_OUT_ORDER:
+        for segment in self.order:
             block = self._pop_first(segment)
             if block is not None:
                 return block
@@ -189,8 +212,8 @@ class ArenaFreeBlockQueue:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not free")
         del holder[block.block_id]
         self._front.discard(block.block_id)
-        if holder is self._clean:
-            self._maybe_compact()  # its heap entry goes stale
+        if isinstance(holder, _CleanBlocks):
+            holder.compact()  # its heap entry goes stale
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -216,20 +239,43 @@ class ArenaFreeBlockQueue:
         holder = self._holder(block)
         if holder is None:
             return
-        if (holder is self._clean) != (block.block_hash is None):
+        if isinstance(holder, _CleanBlocks) != (block.block_hash is None):
             del holder[block.block_id]
             self._front.discard(block.block_id)
+            self._file(block, Place.TAIL)
+
+    def hold_clean_from(self, start: int | None) -> None:
+        """Hand out clean blocks with ids from ``start`` on after the cached
+        ones (:attr:`~.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none),
+        re-filing the clean blocks whose segment changes: O(ids between
+        the old and the new start), O(clean blocks) when turned on or off."""
+        old, self.policy.held_from = self.policy.held_from, start
+        if old == start:
+            return
+        if old is None or start is None:
+            ids: Iterable[int] = list(self._clean[Segment.CLEAN])
+            ids = [*ids, *self._clean[Segment.CLEAN_AT_BOUNDARY]]
+        else:
+            ids = range(min(old, start), max(old, start))
+        moved = []
+        for clean in self._clean.values():
+            here = [clean.pop(i) for i in ids if i in clean]
+            clean.compact()
+            moved += here
+        for block in moved:
             self._file(block, Place.TAIL)
 
     # -- helpers ----------------------------------------------------------
 
     def _segment(self, segment: Segment) -> dict[int, KVCacheBlock]:
-        return self._clean if segment is Segment.CLEAN else self._lru[segment]
+        if segment in CLEAN_SEGMENTS:
+            return self._clean[segment]
+        return self._lru[segment]
 
     def _ids_of(self, segment: Segment) -> list[int]:
         """A segment's ids in the order pops would return them."""
-        if segment is Segment.CLEAN:
-            return self.clean_ids()
+        if segment in CLEAN_SEGMENTS:
+            return self._clean[segment].ids()
         front, rest = self._split_front(self._lru[segment])
         return [
             *_windowed(front, self.window, self._pop_key),
@@ -251,16 +297,15 @@ class ArenaFreeBlockQueue:
 
     def _holder(self, block: KVCacheBlock) -> dict[int, KVCacheBlock] | None:
         bid = block.block_id
-        for held in (self._clean, *self._lru.values()):
+        for held in (*self._clean.values(), *self._lru.values()):
             if held.get(bid) is block:
                 return held
         return None
 
     def _file(self, block: KVCacheBlock, place: Place) -> None:
         segment = self.policy.segment_of(block)
-        if segment is Segment.CLEAN:
-            self._clean[block.block_id] = block
-            heapq.heappush(self._heap, self._id_to_key(block.block_id))
+        if segment in CLEAN_SEGMENTS:
+            self._clean[segment].add(block)
             return
         lru = self._lru[segment]
         lru[block.block_id] = block
@@ -270,7 +315,7 @@ class ArenaFreeBlockQueue:
             self._front.add(block.block_id)
 
     def _pop_first(self, segment: Segment) -> KVCacheBlock | None:
-        if segment is not Segment.CLEAN:
+        if segment not in CLEAN_SEGMENTS:
             lru = self._lru[segment]
             if not lru:
                 return None
@@ -281,12 +326,7 @@ class ArenaFreeBlockQueue:
             bid = min(oldest, key=self._pop_key)
             self._front.discard(bid)
             return lru.pop(bid)
-        while self._heap:
-            bid = self._key_to_id(heapq.heappop(self._heap))
-            block = self._clean.pop(bid, None)
-            if block is not None:
-                return block
-        return None
+        return self._clean[segment].pop_first()
 
     def _pop_key(self, bid: int) -> tuple[bool, int]:
         """Order of a pop among the window's oldest cached blocks: those
@@ -297,19 +337,10 @@ class ArenaFreeBlockQueue:
     def _id_to_key(self, bid: int) -> int:
         return bid if self.low_ids_first else -bid
 
-    _key_to_id = _id_to_key  # negation is its own inverse
-
     def _check_absent(self, block: KVCacheBlock) -> None:
         bid = block.block_id
-        if bid in self._clean or any(bid in lru for lru in self._lru.values()):
+        if any(bid in held for held in (*self._clean.values(), *self._lru.values())):
             raise RuntimeError(f"block {bid} is already in the free queue")
-
-    def _maybe_compact(self) -> None:
-        """Drop stale heap entries once they outnumber live ones, so the heap
-        stays O(free blocks) however many removals happen."""
-        if len(self._heap) > 2 * len(self._clean) + 64:
-            self._heap = [self._id_to_key(bid) for bid in self._clean]
-            heapq.heapify(self._heap)
 
 
 def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
@@ -326,3 +357,35 @@ def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
         if nxt is not None:
             heapq.heappush(heap, (key(nxt), nxt))
     return out
+
+
+class _CleanBlocks(dict[int, KVCacheBlock]):
+    """Clean free blocks of one segment by id, with a min-heap of their
+    hand-out keys and lazy deletion: every operation O(log n) amortised."""
+
+    def __init__(self, key: Callable[[int], int]) -> None:
+        super().__init__()
+        self._key = key
+        self._heap: list[tuple[int, int]] = []
+
+    def add(self, block: KVCacheBlock) -> None:
+        self[block.block_id] = block
+        heapq.heappush(self._heap, (self._key(block.block_id), block.block_id))
+
+    def pop_first(self) -> KVCacheBlock | None:
+        while self._heap:
+            block = self.pop(heapq.heappop(self._heap)[1], None)
+            if block is not None:
+                return block
+        return None
+
+    def ids(self) -> list[int]:
+        """Ids in the order pops would return them."""
+        return sorted(self, key=self._key)
+
+    def compact(self) -> None:
+        """Drop stale heap entries once they outnumber live ones, so the heap
+        stays O(blocks) however many removals happen."""
+        if len(self._heap) > 2 * len(self) + 64:
+            self._heap = [(self._key(bid), bid) for bid in self]
+            heapq.heapify(self._heap)
