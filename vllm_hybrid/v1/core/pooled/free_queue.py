@@ -34,13 +34,14 @@ class ArenaFreeBlockQueue:
     :class:`~.eviction.Segment`, handed out in ``HAND_OUT_ORDER`` (in
     ``CLEARING_ORDER`` while :attr:`clearing`).
 
-    * the clean segment is a min-heap of ids (token side) or of negated ids
-      (state side) with lazy deletion, so every operation is O(log n)
-      amortised: farthest from the boundary first;
+    * each clean segment (the token pool's ids next to the boundary apart,
+      :meth:`hold_clean_from`) is a min-heap of ids (token side) or of
+      negated ids (state side) with lazy deletion, so every operation is
+      O(log n) amortised: farthest from the boundary first;
     * each cached segment is an LRU list. Upstream's ``append_n`` puts blocks
       at its tail and ``prepend_n`` at its head, in the given order; both are
-      kept. A pop takes, of the ``window`` oldest, the one farthest from the
-      boundary (entries filed at the head before the rest).
+      kept. A pop takes, of the ``window`` oldest, the one the order of
+      :mod:`.eviction` names (entries filed at the head before the rest).
 
     A block is filed by :meth:`EvictionPolicy.segment_of` when it enters the
     queue; :meth:`refile` moves it when its hash changes while free (eviction
@@ -242,6 +243,8 @@ class ArenaFreeBlockQueue:
         if isinstance(holder, _CleanBlocks) != (block.block_hash is None):
             del holder[block.block_id]
             self._front.discard(block.block_id)
+            if isinstance(holder, _CleanBlocks):
+                holder.compact()  # its heap entry goes stale
             self._file(block, Place.TAIL)
 
     def hold_clean_from(self, start: int | None) -> None:
