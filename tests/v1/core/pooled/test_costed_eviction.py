@@ -10,7 +10,7 @@ first.
 
 The arena is ``test_arena.SMALL`` (4 B token blocks of 16 tokens, 10 B state
 blocks): one state block's bytes hold 40 tokens of attention KV, the
-break-even. Token ids 3..11 and state ids 5..9 at the start; one more token
+break-even it is given. Token ids 3..11 and state ids 5..9 at the start; one more token
 block's room takes state id 5 (token ids 12..14 arrive).
 """
 
@@ -27,6 +27,7 @@ from vllm.v1.core import kv_cache_manager
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.checkpoint_policy import state_block_attention_tokens
 from vllm_hybrid.v1.core.pooled.eviction import (
     ARENA_SPLIT,
     ArenaSplit,
@@ -36,13 +37,19 @@ from vllm_hybrid.v1.core.pooled.eviction import (
 
 
 def _arena() -> KVArena:
-    return KVArena(
-        SMALL, enable_caching=True, hash_block_size=16, token_block_tokens=16
+    return KVArena(SMALL, enable_caching=True, hash_block_size=16, break_even=40)
+
+
+def test_the_break_even_is_the_attention_tokens_a_state_block_holds(monkeypatch):
+    """``test_eviction``'s plan: 8,192 B state blocks and token blocks of 16
+    tokens in 8,192 B, so a state block's bytes hold 16 tokens of attention
+    KV; the coordinator hands that to its arena."""
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
     )
-
-
-def test_the_break_even_is_the_attention_tokens_a_state_block_holds():
-    assert _arena().boundary.break_even == 40  # 10 B / (4 B / 16 tokens)
+    driver = Driver()
+    assert state_block_attention_tokens(driver.coordinator.kv_cache_config) == 16
+    assert driver.arena.boundary.break_even == 16
     assert not worth_more_than_attention(40, 40)
     assert worth_more_than_attention(41, 40)
     assert not worth_more_than_attention(None, 40)

@@ -43,7 +43,7 @@ class KVArena:
         token_metrics_collector: KVCacheMetricsCollector | None = None,
         state_metrics_collector: KVCacheMetricsCollector | None = None,
         medium: str = MEDIUM_GPU,
-        token_block_tokens: int | None = None,
+        break_even: float | None = None,
     ) -> None:
         self.layout = layout
         floor = layout.initial_state_floor
@@ -74,9 +74,7 @@ class KVArena:
         )
         self.state_pool = PoolHandle(state_pool)
         self.token_pool = PoolHandle(token_pool)
-        self.boundary = ArenaBoundary(
-            layout, token_pool, state_pool, token_block_tokens
-        )
+        self.boundary = ArenaBoundary(layout, token_pool, state_pool, break_even)
         state_pool.weigh_entries(self.boundary.weighed_break_even())
         token_pool.keep_boundary_clear(
             boundary_clear_state_blocks()

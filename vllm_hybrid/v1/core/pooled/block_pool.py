@@ -112,7 +112,7 @@ class ArenaBlockPool(BlockPool):
         self._moving = False
         #: tokens of attention KV one of this pool's blocks holds, when its
         #: entries are weighed against attention KV (see ``weigh_entries``)
-        self._break_even: int | None = None
+        self._break_even: float | None = None
         #: token ids next to the boundary whose clean blocks go after the
         #: cached ones (see ``keep_boundary_clear``)
         self._clear_ids = 0
@@ -169,7 +169,7 @@ class ArenaBlockPool(BlockPool):
             return None
         return max(self._owned_ids.start, self._owned_ids.stop - self._clear_ids)
 
-    def weigh_entries(self, break_even: int | None) -> None:
+    def weigh_entries(self, break_even: float | None) -> None:
         """Weigh this pool's entries against attention KV, of which one of
         its blocks holds ``break_even`` tokens (None: not weighed)."""
         self._break_even = break_even

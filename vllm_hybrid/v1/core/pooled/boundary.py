@@ -138,7 +138,7 @@ class ArenaBoundary:
         layout: ArenaLayout,
         token_pool: ArenaBlockPool,
         state_pool: ArenaBlockPool,
-        token_block_tokens: int | None = None,
+        break_even: float | None = None,
     ) -> None:
         self.layout = layout
         self.token_pool = token_pool
@@ -152,15 +152,10 @@ class ArenaBoundary:
         )
         #: handles the prefix-cache events of each resize (set by the arena)
         self.coupling: PrefixCacheCoupling | None = None
-        #: tokens of attention KV one state block's bytes hold (None: the
-        #: token block's tokens unknown, entries not weighed)
-        self.break_even = (
-            None
-            if token_block_tokens is None
-            else layout.state_block_bytes
-            * token_block_tokens
-            // layout.token_block_bytes
-        )
+        #: tokens of attention KV one state block's bytes hold
+        #: (``checkpoint_policy.state_block_attention_tokens``; None: entries
+        #: not weighed)
+        self.break_even = break_even
 
     # -- read side --------------------------------------------------------
 
@@ -333,7 +328,7 @@ class ArenaBoundary:
                 return target
         return None
 
-    def weighed_break_even(self) -> int | None:
+    def weighed_break_even(self) -> float | None:
         """Break-even of the state entries the token pool may take (None:
         any, as :attr:`~.eviction.ArenaSplit.RECENCY` takes them)."""
         return self.break_even if self.split is ArenaSplit.COSTED else None
@@ -402,7 +397,7 @@ def _movable(
     ids: range,
     keep: Iterable[KVCacheBlock],
     filed_before: int | None = None,
-    break_even: int | None = None,
+    break_even: float | None = None,
 ) -> bool:
     """Whether every block of ``pool`` at ``ids`` is free, unprotected and not
     about to be reused (``keep``); with ``filed_before``, clean or filed

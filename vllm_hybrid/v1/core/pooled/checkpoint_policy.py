@@ -1,11 +1,10 @@
 """The state checkpoint policy: where states are kept, how freed ones rank,
 where prefill chunks end.
 
-In align mode a state reaches a block only where a prefill chunk ends or a
-decode crosses a state block edge, and is cached only where a position is
-kept (kept but never written: a lost hit; written but not kept: a lost
-copy), so both are decided here, with the ranks; retention, the scheduler
-and the engine glue ask. The eviction order itself is data in :mod:`.eviction`.
+In align mode a state reaches a block only where a chunk ends or a decode
+crosses a state block edge, and is cached only where a position is kept, so
+both are decided here, with the ranks; retention, the scheduler and the
+engine glue ask. The eviction order itself is data in :mod:`.eviction`.
 
 Positions (:class:`CheckpointPolicy`): the prompt's own checkpoint (its
 replay boundary) and shared-prefix junctions, as upstream; every multiple of
@@ -13,18 +12,16 @@ replay boundary) and shared-prefix junctions, as upstream; every multiple of
 ``interval`` tokens of a long prompt, so a shared prefix hits on its first
 reuse; the turn end a follow-up resumes from (:class:`~.eviction.DecodeEdges`).
 
-The interval is the larger of the *state page in tokens* (the block
-upstream's single pool inflates attention to and keeps accidental
-checkpoints at: a first reuse never hits less than upstream) and the
-*budget term* ``4 * max_model_len * state block / arena`` (one prompt's
-checkpoints hold at most a quarter of the arena), in whole state blocks.
+The interval is the larger of the *state page in tokens* (upstream's block,
+so a first reuse never hits less than upstream) and the *budget term*
+``4 * max_model_len * state block / arena`` (one prompt's checkpoints hold at
+most a quarter of the arena), in whole state blocks.
 
 Ranks: freed turn ends and prefill checkpoints are speculative, filed first
 to go (:data:`~.eviction.PLACES`), except an *anchor* every few prefill
 checkpoints (:func:`prefill_checkpoint_anchor`), kept in LRU order: the step
 is the prefix whose attention KV weighs one state block, in whole intervals
-(every third checkpoint for Qwen3.6-35B-A3B's 30 GDN and 10 attention
-layers; none under two), so where states are scarce the anchors survive.
+(every third for Qwen3.6-35B-A3B; none under two).
 A prompt's own checkpoint and its last prefill checkpoint compete for the
 LRU order by the hits each kind served (:data:`~.eviction.RIVALS`).
 
@@ -70,6 +67,13 @@ def token_pool_bytes_per_token(config: PooledKVCacheConfig) -> float:
     return token.block_bytes / token_spec.block_size
 
 
+def state_block_attention_tokens(config: PooledKVCacheConfig) -> float:
+    """Tokens of attention KV (every attention layer) one state block's
+    bytes hold: where a state entry saves as much per byte as attention."""
+    per_token = max(token_pool_bytes_per_token(config), 1.0)
+    return config.layout.state_block_bytes / per_token
+
+
 def state_page_tokens(config: PooledKVCacheConfig) -> int:
     """Tokens of attention KV, per attention layer, that one state layer's
     page weighs: the block upstream's single pool inflates attention to."""
@@ -111,9 +115,7 @@ def prefill_checkpoint_interval(
     return interval if 0 < interval < max_model_len else 0
 
 
-#: Fewest intervals between anchors. At one, every prefill checkpoint would
-#: be an ordinary entry: a long prompt's checkpoints then pushed a repeated
-#: prompt's own checkpoints out (see :data:`~.eviction.PLACES`).
+#: Fewest intervals between anchors (see :data:`~.eviction.PLACES`).
 MIN_ANCHOR_INTERVALS = 2
 
 
@@ -123,9 +125,7 @@ def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int
     balanced density under :data:`MIN_ANCHOR_INTERVALS` intervals."""
     if interval <= 0:
         return 0
-    per_token = token_pool_bytes_per_token(config)
-    balanced = config.layout.state_block_bytes / max(per_token, 1.0)
-    intervals = round(balanced / interval)
+    intervals = round(state_block_attention_tokens(config) / interval)
     return intervals * interval if intervals >= MIN_ANCHOR_INTERVALS else 0
 
 

@@ -38,6 +38,7 @@ from vllm_hybrid.v1.core.pooled.boundary import Admission
 from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
     CheckpointPolicy,
     decode_edges_policy,
+    state_block_attention_tokens,
 )
 from vllm_hybrid.v1.core.pooled.eviction import RELOCATE_NEAR_BOUNDARY
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
@@ -64,7 +65,7 @@ class PooledCoordinatorMixin:
             hash_block_size=upstream_pool.hash_block_size,
             enable_kv_cache_events=upstream_pool.enable_kv_cache_events,
             token_metrics_collector=upstream_pool.metrics_collector,
-            token_block_tokens=_token_block_tokens(self.kv_cache_config),
+            break_even=state_block_attention_tokens(self.kv_cache_config),
         )
         self.pools = {
             PoolKind.TOKEN: self.arena.token_pool,
@@ -430,9 +431,3 @@ class PooledNoPrefixCacheCoordinator(
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._bind_arena()
-
-
-def _token_block_tokens(config: PooledKVCacheConfig) -> int:
-    """Tokens one token-pool block holds (its groups share a block size)."""
-    group_id = config.pool_by_kind(PoolKind.TOKEN).group_ids[0]
-    return config.kv_cache_groups[group_id].kv_cache_spec.block_size

@@ -337,7 +337,7 @@ class ArenaSplit(Enum):
 ARENA_SPLIT = ArenaSplit.COSTED
 
 
-def worth_more_than_attention(saves: int | None, break_even: int | None) -> bool:
+def worth_more_than_attention(saves: int | None, break_even: float | None) -> bool:
     """Whether a state entry that saves ``saves`` tokens of recomputation is
     worth more per byte than attention KV, of which a state block's bytes
     hold ``break_even`` tokens.
@@ -388,7 +388,7 @@ class EvictionPolicy:
         self._saves: dict[int, int] = {}
         #: Tokens of attention KV one of this pool's blocks holds, when its
         #: entries are weighed against attention KV (the state pool's)
-        self.break_even: int | None = None
+        self.break_even: float | None = None
         #: First id of the clean blocks handed out after the cached ones
         #: (:attr:`Segment.CLEAN_AT_BOUNDARY`; None: none are)
         self.held_from: int | None = None
