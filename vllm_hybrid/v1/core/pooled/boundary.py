@@ -59,7 +59,6 @@ from vllm_hybrid.v1.core.pooled.eviction import (
     SPLIT_TOKEN_RESERVE,
     ArenaSplit,
     Reach,
-    worth_more_than_attention,
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
@@ -323,14 +322,14 @@ class ArenaBoundary:
                 target <= layout.max_state_floor
                 and free_state - len(lost) >= need_state
                 and _staler(state_q.oldest_lru_tick(), victim[1])
-                and _movable(state, lost, keep, break_even=self.weighed_break_even())
+                and _movable(state, lost, keep)
             ):
                 return target
         return None
 
     def weighed_break_even(self) -> float | None:
-        """Break-even of the state entries the token pool may take (None:
-        any, as :attr:`~.eviction.ArenaSplit.RECENCY` takes them)."""
+        """Break-even the state pool weighs its entries with (None: not
+        weighed, as :attr:`~.eviction.ArenaSplit.RECENCY` does not)."""
         return self.break_even if self.split is ArenaSplit.COSTED else None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
@@ -397,21 +396,19 @@ def _movable(
     ids: range,
     keep: Iterable[KVCacheBlock],
     filed_before: int | None = None,
-    break_even: float | None = None,
 ) -> bool:
-    """Whether every block of ``pool`` at ``ids`` is free, unprotected and not
-    about to be reused (``keep``); with ``filed_before``, clean or filed
-    before that tick; with ``break_even``, worth no more per byte than
-    attention KV (:func:`~.eviction.worth_more_than_attention`)."""
+    """Whether every block of ``pool`` at ``ids`` is free, unprotected, not
+    about to be reused (``keep``) and, where the pool weighs its entries
+    (:meth:`ArenaBlockPool.weigh_entries`), worth no more per byte than
+    attention KV; with ``filed_before``, also clean or filed before that
+    tick."""
     queue, blocks = pool.free_block_queue, pool.blocks
     kept = {block.block_id for block in keep if block.pool is pool}
     for i in ids:
         block = blocks[i]
         if block.ref_cnt or i in kept or queue.is_protected(block):
             return False
-        if break_even is not None and worth_more_than_attention(
-            queue.policy.saves_of(block), break_even
-        ):
+        if queue.policy.worth_more(i):
             return False
         if filed_before is None:
             continue
