@@ -256,15 +256,12 @@ class ArenaFreeBlockQueue:
         if old == start:
             return
         if old is None or start is None:
-            ids: Iterable[int] = list(self._clean[Segment.CLEAN])
-            ids = [*ids, *self._clean[Segment.CLEAN_AT_BOUNDARY]]
+            ids: Iterable[int] = [i for clean in self._clean.values() for i in clean]
         else:
             ids = range(min(old, start), max(old, start))
-        moved = []
+        moved = [c.pop(i) for c in self._clean.values() for i in ids if i in c]
         for clean in self._clean.values():
-            here = [clean.pop(i) for i in ids if i in clean]
             clean.compact()
-            moved += here
         for block in moved:
             self._file(block, Place.TAIL)
 
