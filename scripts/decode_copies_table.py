@@ -48,7 +48,7 @@ from simulation_tables import (
 from vllm_hybrid import envs
 from vllm_hybrid.tools.simulate.cli import main as simulate
 from vllm_hybrid.tools.simulate.report import best_runs, flat_figures
-from vllm_hybrid.v1.core.pooled.eviction import PrefillPacing
+from vllm_hybrid.v1.core.pooled.policy import PrefillPacing
 
 HEADER = (
     "| case | engine | state copies | copied, GB | preemptions | prefill tokens "

@@ -85,11 +85,22 @@ def test_forbidden_imports_are_only_the_allowed_ones(graph):
     assert [line for line in forbidden_imports(graph) if line not in allowed] == []
 
 
+#: Subpackages that count as part of the package holding them: their modules
+#: take their place in its layers, which ``test_layering.py`` orders module
+#: by module (the checkpoint policy sits above ``pooled.spec`` and below the
+#: pools, inside pooled mode).
+NESTED = (f"{POOLED}.policy",)
+
+
 def package_of(module: str, packages: set[str]) -> str:
     """The package ``module`` counts in for the package rules: itself if it
     is a package, else the package that holds it; a module directly in the
     package root (``logger``, ``envs``, ``plugin``, ``cli``) is a package of
-    its own, since those sit at opposite ends of the layers."""
+    its own, since those sit at opposite ends of the layers; a module of a
+    :data:`NESTED` subpackage counts in the package above it."""
+    for nested in NESTED:
+        if module == nested or module.startswith(nested + "."):
+            return nested.rpartition(".")[0]
     if module in packages:
         return module
     parent = module.rpartition(".")[0]
@@ -136,6 +147,19 @@ def packages_of(root: Path = PACKAGE) -> set[str]:
 
 def test_no_package_import_cycle(graph):
     assert package_cycles(graph, packages_of(), allowed_imports()) == []
+
+
+def test_a_nested_subpackage_counts_in_the_package_above_it(graph):
+    packages = packages_of()
+    for nested in NESTED:
+        # a stale entry (no such package) fails here
+        assert nested in packages
+        parent = nested.rpartition(".")[0]
+        modules = [m for m in graph if m.startswith(nested + ".")]
+        assert modules
+        assert {package_of(m, packages) for m in modules} == {parent}
+    # any other package still counts on its own
+    assert package_of(f"{CORE}.sched.scheduler", packages) == f"{CORE}.sched"
 
 
 def test_each_allowed_import_still_breaks_a_rule(graph):

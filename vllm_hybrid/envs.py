@@ -74,28 +74,28 @@ STATS_DIR_VAR = "VLLM_HYBRID_STATS_DIR"
 SKIP_NATIVE_VAR = "VLLM_HYBRID_SKIP_NATIVE"
 #: Which state block edges a decoding request keeps a state at in pooled
 #: mode: ``budget_end`` (the default), ``every`` or ``none``
-#: (:class:`vllm_hybrid.v1.core.pooled.eviction.DecodeEdges`); for A/B runs.
+#: (:class:`vllm_hybrid.v1.core.pooled.policy.positions.DecodeEdges`); for A/B runs.
 DECODE_EDGES_VAR = "VLLM_HYBRID_DECODE_EDGES"
 #: Admission's growth reserve of pooled mode in state pages of tokens (0:
-#: none; :data:`vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`
+#: none; :data:`vllm_hybrid.v1.core.pooled.policy.steps.ADMISSION_GROWTH_STATE_PAGES`
 #: when unset); for A/B runs.
 ADMISSION_GROWTH_VAR = "VLLM_HYBRID_ADMISSION_GROWTH"
 #: How many prompt tokens a pooled step computes while few requests wait:
 #: ``state_page`` (the default) or ``fill``
-#: (:class:`vllm_hybrid.v1.core.pooled.eviction.PrefillPacing`); for A/B runs.
+#: (:class:`vllm_hybrid.v1.core.pooled.policy.steps.PrefillPacing`); for A/B runs.
 PREFILL_PACING_VAR = "VLLM_HYBRID_PREFILL_PACING"
 #: Oldest cached state blocks among which pooled mode's state pool hands out
 #: the one farthest from the arena's boundary (1: plain LRU;
-#: :data:`vllm_hybrid.v1.core.pooled.eviction.STATE_EVICTION_WINDOW` when
+#: :data:`vllm_hybrid.v1.core.pooled.policy.eviction.STATE_EVICTION_WINDOW` when
 #: unset); for A/B runs.
 STATE_EVICTION_WINDOW_VAR = "VLLM_HYBRID_STATE_EVICTION_WINDOW"
 #: When pooled mode's arena moves its boundary: ``costed`` (the default),
 #: ``recency`` or ``demand``
-#: (:class:`vllm_hybrid.v1.core.pooled.eviction.ArenaSplit`); for A/B runs.
+#: (:class:`vllm_hybrid.v1.core.pooled.policy.eviction.ArenaSplit`); for A/B runs.
 ARENA_SPLIT_VAR = "VLLM_HYBRID_ARENA_SPLIT"
 #: State blocks' worth of token ids next to pooled mode's arena boundary whose
 #: clean blocks the token pool hands out after its cached ones (0: none;
-#: :data:`vllm_hybrid.v1.core.pooled.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`
+#: :data:`vllm_hybrid.v1.core.pooled.policy.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`
 #: when unset); for A/B runs.
 BOUNDARY_CLEAR_VAR = "VLLM_HYBRID_BOUNDARY_CLEAR"
 

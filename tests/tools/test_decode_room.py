@@ -21,7 +21,7 @@ import pytest
 from engine_utils import stand_in_engine
 
 from vllm_hybrid import envs
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import decode_room
+from vllm_hybrid.v1.core.pooled.policy import decode_room
 from vllm_hybrid.v1.core.sched import scheduler as pooled_scheduler
 
 BUDGET = 2048

@@ -74,7 +74,7 @@ class HybridKVOptions:
     retain_turn_ends: bool = True
     #: Pooled mode, align mode: tokens between the states kept during a
     #: prefill, so a shared prefix hits on its first reuse
-    #: (:mod:`vllm_hybrid.v1.core.pooled.checkpoint_policy`); None picks
+    #: (:mod:`vllm_hybrid.v1.core.pooled.policy`); None picks
     #: the interval from the state page and the budget, 0 turns them off.
     prefill_checkpoint_interval: int | None = None
     #: Limits of the single shared pool's page unification.

@@ -79,7 +79,7 @@ SUBCLASSES: list[SubclassEntry] = [
             "free put a freed decode checkpoint first in its pool's eviction "
             "order; allocate_new_computed_blocks notes the prefix hit a "
             "request starts from, which the recomputation its checkpoints "
-            "save is measured from (pooled.eviction, the costed split); "
+            "save is measured from (pooled.policy, the costed split); "
             "free/pop_blocks_for_free drop the request's record and "
             "any reservation no allocation came for."
         ),

@@ -19,7 +19,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 from vllm_hybrid.v1.core.kv_cache_utils import select_scheduler
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import state_checkpoint_block
+from vllm_hybrid.v1.core.pooled.policy import state_checkpoint_block
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
 from vllm_hybrid.v1.core.sched.scheduler import PooledScheduler
 
@@ -135,8 +135,10 @@ def test_growth_reserve_counts_each_running_requests_next_tokens():
 
 def test_growth_reserve_setting():
     from vllm_hybrid import envs
-    from vllm_hybrid.v1.core.pooled.eviction import ADMISSION_GROWTH_STATE_PAGES
-    from vllm_hybrid.v1.core.sched.scheduler import admission_growth_state_pages
+    from vllm_hybrid.v1.core.pooled.policy import (
+        ADMISSION_GROWTH_STATE_PAGES,
+        admission_growth_state_pages,
+    )
 
     assert admission_growth_state_pages({}) == ADMISSION_GROWTH_STATE_PAGES == 1.0
     assert admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "0.5"}) == 0.5
@@ -148,8 +150,7 @@ def test_paced_step_budget_is_the_largest_multiple_of_the_page():
     """Upstream's chunk of one long prompt: 2 x 2,768 of 8,192 with
     turboquant_k8v4's block, 7 x 1,056 with bf16's; a budget of one page
     (1,056 of 2,048) or less (2,768 over 2,048) is not paced."""
-    from vllm_hybrid.v1.core.pooled.checkpoint_policy import paced_step_budget
-    from vllm_hybrid.v1.core.pooled.eviction import PrefillPacing
+    from vllm_hybrid.v1.core.pooled.policy import PrefillPacing, paced_step_budget
 
     paced = PrefillPacing.STATE_PAGE
     assert paced_step_budget(8192, 2768, paced) == 5536
@@ -163,7 +164,7 @@ def test_paced_step_budget_is_the_largest_multiple_of_the_page():
 
 @pytest.mark.parametrize(("waiting", "paced"), [(0, True), (4, True), (5, False)])
 def test_steps_are_paced_while_few_requests_wait(waiting, paced):
-    from vllm_hybrid.v1.core.pooled.eviction import PACING_MAX_WAITING
+    from vllm_hybrid.v1.core.pooled.policy import PACING_MAX_WAITING
     from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
     assert PACING_MAX_WAITING == 4
@@ -176,7 +177,7 @@ def test_steps_are_paced_while_few_requests_wait(waiting, paced):
 def test_a_paced_chunk_ends_on_a_page_multiple_unless_it_finishes_the_prompt():
     """Upstream's align split with a 1,056-token block: the chunk a budget
     allows is cut back to the last block edge it reaches, or to nothing."""
-    from vllm_hybrid.v1.core.pooled.checkpoint_policy import paced_chunk
+    from vllm_hybrid.v1.core.pooled.policy import paced_chunk
 
     def chunk(prompt: int, start: int, tokens: int, output: int = 0) -> int:
         request = SimpleNamespace(num_prompt_tokens=prompt, num_tokens=prompt + output)
@@ -196,8 +197,11 @@ def test_a_paced_chunk_ends_on_a_page_multiple_unless_it_finishes_the_prompt():
 
 def test_prefill_pacing_setting():
     from vllm_hybrid import envs
-    from vllm_hybrid.v1.core.pooled.checkpoint_policy import prefill_pacing_policy
-    from vllm_hybrid.v1.core.pooled.eviction import PREFILL_PACING, PrefillPacing
+    from vllm_hybrid.v1.core.pooled.policy import (
+        PREFILL_PACING,
+        PrefillPacing,
+        prefill_pacing_policy,
+    )
 
     assert prefill_pacing_policy({}) is PREFILL_PACING is PrefillPacing.STATE_PAGE
     fill = prefill_pacing_policy({envs.PREFILL_PACING_VAR: "Fill"})

@@ -36,13 +36,13 @@ from vllm.v1.core.kv_cache_utils import (
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool, InPlaceView
-from vllm_hybrid.v1.core.pooled.eviction import (
+from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
+from vllm_hybrid.v1.core.pooled.policy import (
     PROTECT_AFTER_HITS,
     Place,
     Reach,
     Segment,
 )
-from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
 SMALL = ArenaLayout(
@@ -892,7 +892,7 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
 def test_state_eviction_window_setting():
     from vllm_hybrid import envs
     from vllm_hybrid.v1.core.pooled.block_pool import state_eviction_window
-    from vllm_hybrid.v1.core.pooled.eviction import STATE_EVICTION_WINDOW
+    from vllm_hybrid.v1.core.pooled.policy import STATE_EVICTION_WINDOW
 
     name = envs.STATE_EVICTION_WINDOW_VAR
     assert state_eviction_window({}) == STATE_EVICTION_WINDOW == 8

@@ -16,7 +16,7 @@ from test_arena import cache, make_arena
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.boundary import arena_split
-from vllm_hybrid.v1.core.pooled.eviction import SPLIT_TOKEN_RESERVE, ArenaSplit
+from vllm_hybrid.v1.core.pooled.policy import SPLIT_TOKEN_RESERVE, ArenaSplit
 
 
 @pytest.fixture(params=[ArenaSplit.RECENCY, ArenaSplit.DEMAND])

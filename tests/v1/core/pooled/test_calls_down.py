@@ -31,7 +31,12 @@ ALLOWED_CALLS_UP: set[tuple[str, str]] = set()
 
 
 def _tree(module: str) -> ast.Module:
-    return ast.parse((POOLED_DIR / f"{module}.py").read_text())
+    """The source of a pooled module named as in ``POOLED_LAYERS`` (dotted
+    for a subpackage's modules, a package by its ``__init__``)."""
+    path = POOLED_DIR.joinpath(*module.split("."))
+    if path.is_dir():
+        return ast.parse((path / "__init__.py").read_text())
+    return ast.parse(path.with_suffix(".py").read_text())
 
 
 def _protocol_names(tree: ast.Module) -> set[str]:

@@ -27,11 +27,11 @@ from vllm.v1.core import kv_cache_manager
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import state_block_attention_tokens
-from vllm_hybrid.v1.core.pooled.eviction import (
+from vllm_hybrid.v1.core.pooled.policy import (
     ARENA_SPLIT,
     ArenaSplit,
     Entry,
+    state_block_attention_tokens,
     worth_more_than_attention,
 )
 

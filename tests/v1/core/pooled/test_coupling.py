@@ -28,8 +28,8 @@ from vllm.v1.core.kv_cache_utils import (
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import CheckpointPolicy
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
+from vllm_hybrid.v1.core.pooled.policy import CheckpointPolicy
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 

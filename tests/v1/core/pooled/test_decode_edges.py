@@ -12,11 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_hybrid import envs
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+from vllm_hybrid.v1.core.pooled.policy import (
+    DECODE_EDGES,
+    DecodeEdges,
     budget_end_edge,
     decode_edges_policy,
 )
-from vllm_hybrid.v1.core.pooled.eviction import DECODE_EDGES, DecodeEdges
 from vllm_hybrid.v1.worker.mamba_copies import is_self_copy
 
 

@@ -1,4 +1,4 @@
-"""The eviction order (``pooled/eviction.py``) as requests see it.
+"""The eviction order (``pooled/policy/eviction.py``) as requests see it.
 
 Cache entries that served ``PROTECT_AFTER_HITS`` prefix hits rest in a
 protected segment of their pool's free queue, handed out after every clean
@@ -32,15 +32,15 @@ from vllm.v1.request import Request
 
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm_hybrid.v1.core.pooled import eviction
-from vllm_hybrid.v1.core.pooled.eviction import (
+from vllm_hybrid.v1.core.pooled.layers import split_layers
+from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
+from vllm_hybrid.v1.core.pooled.policy import (
     PROTECT_AFTER_HITS,
     Entry,
     Place,
     Reach,
+    eviction,
 )
-from vllm_hybrid.v1.core.pooled.layers import split_layers
-from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 BLOCK = 16

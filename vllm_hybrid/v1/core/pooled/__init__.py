@@ -6,10 +6,12 @@ Layers, bottom to top (a module imports only from the layers below it):
 ``usage``       per-pool usage snapshots, handed to the publisher the metrics
                 side installs
 ``links``       which attention blocks each cached state checkpoint needs
-``eviction``    the eviction order: segments, protection, ranked entries,
-                admission attempts
-``checkpoint_policy`` where states are kept, how freed ones rank, where
-                prefill chunks end (retention and the scheduler ask it)
+``policy``      the checkpoint policy (a package): ``eviction`` the
+                eviction order (segments, protection, ranked entries, what
+                an entry is worth, admission attempts), ``positions`` where
+                states are kept and how freed ones rank, ``steps`` where
+                prefill chunks end and what a step admits (retention, the
+                scheduler and the pools ask it)
 ``free_queue``  one pool's free blocks, kept in that order
 ``block_pool``  upstream's BlockPool over one pool's movable id range
 ``coupling``    coordinated prefix-cache eviction across the two pools

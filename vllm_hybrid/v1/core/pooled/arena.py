@@ -1,7 +1,7 @@
 """The arena: a token pool and a state pool in one byte buffer.
 
 The byte layout and who owns which ids are in :mod:`.spec`; the order in which
-each pool hands out its free blocks is in :mod:`.eviction`; where the boundary
+each pool hands out its free blocks is in :mod:`.policy.eviction`; where the boundary
 between the pools lies and when it moves is in :mod:`.boundary`. This module
 builds the two pools and their boundary, couples their prefix caches, and
 checks that the bookkeeping of all of them agrees. Everyone above holds the

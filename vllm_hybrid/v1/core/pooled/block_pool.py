@@ -4,7 +4,7 @@ Each pool indexes its whole view of the arena (ids stay stable when the
 boundary moves) but owns, frees and hands out only the ids the arena's
 boundary gives it (:attr:`ArenaBlockPool.owned_ids`, changed through
 :meth:`ArenaBlockPool.resize`). Its free queue keeps the order of
-:mod:`.eviction`. Prefix-cache events that matter to the other pool are
+:mod:`.policy.eviction`. Prefix-cache events that matter to the other pool are
 appended, as values (:data:`CacheEvent`), to a record the coupling gave the
 pool; the coupling handles them after the operation that made them. The pool
 calls nothing above it and knows nothing of the other pool's rules.
@@ -27,14 +27,14 @@ if TYPE_CHECKING:
 
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.core.pooled.eviction import (
+from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
+from vllm_hybrid.v1.core.pooled.policy import (
     BOUNDARY_CLEAR_STATE_BLOCKS,
     STATE_EVICTION_WINDOW,
     Entry,
     Place,
     Reach,
 )
-from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 logger = init_logger(__name__)
@@ -153,7 +153,7 @@ class ArenaBlockPool(BlockPool):
 
     def keep_boundary_clear(self, num_ids: int) -> None:
         """File the clean blocks among this pool's ``num_ids`` ids next to the
-        boundary apart (:attr:`~.eviction.Segment.CLEAN_AT_BOUNDARY`; token
+        boundary apart (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; token
         pool only), to hand out after its cached ones while the arena refuses
         requests (:meth:`clear_boundary`)."""
         self._clear_ids = num_ids
@@ -161,7 +161,7 @@ class ArenaBlockPool(BlockPool):
 
     def clear_boundary(self, clearing: bool) -> None:
         """Hand out the clean blocks next to the boundary after the cached
-        ones while ``clearing`` (:data:`~.eviction.CLEARING_ORDER`)."""
+        ones while ``clearing`` (:data:`~.policy.eviction.CLEARING_ORDER`)."""
         self.free_block_queue.clearing = clearing
 
     def _held_from(self) -> int | None:
@@ -197,7 +197,8 @@ class ArenaBlockPool(BlockPool):
         return self.owned_capacity - self.get_num_free_blocks()
 
     def get_num_free_within(self, reach: Reach) -> int:
-        """Free blocks an allocation of ``reach`` may take (see :mod:`.eviction`)."""
+        """Free blocks an allocation of ``reach`` may take (see
+        :mod:`.policy.eviction`)."""
         return self.free_block_queue.num_free_within(reach)
 
     def get_usage(self) -> float:
@@ -335,7 +336,7 @@ class ArenaBlockPool(BlockPool):
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None
     ) -> None:
         """Put a free cached block where the eviction order wants ``entry``
-        (see :mod:`.eviction`), noting the ``saves`` tokens of recomputation
+        (see :mod:`.policy.eviction`), noting the ``saves`` tokens of recomputation
         it saves; a block in use is left alone."""
         if block.ref_cnt or block.is_null or block.block_hash is None:
             return
@@ -464,7 +465,7 @@ class InPlaceView:
 
 def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
     """``VLLM_HYBRID_BOUNDARY_CLEAR`` when set, else
-    :data:`~vllm_hybrid.v1.core.pooled.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`."""
+    :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`."""
     value = envs.raw(envs.BOUNDARY_CLEAR_VAR, environ)
     if value is None:
         return BOUNDARY_CLEAR_STATE_BLOCKS
@@ -478,7 +479,7 @@ def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
 
 def state_eviction_window(environ: dict[str, str] | None = None) -> int:
     """``VLLM_HYBRID_STATE_EVICTION_WINDOW`` when set, else
-    :data:`~vllm_hybrid.v1.core.pooled.eviction.STATE_EVICTION_WINDOW`."""
+    :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.STATE_EVICTION_WINDOW`."""
     value = envs.raw(envs.STATE_EVICTION_WINDOW_VAR, environ)
     if value is None:
         return STATE_EVICTION_WINDOW

@@ -16,7 +16,7 @@ How far it may go (floors)
 When it moves (:meth:`ArenaBoundary.ensure`)
     On demand, when one pool lacks free blocks for the request at hand; by
     the smallest whole number of state blocks that covers the deficit; never
-    in advance. With :attr:`~.eviction.ArenaSplit.RECENCY` also when a pool
+    in advance. With :attr:`~.policy.eviction.ArenaSplit.RECENCY` also when a pool
     would evict a cached entry filed in LRU order while the other pool's
     least recently used entry is older (:meth:`ArenaBoundary._recency_target`).
     The ids of the shrinking pool in the way must all be free and not about
@@ -26,7 +26,7 @@ When it moves (:meth:`ArenaBoundary.ensure`)
 
 Who is admitted (:meth:`ArenaBoundary.admit`)
     The ways to serve a request's blocks, tried in the order of
-    :data:`~.eviction.ADMISSION`: sparing the protected cache entries, then
+    :data:`~.policy.eviction.ADMISSION`: sparing the protected cache entries, then
     letting a running request cross its state block edge in place, then
     reaching every free block.
 
@@ -34,7 +34,7 @@ Worst case
     A live block next to the boundary pins it until that request ends; the
     arena then behaves like a static split at the current boundary (never
     worse than the floors). Because boundary blocks are handed out last (see
-    :mod:`.eviction`), a pin needs the pinned pool to have been full of live
+    :mod:`.policy.eviction`), a pin needs the pinned pool to have been full of live
     or cached blocks when the pinning block was allocated.
 """
 
@@ -53,14 +53,14 @@ from vllm_hybrid.v1.core.pooled.coupling import (
     PrefixCacheCoupling,
     resize_settled,
 )
-from vllm_hybrid.v1.core.pooled.eviction import (
+from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
+from vllm_hybrid.v1.core.pooled.policy import (
     ADMISSION,
     ARENA_SPLIT,
     SPLIT_TOKEN_RESERVE,
     ArenaSplit,
     Reach,
 )
-from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
 logger = init_logger(__name__)
@@ -143,7 +143,7 @@ class ArenaBoundary:
         self.token_pool = token_pool
         self.state_pool = state_pool
         self._state_floor = layout.initial_state_floor
-        #: when the boundary moves (:class:`~.eviction.ArenaSplit`)
+        #: when the boundary moves (:class:`~.policy.eviction.ArenaSplit`)
         self.split = arena_split()
         #: token blocks at the planned boundary (a recency move's reserve)
         self._initial_token_capacity = layout.token_capacity_at(
@@ -152,7 +152,7 @@ class ArenaBoundary:
         #: handles the prefix-cache events of each resize (set by the arena)
         self.coupling: PrefixCacheCoupling | None = None
         #: tokens of attention KV one state block's bytes hold
-        #: (``checkpoint_policy.state_block_attention_tokens``; None: entries
+        #: (``policy.state_block_attention_tokens``; None: entries
         #: not weighed)
         self.break_even = break_even
 
@@ -210,7 +210,7 @@ class ArenaBoundary:
         in_place: int = 0,
     ) -> Admission:
         """Secure a request's new blocks in both pools, trying the ways of
-        :data:`~.eviction.ADMISSION` in order.
+        :data:`~.policy.eviction.ADMISSION` in order.
 
         ``in_place`` state blocks of the request may be advanced in place
         instead (0: it may not). A need beyond the state pool's id space is
@@ -279,7 +279,7 @@ class ArenaBoundary:
         free_state: int,
         keep: Iterable[KVCacheBlock],
     ) -> int | None:
-        """State floor of a recency move (:attr:`~.eviction.ArenaSplit.RECENCY`),
+        """State floor of a recency move (:attr:`~.policy.eviction.ArenaSplit.RECENCY`),
         None when neither pool makes one.
 
         A pool whose need would evict a cached entry filed in LRU order (its
@@ -288,14 +288,14 @@ class ArenaBoundary:
         one's (or it has none), and the other pool keeps enough free blocks
         for its own need. The state pool grows only into token blocks that
         are clean or were filed before its victim, leaving free in the token
-        pool :data:`~.eviction.SPLIT_TOKEN_RESERVE` of the blocks it had at
+        pool :data:`~.policy.eviction.SPLIT_TOKEN_RESERVE` of the blocks it had at
         the planned boundary: one state block takes hundreds of token
         blocks, parts of many cached prefixes, and running requests grow
         into clean ones. The token pool takes the state blocks next to the
         boundary whatever their age: the state pool hands out the blocks
         farthest from the boundary first, so those next to it were often
         filed recently, and one of them is one entry, traded for the staler
-        pool's. With :attr:`~.eviction.ArenaSplit.COSTED` it leaves a state
+        pool's. With :attr:`~.policy.eviction.ArenaSplit.COSTED` it leaves a state
         entry that saves more recomputation per byte than attention KV.
         """
         layout = self.layout
@@ -329,7 +329,7 @@ class ArenaBoundary:
 
     def weighed_break_even(self) -> float | None:
         """Break-even the state pool weighs its entries with (None: not
-        weighed, as :attr:`~.eviction.ArenaSplit.RECENCY` does not)."""
+        weighed, as :attr:`~.policy.eviction.ArenaSplit.RECENCY` does not)."""
         return self.break_even if self.split is ArenaSplit.COSTED else None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
@@ -424,5 +424,6 @@ def _all_free(pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]) -> b
 
 
 def arena_split(environ: dict[str, str] | None = None) -> ArenaSplit:
-    """``VLLM_HYBRID_ARENA_SPLIT`` when set, else :data:`~.eviction.ARENA_SPLIT`."""
+    """``VLLM_HYBRID_ARENA_SPLIT`` when set, else
+    :data:`~.policy.eviction.ARENA_SPLIT`."""
     return envs.choice(envs.ARENA_SPLIT_VAR, ARENA_SPLIT, environ)

@@ -35,12 +35,12 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+from vllm_hybrid.v1.core.pooled.policy import (
+    RELOCATE_NEAR_BOUNDARY,
     CheckpointPolicy,
     decode_edges_policy,
     state_block_attention_tokens,
 )
-from vllm_hybrid.v1.core.pooled.eviction import RELOCATE_NEAR_BOUNDARY
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 
@@ -100,7 +100,7 @@ class PooledCoordinatorMixin:
         #: held no blocks (a waiting or preempted one)
         self._refusing_new = False
         #: running state blocks moved away from the boundary
-        #: (:data:`~.eviction.RELOCATE_NEAR_BOUNDARY`)
+        #: (:data:`~.policy.eviction.RELOCATE_NEAR_BOUNDARY`)
         self.relocations = 0
         #: token-pool blocks the scheduler keeps free for running requests'
         #: growth when it admits another (upstream's watermark, set per step)
@@ -264,7 +264,7 @@ class PooledCoordinatorMixin:
     def _pins_boundary(self, in_place: Mapping[int, KVCacheBlock]) -> bool:
         """Whether a running state block the request would advance in place
         lies next to the boundary while new requests are refused
-        (:data:`~.eviction.RELOCATE_NEAR_BOUNDARY`): it then takes a fresh
+        (:data:`~.policy.eviction.RELOCATE_NEAR_BOUNDARY`): it then takes a fresh
         block, which the state pool hands out away from the boundary."""
         if not (self._refusing_new and RELOCATE_NEAR_BOUNDARY):
             return False

@@ -6,7 +6,7 @@ taken at exactly ``N`` (state pool). Each pool evicts from its own LRU list,
 so without coordination one pool keeps entries the other has already made
 useless. :class:`PrefixCacheCoupling` handles both pools' cache events,
 keeps :class:`~.links.CheckpointLinks` up to date and evicts (makes clean, so
-they are reused first, as :mod:`.eviction` places dead entries) the free
+they are reused first, as :mod:`.policy.eviction` places dead entries) the free
 blocks the links show to be dead:
 
 * a free token block is dead when it belongs to a full-attention group, holds
@@ -56,8 +56,8 @@ from vllm_hybrid.v1.core.pooled.block_pool import (
     KeyCached,
     KeysLeftCache,
 )
-from vllm_hybrid.v1.core.pooled.eviction import Entry
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
+from vllm_hybrid.v1.core.pooled.policy import Entry
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 if TYPE_CHECKING:

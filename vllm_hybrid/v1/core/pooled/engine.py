@@ -19,7 +19,6 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.capacity import pooled_capacity
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import plan_prefill_checkpoints
 from vllm_hybrid.v1.core.pooled.layers import (
     PoolSplit,
     equalize_stage_blocks,
@@ -32,6 +31,7 @@ from vllm_hybrid.v1.core.pooled.planner import (
     describe_plan,
     plan_pooled_kv_cache,
 )
+from vllm_hybrid.v1.core.pooled.policy import plan_prefill_checkpoints
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 

@@ -2,7 +2,7 @@
 
 The order in which free blocks are handed out is what keeps the arena's
 boundary movable and the useful prefix-cache entries cached; the order itself
-is :mod:`.eviction`'s, this module keeps blocks in it.
+is :mod:`.policy.eviction`'s, this module keeps blocks in it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from itertools import chain, count, islice, takewhile
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_hybrid.v1.core.pooled.eviction import (
+from vllm_hybrid.v1.core.pooled.policy import (
     CLEAN_SEGMENTS,
     CLEARING_ORDER,
     HAND_OUT_ORDER,
@@ -27,11 +27,11 @@ from vllm_hybrid.v1.core.pooled.eviction import (
 
 
 class ArenaFreeBlockQueue:
-    """Free blocks of one arena pool, in the order of :mod:`.eviction`.
+    """Free blocks of one arena pool, in the order of :mod:`.policy.eviction`.
 
     Same interface as upstream's ``FreeKVCacheBlockQueue`` as ``BlockPool`` and
     the simple KV offloader use it, different order: one segment per
-    :class:`~.eviction.Segment`, handed out in ``HAND_OUT_ORDER`` (in
+    :class:`~.policy.eviction.Segment`, handed out in ``HAND_OUT_ORDER`` (in
     ``CLEARING_ORDER`` while :attr:`clearing`).
 
     * each clean segment (the token pool's ids next to the boundary apart,
@@ -41,7 +41,7 @@ class ArenaFreeBlockQueue:
     * each cached segment is an LRU list. Upstream's ``append_n`` puts blocks
       at its tail and ``prepend_n`` at its head, in the given order; both are
       kept. A pop takes, of the ``window`` oldest, the one the order of
-      :mod:`.eviction` names (entries filed at the head before the rest).
+      :mod:`.policy.eviction` names (entries filed at the head before the rest).
 
     A block is filed by :meth:`EvictionPolicy.segment_of` when it enters the
     queue; :meth:`refile` moves it when its hash changes while free (eviction
@@ -65,7 +65,7 @@ class ArenaFreeBlockQueue:
         #: oldest cached blocks among which a pop picks by position
         self.window = window
         #: whether the clean blocks next to the boundary go after the cached
-        #: ones (:data:`~.eviction.CLEARING_ORDER`)
+        #: ones (:data:`~.policy.eviction.CLEARING_ORDER`)
         self.clearing = False
         #: the order's per-pool state (prefix hits per cached block)
         self.policy = EvictionPolicy()
@@ -249,7 +249,7 @@ class ArenaFreeBlockQueue:
 
     def hold_clean_from(self, start: int | None) -> None:
         """Hand out clean blocks with ids from ``start`` on after the cached
-        ones (:attr:`~.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none),
+        ones (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none),
         re-filing the clean blocks whose segment changes: O(ids between
         the old and the new start), O(clean blocks) when turned on or off."""
         old, self.policy.held_from = self.policy.held_from, start

@@ -19,14 +19,14 @@ retention interval keeps it, or another request already uses it). A request
 therefore leaves exactly one decode checkpoint behind: the last edge it
 reached. This costs no copy (align mode copies at every edge anyway) and no
 held memory: once freed, a decode checkpoint is ranked as a turn end, which
-the eviction order (:mod:`vllm_hybrid.v1.core.pooled.eviction`) evicts before
+the eviction order (:mod:`vllm_hybrid.v1.core.pooled.policy.eviction`) evicts before
 any other cached block, so it never pushes another cache entry out.
 With ``--prefix-cache-retention-interval`` unset to dense retention (None)
 upstream already keeps every edge and nothing here runs.
 
 Which positions are kept (turn ends, prefill checkpoints, the edges a request
 may not cross in place) and how a freed checkpoint ranks are decided by
-:mod:`vllm_hybrid.v1.core.pooled.checkpoint_policy`; this mixin records what
+:mod:`vllm_hybrid.v1.core.pooled.policy`; this mixin records what
 each request cached and ranks it once freed.
 """
 
@@ -45,12 +45,14 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
 
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+from vllm_hybrid.v1.core.pooled.policy import (
     CheckpointPolicy,
+    Entry,
     decode_checkpoint_edge,
+    rank_entry,
     replay_positions,
+    saved_tokens,
 )
-from vllm_hybrid.v1.core.pooled.eviction import Entry, rank_entry
 
 #: Whether each manager class is upstream's MambaManager (an ABC subclass,
 #: so ``isinstance`` is slow, and it is asked for every group at every step).
@@ -159,8 +161,9 @@ class TurnEndRetentionMixin:
     def _saves(self, request_id: str, group_id: int, position: int) -> int:
         """Tokens a checkpoint at ``position`` saves over the previous one the
         request kept in this group (or its prefix hit)."""
-        kept = self._kept_at.get(request_id, {}).get(group_id, 0)
-        return max(0, position - kept)
+        return saved_tokens(
+            self._kept_at.get(request_id, {}).get(group_id, 0), position
+        )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Upstream's caching, with the decode position and the prefill
@@ -252,7 +255,7 @@ class TurnEndRetentionMixin:
     def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
         """Whether a request crossing the state block edge ``edge`` (tokens;
         ``block``: the state block) must keep the state there in a block of
-        its own (:meth:`~vllm_hybrid.v1.core.pooled.checkpoint_policy.
+        its own (:meth:`~vllm_hybrid.v1.core.pooled.policy.
         CheckpointPolicy.keeps_edge`); an unknown request keeps it. False
         lets the pooled coordinator cross the edge in place."""
         request = self._requests.get(request_id)
@@ -357,7 +360,7 @@ class TurnEndRetentionMixin:
 
         Align mode frees the block of a decode edge (retires it) as soon as
         the request has moved past it, and the last one when the request
-        ends; :data:`~vllm_hybrid.v1.core.pooled.eviction.PLACES` says where
+        ends; :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.PLACES` says where
         a turn end goes then, and why.
         """
         for group_id, checkpoint in latest.items():

@@ -274,10 +274,10 @@ class PooledKVCacheConfig(KVCacheConfig):
     #: Keep each request's last decode checkpoint (turn-end retention).
     retain_turn_ends: bool = True
     #: Tokens between the states kept during a prefill (0: none); see
-    #: :mod:`.checkpoint_policy`.
+    #: :mod:`.policy`.
     prefill_checkpoint_interval: int = 0
     #: Tokens between the prefill checkpoints kept in plain LRU order (0:
-    #: none); see :mod:`.checkpoint_policy`.
+    #: none); see :mod:`.policy`.
     prefill_checkpoint_anchor: int = 0
 
     @property

@@ -19,7 +19,7 @@ an interval of 384 over 128-token attention blocks a 760-token prompt was
 cut at 640 and cached no state at 384. This scheduler gives the Mamba
 alignment the state group's block instead. Where else a chunk ends (prefill
 checkpoints, paced steps, room for decodes) is the checkpoint policy's
-decision (:mod:`vllm_hybrid.v1.core.pooled.checkpoint_policy`); the scheduler
+decision (:mod:`vllm_hybrid.v1.core.pooled.policy`); the scheduler
 holds the step's state the policy reads. Everything else stays upstream's.
 """
 
@@ -28,35 +28,29 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any
 
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.core.pooled.checkpoint_policy import (
+from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+from vllm_hybrid.v1.core.pooled.policy import (
+    DECODE_ROOM,
     budget_chunk,
     checkpoint_chunk,
     checkpoints_on_pace,
     decode_room,
+    growth_reserve_blocks,
+    growth_reserve_geometry,
     paced_step_budget,
     paces,
     pacing_page,
     prefill_pacing_policy,
     state_checkpoint_block,
-    state_page_tokens,
 )
-from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-from vllm_hybrid.v1.core.pooled.eviction import (
-    ADMISSION_GROWTH_STATE_PAGES,
-    DECODE_ROOM,
-)
-from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import usage_publisher
 
 logger = init_logger(__name__)
@@ -77,13 +71,13 @@ class PooledSchedulerMixin:
     * While few requests wait, a step computes at most upstream's chunk of
       one long prompt, and a chunk that does not finish its prompt ends on a
       multiple of the state page (:class:`~vllm_hybrid.v1.core.pooled.
-      eviction.PrefillPacing`). Where the checkpoints lie on page multiples,
+      policy.steps.PrefillPacing`). Where the checkpoints lie on page multiples,
       such a step keeps those its chunks end on instead of cutting chunks
       for each; a chunk reaching the prompt's own checkpoint still stops at
       the last one before it.
     * A running request's prefill chunk that the token budget cuts leaves
       room for the decodes of the running requests after it
-      (:data:`~vllm_hybrid.v1.core.pooled.eviction.DECODE_ROOM`).
+      (:data:`~vllm_hybrid.v1.core.pooled.policy.steps.DECODE_ROOM`).
     * Per-pool usage goes to the installed publisher once per step, after
       upstream's stats.
     """
@@ -153,7 +147,7 @@ class PooledSchedulerMixin:
     ) -> int:
         """Upstream's split of the chunk the policy's budget allows, ended
         where a prefill checkpoint needs its state
-        (:mod:`~vllm_hybrid.v1.core.pooled.checkpoint_policy` cuts)."""
+        (:mod:`~vllm_hybrid.v1.core.pooled.policy` cuts)."""
         start = (
             request.num_computed_tokens
             + num_new_local_computed_tokens
@@ -205,7 +199,7 @@ class PooledSchedulerMixin:
 
     def paces_next_step(self) -> bool:
         """Whether the next step is paced: pacing is on for this plan and at
-        most :data:`~vllm_hybrid.v1.core.pooled.eviction.PACING_MAX_WAITING`
+        most :data:`~vllm_hybrid.v1.core.pooled.policy.steps.PACING_MAX_WAITING`
         requests wait."""
         return paces(len(self.waiting), self._paced_budget)
 
@@ -214,14 +208,7 @@ class PooledSchedulerMixin:
         waiting request is admitted: each running request's next
         ``horizon`` tokens, or what its token budget has left if less."""
         assert self._growth is not None
-        horizon, block, groups = self._growth
-        blocks = 0
-        for request in self.running:
-            end = request.num_prompt_tokens + request.max_tokens - 1
-            grow = min(end - request.num_computed_tokens, horizon)
-            if grow > 0:
-                blocks += cdiv(grow, block)
-        return blocks * groups
+        return growth_reserve_blocks(self.running, self._growth)
 
     def make_stats(self, *args: Any, **kwargs: Any) -> SchedulerStats | None:
         stats = super().make_stats(*args, **kwargs)
@@ -230,42 +217,6 @@ class PooledSchedulerMixin:
         if stats is not None and arena is not None and publish is not None:
             publish(arena.usage())
         return stats
-
-
-def growth_reserve_geometry(
-    kv_cache_config: KVCacheConfig,
-) -> tuple[int, int, int] | None:
-    """(horizon in tokens, token block, token groups) of admission's growth
-    reserve for a pooled plan with a state pool; None otherwise or when
-    :data:`~vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`
-    is 0."""
-    if not isinstance(kv_cache_config, PooledKVCacheConfig):
-        return None
-    pages = admission_growth_state_pages()
-    if pages <= 0 or not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
-        return None
-    token = kv_cache_config.pool_by_kind(PoolKind.TOKEN)
-    block = kv_cache_config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
-    horizon = int(pages * state_page_tokens(kv_cache_config))
-    return horizon, block.block_size, len(token.group_ids)
-
-
-def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:
-    """``VLLM_HYBRID_ADMISSION_GROWTH`` when set, else
-    :data:`~vllm_hybrid.v1.core.pooled.eviction.ADMISSION_GROWTH_STATE_PAGES`."""
-    value = envs.raw(envs.ADMISSION_GROWTH_VAR, environ)
-    if value is None:
-        return ADMISSION_GROWTH_STATE_PAGES
-    try:
-        pages = float(value)
-    except ValueError:
-        pages = -1.0
-    if pages < 0:
-        raise ValueError(
-            f"{envs.ADMISSION_GROWTH_VAR}={value!r} is not understood: state "
-            "pages of growth to reserve, a number >= 0"
-        )
-    return pages
 
 
 class PooledScheduler(PooledSchedulerMixin, Scheduler):

@@ -117,9 +117,9 @@ class Entry(Enum):
     #: A freed turn-end (decode) checkpoint: serves a follow-up turn, if any.
     TURN_END = "turn_end"
     #: A freed prefill checkpoint: serves a later request sharing the prefix
-    #: up to it, if any (see ``checkpoint_policy``).
+    #: up to it, if any (see ``positions``).
     PREFILL = "prefill"
-    #: A freed prefill checkpoint at an anchor (see ``checkpoint_policy``).
+    #: A freed prefill checkpoint at an anchor (see ``positions``).
     PREFILL_ANCHOR = "prefill_anchor"
     #: A prompt's last prefill checkpoint that is no anchor: the state page
     #: edge before the prompt's end, where upstream's single pool keeps one.
@@ -222,93 +222,6 @@ class AdmissionAttempt:
     #: A running request advances its state in the block it owns instead of
     #: taking a fresh one at a state block edge (its checkpoint is lost).
     in_place: bool = False
-
-
-class DecodeEdges(Enum):
-    """Which state block edges a decoding request keeps a state at.
-
-    Align mode keeps a state at an edge by copying the running state into a
-    fresh block when the request crosses it (the block it leaves holds the
-    state at the edge). A crossing nobody keeps is advanced in place instead:
-    the request's running block moves on to the next column, no copy, no new
-    block. In the prompt the edges caching keeps (its replay boundary,
-    prefill checkpoints, shared-prefix junctions) are kept whatever this
-    says; a prefill chunk that ends on another edge is crossed in place
-    unless this is ``EVERY``.
-    """
-
-    #: Every edge, the prompt's included (vLLM's align mode): one copy of the
-    #: whole state per state block of output, each superseded by the next.
-    EVERY = "every"
-    #: Only the last edge the request's token budget (``max_tokens``) lets it
-    #: reach: one copy per request, the turn end a follow-up resumes from
-    #: when the reply ran to its budget. A reply that stops earlier (end of
-    #: sequence, a stop string) keeps no turn end; a follow-up then resumes
-    #: from the prompt's own checkpoint, as with upstream's defaults.
-    BUDGET_END = "budget_end"
-    #: None: decode never copies.
-    NONE = "none"
-
-
-#: Decode edges pooled mode keeps (``VLLM_HYBRID_DECODE_EDGES`` overrides it
-#: for A/B runs). ``EVERY`` copies a state at each edge a decode crosses,
-#: almost all superseded one state block later; ``BUDGET_END`` keeps every
-#: turn-end hit of replies that run to their budget at one copy per request
-#: (the simulator's comparison:
-#: benchmarks/results/sim-20261127-decode-copies.md).
-DECODE_EDGES = DecodeEdges.BUDGET_END
-
-
-class PrefillPacing(Enum):
-    """How many prompt tokens one step computes while the queue is short.
-
-    Every running request's next token waits for the step: the decode tail
-    follows the prompt tokens of the steps decodes share. Upstream's align
-    mode ends an unfinished chunk on its 1,056-2,768-token state block;
-    pooled mode's is 16 tokens, so its steps fill the whole budget
-    (docs/pooled-mode.md, "Prefill pacing").
-    """
-
-    #: Every step may fill the token budget (``--max-num-batched-tokens``):
-    #: prompts finish sooner, decodes sharing those steps wait longer.
-    FILL = "fill"
-    #: While at most :data:`PACING_MAX_WAITING` requests wait, a step's token
-    #: budget is the largest multiple of the state page in tokens (upstream's
-    #: state block) it holds, and an unfinished chunk ends on a multiple of
-    #: the page, as upstream's align split ends it on its block. With more
-    #: waiting, queueing dominates and steps fill the budget as with ``FILL``.
-    STATE_PAGE = "state_page"
-
-
-#: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
-#: for A/B runs; benchmarks/results/sim-20261128-prefill-pacing.md).
-PREFILL_PACING = PrefillPacing.STATE_PAGE
-
-#: Waiting requests up to which :attr:`PrefillPacing.STATE_PAGE` paces.
-PACING_MAX_WAITING = 4
-
-#: State pages a step's token budget must hold for steps to be paced. A
-#: budget of one page and a bit (2,048 tokens below 70 GiB against bf16's
-#: 1,056-token page) would be nearly halved: steps of ~1,000 prompt tokens
-#: are bound by reading the weights, so twice as many of them lengthened the
-#: decode tail instead of shortening it (the simulator at 24 and 48 GB bf16).
-PACING_MIN_PAGES = 2
-
-#: Whether a running request's prefill chunk leaves room in the step's token
-#: budget for the decodes of the running requests after it: vLLM schedules
-#: running requests in order, so a long prompt admitted earlier would starve
-#: the decodes of shorter ones after it, which upstream's align split (its
-#: chunk ends on a 1,056-2,768-token block) leaves room for
-#: (docs/pooled-mode.md, "Room for the decodes behind a long prompt").
-DECODE_ROOM = True
-
-#: Admission's growth reserve, in state pages of tokens (the block upstream's
-#: single pool inflates attention to; 0 turns the reserve off). A waiting
-#: request is admitted only while the token pool keeps, beyond its blocks,
-#: room for every running request to grow that many tokens (or to its token
-#: budget, if nearer), as upstream's large block does implicitly (see
-#: ``PooledSchedulerMixin``).
-ADMISSION_GROWTH_STATE_PAGES = 1.0
 
 
 class ArenaSplit(Enum):

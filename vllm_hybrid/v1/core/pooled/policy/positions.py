@@ -1,56 +1,42 @@
-"""The state checkpoint policy: where states are kept, how freed ones rank,
-where prefill chunks end.
+"""Where states are kept: prefill checkpoints, the prompt's own checkpoint,
+turn ends, and how each kept one is filed once freed.
 
 In align mode a state reaches a block only where a chunk ends or a decode
-crosses a state block edge, and is cached only where a position is kept, so
-both are decided here, with the ranks; retention, the scheduler and the
-engine glue ask. The eviction order itself is data in :mod:`.eviction`.
-
+crosses a state block edge, and is cached only where a position is kept.
 Positions (:class:`CheckpointPolicy`): the prompt's own checkpoint (its
 replay boundary) and shared-prefix junctions, as upstream; every multiple of
 ``--prefix-cache-retention-interval``; prefill checkpoints every
 ``interval`` tokens of a long prompt, so a shared prefix hits on its first
-reuse; the turn end a follow-up resumes from (:class:`~.eviction.DecodeEdges`).
+reuse; the turn end a follow-up resumes from (:class:`DecodeEdges`).
 
 The interval is the larger of the *state page in tokens* (upstream's block,
 so a first reuse never hits less than upstream) and the *budget term*
 ``4 * max_model_len * state block / arena`` (one prompt's checkpoints hold at
 most a quarter of the arena), in whole state blocks.
 
-Ranks: freed turn ends and prefill checkpoints are speculative, filed first
+Kinds: freed turn ends and prefill checkpoints are speculative, filed first
 to go (:data:`~.eviction.PLACES`), except an *anchor* every few prefill
 checkpoints (:func:`prefill_checkpoint_anchor`), kept in LRU order: the step
 is the prefix whose attention KV weighs one state block, in whole intervals
 (every third for Qwen3.6-35B-A3B; none under two).
 A prompt's own checkpoint and its last prefill checkpoint compete for the
 LRU order by the hits each kind served (:data:`~.eviction.RIVALS`).
-
-The chunk cut (:func:`budget_chunk`, :func:`checkpoint_chunk`): a chunk ends
-at the next prefill checkpoint it would run past; a paced step
-(:class:`~.eviction.PrefillPacing`) ends chunks on state page multiples and
-keeps the checkpoints there without extra cuts; a chunk the token budget cut
-leaves room for the decodes behind it (:data:`~.eviction.DECODE_ROOM`).
+What a kept checkpoint saves (:func:`saved_tokens`) weighs it against
+attention KV (:func:`state_block_attention_tokens`, the break-even).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, NamedTuple
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
-from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec
 
 from vllm_hybrid import envs
-from vllm_hybrid.v1.core.pooled.eviction import (
-    DECODE_EDGES,
-    PACING_MAX_WAITING,
-    PACING_MIN_PAGES,
-    PREFILL_PACING,
-    DecodeEdges,
-    Entry,
-    PrefillPacing,
-)
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 
 if TYPE_CHECKING:
@@ -184,9 +170,44 @@ def last_prefill_checkpoint(
 # -- turn ends and the positions one request keeps -----------------------------
 
 
+class DecodeEdges(Enum):
+    """Which state block edges a decoding request keeps a state at.
+
+    Align mode keeps a state at an edge by copying the running state into a
+    fresh block when the request crosses it (the block it leaves holds the
+    state at the edge). A crossing nobody keeps is advanced in place instead:
+    the request's running block moves on to the next column, no copy, no new
+    block. In the prompt the edges caching keeps (its replay boundary,
+    prefill checkpoints, shared-prefix junctions) are kept whatever this
+    says; a prefill chunk that ends on another edge is crossed in place
+    unless this is ``EVERY``.
+    """
+
+    #: Every edge, the prompt's included (vLLM's align mode): one copy of the
+    #: whole state per state block of output, each superseded by the next.
+    EVERY = "every"
+    #: Only the last edge the request's token budget (``max_tokens``) lets it
+    #: reach: one copy per request, the turn end a follow-up resumes from
+    #: when the reply ran to its budget. A reply that stops earlier (end of
+    #: sequence, a stop string) keeps no turn end; a follow-up then resumes
+    #: from the prompt's own checkpoint, as with upstream's defaults.
+    BUDGET_END = "budget_end"
+    #: None: decode never copies.
+    NONE = "none"
+
+
+#: Decode edges pooled mode keeps (``VLLM_HYBRID_DECODE_EDGES`` overrides it
+#: for A/B runs). ``EVERY`` copies a state at each edge a decode crosses,
+#: almost all superseded one state block later; ``BUDGET_END`` keeps every
+#: turn-end hit of replies that run to their budget at one copy per request
+#: (the simulator's comparison:
+#: benchmarks/results/sim-20261127-decode-copies.md).
+DECODE_EDGES = DecodeEdges.BUDGET_END
+
+
 def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
-    """Pooled mode's :class:`~.eviction.DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES``
-    when set, else :data:`~.eviction.DECODE_EDGES`."""
+    """Pooled mode's :class:`DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES``
+    when set, else :data:`DECODE_EDGES`."""
     return envs.choice(envs.DECODE_EDGES_VAR, DECODE_EDGES, environ)
 
 
@@ -360,141 +381,8 @@ class CheckpointPolicy:
         return Entry.PREFILL_LAST if num_tokens == positions[-1] else Entry.PREFILL
 
 
-# -- the chunk cut ---------------------------------------------------------------
-
-
-def state_checkpoint_block(
-    kv_cache_config: KVCacheConfig, mamba_cache_mode: str
-) -> int | None:
-    """The state block prefill chunks must end on (align mode), when longer
-    than the attention block; None otherwise (upstream's alignment is right).
-    """
-    if mamba_cache_mode != "align":
-        return None
-    state, token = set(), set()
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        (state if isinstance(spec, MambaSpec) else token).add(spec.block_size)
-    if len(state) != 1 or not token:
-        return None
-    (block,) = state
-    return block if block > min(token) else None
-
-
-def pacing_page(kv_cache_config: KVCacheConfig, mamba_cache_mode: str) -> int | None:
-    """The page paced steps end chunks on: the state page in tokens, rounded
-    up to the state block; None outside align mode or without a state pool."""
-    if mamba_cache_mode != "align" or not isinstance(
-        kv_cache_config, PooledKVCacheConfig
-    ):
-        return None
-    if not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
-        return None
-    state = kv_cache_config.pool_by_kind(PoolKind.STATE)
-    block = kv_cache_config.kv_cache_groups[state.group_ids[0]].kv_cache_spec.block_size
-    return cdiv(state_page_tokens(kv_cache_config), block) * block
-
-
-def paced_step_budget(
-    budget: int, page: int | None, pacing: PrefillPacing
-) -> int | None:
-    """The token budget of a paced step: the largest multiple of ``page``
-    within ``budget``; None when steps are never paced (``FILL``, no page,
-    or a budget under :data:`~.eviction.PACING_MIN_PAGES` pages)."""
-    if pacing is PrefillPacing.FILL or page is None:
-        return None
-    pages = budget // page
-    return pages * page if pages >= PACING_MIN_PAGES else None
-
-
-def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
-    """``VLLM_HYBRID_PREFILL_PACING`` when set, else
-    :data:`~.eviction.PREFILL_PACING`."""
-    return envs.choice(envs.PREFILL_PACING_VAR, PREFILL_PACING, environ)
-
-
-def paces(num_waiting: int, paced_budget: int | None) -> bool:
-    """Whether a step is paced: pacing is on for the plan (a paced budget)
-    and at most :data:`~.eviction.PACING_MAX_WAITING` requests wait."""
-    return paced_budget is not None and num_waiting <= PACING_MAX_WAITING
-
-
-def checkpoints_on_pace(interval: int, page: int | None) -> bool:
-    """Whether prefill checkpoints lie on the page multiples paced chunks
-    end on anyway."""
-    return bool(page and interval % page == 0)
-
-
-def prefill_end(request: Request) -> int:
-    """The position a request's prefill ends at: its prompt, or for a
-    resumed request the output tokens it replays, as upstream's split."""
-    return max(request.num_prompt_tokens, request.num_tokens - 1)
-
-
-def decode_room(running: list[Request]) -> dict[str, int]:
-    """Per prefilling request in ``running`` with decodes after it, the
-    tokens those schedule this step (one each, plus draft tokens)."""
-    room: dict[str, int] = {}
-    behind = 0
-    for request in reversed(running):
-        if request.num_computed_tokens < prefill_end(request):
-            if behind:
-                room[request.request_id] = behind
-            continue
-        behind += 1 + len(request.spec_token_ids)
-    return room
-
-
-def paced_chunk(request: Request, start: int, num_new_tokens: int, page: int) -> int:
-    """The chunk a paced step allows, ended on a multiple of ``page`` unless
-    it finishes the prompt (as upstream's split on its block); 0: none fits."""
-    end = start + num_new_tokens
-    if end >= prefill_end(request):
-        return num_new_tokens
-    return max(end // page * page - start, 0)
-
-
-def budget_chunk(
-    request: Request, start: int, num_new_tokens: int, room: int, page: int | None
-) -> int | None:
-    """The chunk for upstream's align split: less the decodes' ``room`` when
-    the budget cut it, ended on a ``page`` multiple in a paced step (None:
-    not paced); None when nothing is left to compute this step."""
-    if room and start + num_new_tokens < prefill_end(request):
-        num_new_tokens = max(num_new_tokens - room, 0)
-        if num_new_tokens == 0:
-            return None
-    if page is not None:
-        num_new_tokens = paced_chunk(request, start, num_new_tokens, page)
-        if num_new_tokens == 0:
-            return None
-    return num_new_tokens
-
-
-def checkpoint_chunk(
-    request: Request,
-    start: int,
-    num_new_tokens: int,
-    interval: int,
-    block: int,
-    paced_on_checkpoints: bool,
-) -> int:
-    """The aligned chunk, ended where a prefill checkpoint needs its state.
-
-    Normally at the next checkpoint it would run past. A paced step whose
-    page multiples carry the checkpoints keeps those its chunk ends on; only
-    a chunk reaching the prompt's own checkpoint stops at the last prefill
-    checkpoint before it, as upstream's split stops at its last block edge,
-    so that a first reuse of the prefix finds it.
-    """
-    prompt = request.num_prompt_tokens
-    if paced_on_checkpoints:
-        end = start + num_new_tokens
-        if end < prompt_checkpoint(prompt, block):
-            return num_new_tokens
-        stop = last_prefill_checkpoint(start, end, prompt, interval, block)
-        return num_new_tokens if stop is None else stop - start
-    stop = next_prefill_checkpoint(start, prompt, interval, block)
-    if stop is not None and stop < start + num_new_tokens:
-        return stop - start
-    return num_new_tokens
+def saved_tokens(kept_at: int, position: int) -> int:
+    """Prompt tokens a hit on a checkpoint at ``position`` saves: those past
+    the previous state its request kept or started from (``kept_at``), which
+    a hit there would have to recompute."""
+    return max(0, position - kept_at)

@@ -1,0 +1,278 @@
+"""What one scheduler step computes and admits: where prefill chunks end,
+how many prompt tokens a step takes, room for decodes, admission's reserve.
+
+The chunk cut (:func:`budget_chunk`, :func:`checkpoint_chunk`): a chunk ends
+at the next prefill checkpoint it would run past (:mod:`.positions`); a paced
+step (:class:`PrefillPacing`) ends chunks on state page multiples and keeps
+the checkpoints there without extra cuts; a chunk the token budget cut
+leaves room for the decodes behind it (:data:`DECODE_ROOM`). A waiting
+request is admitted only while the running ones keep room to grow
+(:func:`growth_reserve_blocks`). The scheduler holds the step's state and asks.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
+
+from vllm_hybrid import envs
+from vllm_hybrid.v1.core.pooled.policy.positions import (
+    last_prefill_checkpoint,
+    next_prefill_checkpoint,
+    prompt_checkpoint,
+    state_page_tokens,
+)
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+class PrefillPacing(Enum):
+    """How many prompt tokens one step computes while the queue is short.
+
+    Every running request's next token waits for the step: the decode tail
+    follows the prompt tokens of the steps decodes share. Upstream's align
+    mode ends an unfinished chunk on its 1,056-2,768-token state block;
+    pooled mode's is 16 tokens, so its steps fill the whole budget
+    (docs/pooled-mode.md, "Prefill pacing").
+    """
+
+    #: Every step may fill the token budget (``--max-num-batched-tokens``):
+    #: prompts finish sooner, decodes sharing those steps wait longer.
+    FILL = "fill"
+    #: While at most :data:`PACING_MAX_WAITING` requests wait, a step's token
+    #: budget is the largest multiple of the state page in tokens (upstream's
+    #: state block) it holds, and an unfinished chunk ends on a multiple of
+    #: the page, as upstream's align split ends it on its block. With more
+    #: waiting, queueing dominates and steps fill the budget as with ``FILL``.
+    STATE_PAGE = "state_page"
+
+
+#: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
+#: for A/B runs; benchmarks/results/sim-20261128-prefill-pacing.md).
+PREFILL_PACING = PrefillPacing.STATE_PAGE
+
+#: Waiting requests up to which :attr:`PrefillPacing.STATE_PAGE` paces.
+PACING_MAX_WAITING = 4
+
+#: State pages a step's token budget must hold for steps to be paced. A
+#: budget of one page and a bit (2,048 tokens below 70 GiB against bf16's
+#: 1,056-token page) would be nearly halved: steps of ~1,000 prompt tokens
+#: are bound by reading the weights, so twice as many of them lengthened the
+#: decode tail instead of shortening it (the simulator at 24 and 48 GB bf16).
+PACING_MIN_PAGES = 2
+
+#: Whether a running request's prefill chunk leaves room in the step's token
+#: budget for the decodes of the running requests after it: vLLM schedules
+#: running requests in order, so a long prompt admitted earlier would starve
+#: the decodes of shorter ones after it, which upstream's align split (its
+#: chunk ends on a 1,056-2,768-token block) leaves room for
+#: (docs/pooled-mode.md, "Room for the decodes behind a long prompt").
+DECODE_ROOM = True
+
+#: Admission's growth reserve, in state pages of tokens (the block upstream's
+#: single pool inflates attention to; 0 turns the reserve off). A waiting
+#: request is admitted only while the token pool keeps, beyond its blocks,
+#: room for every running request to grow that many tokens (or to its token
+#: budget, if nearer), as upstream's large block does implicitly (see
+#: ``PooledSchedulerMixin``).
+ADMISSION_GROWTH_STATE_PAGES = 1.0
+
+
+# -- the chunk cut ---------------------------------------------------------------
+
+
+def state_checkpoint_block(
+    kv_cache_config: KVCacheConfig, mamba_cache_mode: str
+) -> int | None:
+    """The state block prefill chunks must end on (align mode), when longer
+    than the attention block; None otherwise (upstream's alignment is right).
+    """
+    if mamba_cache_mode != "align":
+        return None
+    state, token = set(), set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        (state if isinstance(spec, MambaSpec) else token).add(spec.block_size)
+    if len(state) != 1 or not token:
+        return None
+    (block,) = state
+    return block if block > min(token) else None
+
+
+def pacing_page(kv_cache_config: KVCacheConfig, mamba_cache_mode: str) -> int | None:
+    """The page paced steps end chunks on: the state page in tokens, rounded
+    up to the state block; None outside align mode or without a state pool."""
+    if mamba_cache_mode != "align" or not isinstance(
+        kv_cache_config, PooledKVCacheConfig
+    ):
+        return None
+    if not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
+        return None
+    state = kv_cache_config.pool_by_kind(PoolKind.STATE)
+    block = kv_cache_config.kv_cache_groups[state.group_ids[0]].kv_cache_spec.block_size
+    return cdiv(state_page_tokens(kv_cache_config), block) * block
+
+
+def paced_step_budget(
+    budget: int, page: int | None, pacing: PrefillPacing
+) -> int | None:
+    """The token budget of a paced step: the largest multiple of ``page``
+    within ``budget``; None when steps are never paced (``FILL``, no page,
+    or a budget under :data:`PACING_MIN_PAGES` pages)."""
+    if pacing is PrefillPacing.FILL or page is None:
+        return None
+    pages = budget // page
+    return pages * page if pages >= PACING_MIN_PAGES else None
+
+
+def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
+    """``VLLM_HYBRID_PREFILL_PACING`` when set, else
+    :data:`PREFILL_PACING`."""
+    return envs.choice(envs.PREFILL_PACING_VAR, PREFILL_PACING, environ)
+
+
+def paces(num_waiting: int, paced_budget: int | None) -> bool:
+    """Whether a step is paced: pacing is on for the plan (a paced budget)
+    and at most :data:`PACING_MAX_WAITING` requests wait."""
+    return paced_budget is not None and num_waiting <= PACING_MAX_WAITING
+
+
+def checkpoints_on_pace(interval: int, page: int | None) -> bool:
+    """Whether prefill checkpoints lie on the page multiples paced chunks
+    end on anyway."""
+    return bool(page and interval % page == 0)
+
+
+def prefill_end(request: Request) -> int:
+    """The position a request's prefill ends at: its prompt, or for a
+    resumed request the output tokens it replays, as upstream's split."""
+    return max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
+def decode_room(running: list[Request]) -> dict[str, int]:
+    """Per prefilling request in ``running`` with decodes after it, the
+    tokens those schedule this step (one each, plus draft tokens)."""
+    room: dict[str, int] = {}
+    behind = 0
+    for request in reversed(running):
+        if request.num_computed_tokens < prefill_end(request):
+            if behind:
+                room[request.request_id] = behind
+            continue
+        behind += 1 + len(request.spec_token_ids)
+    return room
+
+
+def paced_chunk(request: Request, start: int, num_new_tokens: int, page: int) -> int:
+    """The chunk a paced step allows, ended on a multiple of ``page`` unless
+    it finishes the prompt (as upstream's split on its block); 0: none fits."""
+    end = start + num_new_tokens
+    if end >= prefill_end(request):
+        return num_new_tokens
+    return max(end // page * page - start, 0)
+
+
+def budget_chunk(
+    request: Request, start: int, num_new_tokens: int, room: int, page: int | None
+) -> int | None:
+    """The chunk for upstream's align split: less the decodes' ``room`` when
+    the budget cut it, ended on a ``page`` multiple in a paced step (None:
+    not paced); None when nothing is left to compute this step."""
+    if room and start + num_new_tokens < prefill_end(request):
+        num_new_tokens = max(num_new_tokens - room, 0)
+        if num_new_tokens == 0:
+            return None
+    if page is not None:
+        num_new_tokens = paced_chunk(request, start, num_new_tokens, page)
+        if num_new_tokens == 0:
+            return None
+    return num_new_tokens
+
+
+def checkpoint_chunk(
+    request: Request,
+    start: int,
+    num_new_tokens: int,
+    interval: int,
+    block: int,
+    paced_on_checkpoints: bool,
+) -> int:
+    """The aligned chunk, ended where a prefill checkpoint needs its state.
+
+    Normally at the next checkpoint it would run past. A paced step whose
+    page multiples carry the checkpoints keeps those its chunk ends on; only
+    a chunk reaching the prompt's own checkpoint stops at the last prefill
+    checkpoint before it, as upstream's split stops at its last block edge,
+    so that a first reuse of the prefix finds it.
+    """
+    prompt = request.num_prompt_tokens
+    if paced_on_checkpoints:
+        end = start + num_new_tokens
+        if end < prompt_checkpoint(prompt, block):
+            return num_new_tokens
+        stop = last_prefill_checkpoint(start, end, prompt, interval, block)
+        return num_new_tokens if stop is None else stop - start
+    stop = next_prefill_checkpoint(start, prompt, interval, block)
+    if stop is not None and stop < start + num_new_tokens:
+        return stop - start
+    return num_new_tokens
+
+
+# -- admission's growth reserve ---------------------------------------------------
+
+
+def growth_reserve_geometry(
+    kv_cache_config: KVCacheConfig,
+) -> tuple[int, int, int] | None:
+    """(horizon in tokens, token block, token groups) of admission's growth
+    reserve for a pooled plan with a state pool; None otherwise or when
+    :data:`ADMISSION_GROWTH_STATE_PAGES` is 0."""
+    if not isinstance(kv_cache_config, PooledKVCacheConfig):
+        return None
+    pages = admission_growth_state_pages()
+    if pages <= 0 or not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
+        return None
+    token = kv_cache_config.pool_by_kind(PoolKind.TOKEN)
+    block = kv_cache_config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
+    horizon = int(pages * state_page_tokens(kv_cache_config))
+    return horizon, block.block_size, len(token.group_ids)
+
+
+def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:
+    """``VLLM_HYBRID_ADMISSION_GROWTH`` when set, else
+    :data:`ADMISSION_GROWTH_STATE_PAGES`."""
+    value = envs.raw(envs.ADMISSION_GROWTH_VAR, environ)
+    if value is None:
+        return ADMISSION_GROWTH_STATE_PAGES
+    try:
+        pages = float(value)
+    except ValueError:
+        pages = -1.0
+    if pages < 0:
+        raise ValueError(
+            f"{envs.ADMISSION_GROWTH_VAR}={value!r} is not understood: state "
+            "pages of growth to reserve, a number >= 0"
+        )
+    return pages
+
+
+def growth_reserve_blocks(
+    running: list[Request], geometry: tuple[int, int, int]
+) -> int:
+    """Token-pool blocks the ``running`` requests may grow into before a
+    waiting request is admitted: each one's next ``horizon`` tokens, or what
+    its token budget has left if less (``geometry``: see
+    :func:`growth_reserve_geometry`)."""
+    horizon, block, groups = geometry
+    blocks = 0
+    for request in running:
+        end = request.num_prompt_tokens + request.max_tokens - 1
+        grow = min(end - request.num_computed_tokens, horizon)
+        if grow > 0:
+            blocks += cdiv(grow, block)
+    return blocks * groups
