@@ -90,7 +90,7 @@ PREFILL_PACING_VAR = "VLLM_HYBRID_PREFILL_PACING"
 #: unset); for A/B runs.
 STATE_EVICTION_WINDOW_VAR = "VLLM_HYBRID_STATE_EVICTION_WINDOW"
 #: When pooled mode's arena moves its boundary: ``costed`` (the default),
-#: ``recency`` or ``demand``
+#: ``misses``, ``recency`` or ``demand``
 #: (:class:`vllm_hybrid.v1.core.pooled.policy.eviction.ArenaSplit`); for A/B runs.
 ARENA_SPLIT_VAR = "VLLM_HYBRID_ARENA_SPLIT"
 #: State blocks' worth of token ids next to pooled mode's arena boundary whose

@@ -35,7 +35,11 @@ from vllm_hybrid.tools.simulate.followups import (
     read_followup_trace,
     trace_format,
 )
-from vllm_hybrid.tools.simulate.probes import count_state_checkpoints
+from vllm_hybrid.tools.simulate.probes import (
+    count_state_checkpoints,
+    eviction_misses,
+    follow_misses,
+)
 from vllm_hybrid.tools.simulate.sources import (
     ChatServerShape,
     ChatServerWorkload,
@@ -306,6 +310,7 @@ def run_variant(
         ) as engine,
     ):
         checkpoints = count_state_checkpoints(engine.scheduler)
+        follow_misses(engine.scheduler)
         clock = cost_model(engine, spec)
         cow_bytes = _cow_block_bytes(engine)
         workload = make_workload(spec.workload, engine.vocab_size())
@@ -334,6 +339,7 @@ def run_variant(
         summary = summarize(
             result, _copy_bytes(result.steps, clock, cow_bytes), checkpoints.checkpoints
         )
+        summary["counted"]["eviction_misses"] = eviction_misses(engine.scheduler)
         summary["geometry"] = geometry_summary(engine.scheduler, engine.vllm_config)
     summary["variant"] = dataclasses.asdict(variant)
     summary["gpu"] = clock.gpu.name

@@ -891,8 +891,10 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
 
 def test_state_eviction_window_setting():
     from vllm_hybrid import envs
-    from vllm_hybrid.v1.core.pooled.block_pool import state_eviction_window
-    from vllm_hybrid.v1.core.pooled.policy import STATE_EVICTION_WINDOW
+    from vllm_hybrid.v1.core.pooled.policy import (
+        STATE_EVICTION_WINDOW,
+        state_eviction_window,
+    )
 
     name = envs.STATE_EVICTION_WINDOW_VAR
     assert state_eviction_window({}) == STATE_EVICTION_WINDOW == 8

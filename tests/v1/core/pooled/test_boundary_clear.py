@@ -18,8 +18,10 @@ from vllm.v1.core import kv_cache_manager
 
 from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm_hybrid.v1.core.pooled.block_pool import boundary_clear_state_blocks
-from vllm_hybrid.v1.core.pooled.policy import BOUNDARY_CLEAR_STATE_BLOCKS
+from vllm_hybrid.v1.core.pooled.policy import (
+    BOUNDARY_CLEAR_STATE_BLOCKS,
+    boundary_clear_state_blocks,
+)
 
 
 def _ids(blocks) -> list[int]:

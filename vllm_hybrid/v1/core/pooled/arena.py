@@ -18,12 +18,10 @@ from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.v1.core.pooled.block_pool import (
-    ArenaBlockPool,
-    boundary_clear_state_blocks,
-)
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
 from vllm_hybrid.v1.core.pooled.coupling import PoolHandle, PrefixCacheCoupling
+from vllm_hybrid.v1.core.pooled.policy import ArenaSplit, boundary_clear_state_blocks
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import ArenaUsage, PoolUsage
 
@@ -76,6 +74,10 @@ class KVArena:
         self.token_pool = PoolHandle(token_pool)
         self.boundary = ArenaBoundary(layout, token_pool, state_pool, break_even)
         state_pool.weigh_entries(self.boundary.weighed_break_even())
+        #: whether prefix lookups look for the entries the pools evicted for
+        #: room (``pooled.misses``): what the misses split follows, and
+        #: what a benchmark reports (:meth:`follow_misses`)
+        self.follows_misses = self.boundary.split is ArenaSplit.MISSES
         token_pool.keep_boundary_clear(
             boundary_clear_state_blocks()
             * layout.state_block_bytes
@@ -155,6 +157,12 @@ class KVArena:
         for pool in pools:
             pool.reset_prefix_cache()
         return True
+
+    def follow_misses(self) -> None:
+        """Have prefix lookups count the entries the pools evicted for room
+        that they ask for again, whatever the split (a lookup then reads
+        the prompt past its hit once more)."""
+        self.follows_misses = True
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests)."""

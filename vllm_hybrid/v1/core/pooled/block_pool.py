@@ -25,15 +25,14 @@ from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.policy import (
-    BOUNDARY_CLEAR_STATE_BLOCKS,
-    STATE_EVICTION_WINDOW,
     Entry,
+    Ghosts,
     Place,
     Reach,
+    state_eviction_window,
 )
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
@@ -116,6 +115,9 @@ class ArenaBlockPool(BlockPool):
         #: token ids next to the boundary whose clean blocks go after the
         #: cached ones (see ``keep_boundary_clear``)
         self._clear_ids = 0
+        #: keys of the entries this pool evicted for room lately, and how
+        #: often they are asked for again (see ``policy.ghosts``)
+        self.ghosts = Ghosts(len(owned_ids))
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -311,7 +313,7 @@ class ArenaBlockPool(BlockPool):
         """Hand out a block :meth:`take_free` took: out of the prefix cache,
         with its first reference."""
         if self.enable_caching:
-            self._maybe_evict_cached_block(block)
+            self._evict_for_room(block)
         assert block.ref_cnt == 0
         block.ref_cnt += 1
         if self.metrics_collector:
@@ -325,6 +327,13 @@ class ArenaBlockPool(BlockPool):
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
         return evicted
+
+    def _evict_for_room(self, block: KVCacheBlock) -> None:
+        """Evict ``block``'s entry because its memory is wanted, keeping the
+        key as a ghost (entries dropped as useless go without one)."""
+        key = block.block_hash
+        if self._maybe_evict_cached_block(block) and key is not None:
+            self.ghosts.note_evicted(key)
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
         """Upstream's ``_maybe_evict_cached_block`` under a public name: upstream's
@@ -423,7 +432,7 @@ class ArenaBlockPool(BlockPool):
         """A leaving block (:meth:`leaving`) out of the prefix cache and the
         free queue."""
         assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-        self._maybe_evict_cached_block(block)
+        self._evict_for_room(block)
         self.free_block_queue.remove(block)
 
     def take_over(self, owned_ids: range) -> None:
@@ -461,31 +470,3 @@ class InPlaceView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pool, name)
-
-
-def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
-    """``VLLM_HYBRID_BOUNDARY_CLEAR`` when set, else
-    :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`."""
-    value = envs.raw(envs.BOUNDARY_CLEAR_VAR, environ)
-    if value is None:
-        return BOUNDARY_CLEAR_STATE_BLOCKS
-    if not value.isdigit():
-        raise ValueError(
-            f"{envs.BOUNDARY_CLEAR_VAR}={value!r} is not understood: state "
-            "blocks' worth of token ids to keep clear, a whole number >= 0"
-        )
-    return int(value)
-
-
-def state_eviction_window(environ: dict[str, str] | None = None) -> int:
-    """``VLLM_HYBRID_STATE_EVICTION_WINDOW`` when set, else
-    :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.STATE_EVICTION_WINDOW`."""
-    value = envs.raw(envs.STATE_EVICTION_WINDOW_VAR, environ)
-    if value is None:
-        return STATE_EVICTION_WINDOW
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"{envs.STATE_EVICTION_WINDOW_VAR}={value!r} is not understood: "
-            "cached state blocks to choose among, a whole number >= 1 (1: LRU)"
-        )
-    return int(value)

@@ -60,6 +60,7 @@ from vllm_hybrid.v1.core.pooled.policy import (
     SPLIT_TOKEN_RESERVE,
     ArenaSplit,
     Reach,
+    regret_favours,
 )
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -309,7 +310,7 @@ class ArenaBoundary:
             if (
                 target >= layout.min_state_floor
                 and free_token - len(lost) >= need_token + reserve
-                and _staler(token_q.oldest_lru_tick(), victim[1])
+                and self._gives_way(state, token, victim[1])
                 and _movable(token, lost, keep, filed_before=victim[1])
             ):
                 return target
@@ -321,16 +322,42 @@ class ArenaBoundary:
             if (
                 target <= layout.max_state_floor
                 and free_state - len(lost) >= need_state
-                and _staler(state_q.oldest_lru_tick(), victim[1])
+                and self._gives_way(token, state, victim[1])
                 and _movable(state, lost, keep)
             ):
                 return target
         return None
 
+    def _gives_way(
+        self, grower: ArenaBlockPool, other: ArenaBlockPool, victim: int
+    ) -> bool:
+        """Whether ``other`` gives up blocks to ``grower``, whose need would
+        evict its entry filed at tick ``victim``: when ``other``'s own next
+        LRU victim is older; with :attr:`~.policy.eviction.ArenaSplit.MISSES`
+        the pools' regrets (their evicted entries asked for again) decide
+        where they differ clearly (:func:`~.policy.ghosts.regret_favours`)."""
+        if self.split is ArenaSplit.MISSES:
+            favoured = regret_favours(
+                grower.ghosts,
+                other.ghosts,
+                self._block_bytes(grower),
+                self._block_bytes(other),
+            )
+            if favoured is not None:
+                return favoured
+        return _staler(other.free_block_queue.oldest_lru_tick(), victim)
+
+    def _block_bytes(self, pool: ArenaBlockPool) -> int:
+        layout = self.layout
+        if pool.side is PoolKind.TOKEN:
+            return layout.token_block_bytes
+        return layout.state_block_bytes
+
     def weighed_break_even(self) -> float | None:
         """Break-even the state pool weighs its entries with (None: not
         weighed, as :attr:`~.policy.eviction.ArenaSplit.RECENCY` does not)."""
-        return self.break_even if self.split is ArenaSplit.COSTED else None
+        weighed = self.split in (ArenaSplit.COSTED, ArenaSplit.MISSES)
+        return self.break_even if weighed else None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
         """(pool, id) of the blocks a move must leave alone; built only when

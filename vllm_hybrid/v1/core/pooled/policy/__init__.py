@@ -8,6 +8,8 @@ ask it; none of them decides.
               state entry is worth per byte against attention KV, how the
               arena's boundary follows (:class:`ArenaSplit`), admission's
               attempts
+``ghosts``    the keys of entries each pool evicted for room, and how often
+              they are asked for again (the misses the split follows)
 ``positions`` where a request keeps a state: prefill checkpoints and their
               anchors, the prompt's own checkpoint, turn ends
               (:class:`DecodeEdges`), the kind each is filed as once freed
@@ -17,7 +19,7 @@ ask it; none of them decides.
               prompt, admission's growth reserve
 
 Everything a caller needs is importable from this package; the modules
-import only downward (``eviction`` < ``positions`` < ``steps``).
+import only downward (``eviction``, ``ghosts`` < ``positions`` < ``steps``).
 """
 
 from __future__ import annotations
@@ -46,8 +48,17 @@ from vllm_hybrid.v1.core.pooled.policy.eviction import (
     RanksEntries,
     Reach,
     Segment,
+    boundary_clear_state_blocks,
     rank_entry,
+    state_eviction_window,
     worth_more_than_attention,
+)
+from vllm_hybrid.v1.core.pooled.policy.ghosts import (
+    GHOST_MAX_KEYS,
+    GHOST_MIN_EVICTIONS,
+    GHOST_REGRET_MARGIN,
+    Ghosts,
+    regret_favours,
 )
 from vllm_hybrid.v1.core.pooled.policy.positions import (
     ARENA_SHARE_INVERSE,
@@ -98,6 +109,13 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
 )
 
 __all__ = [
+    "GHOST_MAX_KEYS",
+    "boundary_clear_state_blocks",
+    "state_eviction_window",
+    "GHOST_MIN_EVICTIONS",
+    "GHOST_REGRET_MARGIN",
+    "Ghosts",
+    "regret_favours",
     "ADMISSION",
     "ADMISSION_GROWTH_STATE_PAGES",
     "ARENA_SHARE_INVERSE",

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
+from vllm_hybrid import envs
+
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
 
@@ -244,6 +246,11 @@ class ArenaSplit(Enum):
     #: prompt's only checkpoint outlives the attention blocks of staler
     #: prefixes; a turn end a few hundred tokens past its prompt does not.
     COSTED = "costed"
+    #: As ``COSTED``, with the recency comparison overruled where one pool's
+    #: evicted entries are asked for again clearly more often than the
+    #: other's (:mod:`.ghosts`): that pool takes the other's blocks, and the
+    #: other does not take its.
+    MISSES = "misses"
 
 
 #: Pooled mode's split (``VLLM_HYBRID_ARENA_SPLIT`` overrides it).
@@ -410,3 +417,31 @@ def rank_entry(
         queue.prepend_n([block])
     else:
         queue.append_n([block])
+
+
+def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
+    """``VLLM_HYBRID_BOUNDARY_CLEAR`` when set, else
+    :data:`BOUNDARY_CLEAR_STATE_BLOCKS`."""
+    value = envs.raw(envs.BOUNDARY_CLEAR_VAR, environ)
+    if value is None:
+        return BOUNDARY_CLEAR_STATE_BLOCKS
+    if not value.isdigit():
+        raise ValueError(
+            f"{envs.BOUNDARY_CLEAR_VAR}={value!r} is not understood: state "
+            "blocks' worth of token ids to keep clear, a whole number >= 0"
+        )
+    return int(value)
+
+
+def state_eviction_window(environ: dict[str, str] | None = None) -> int:
+    """``VLLM_HYBRID_STATE_EVICTION_WINDOW`` when set, else
+    :data:`STATE_EVICTION_WINDOW`."""
+    value = envs.raw(envs.STATE_EVICTION_WINDOW_VAR, environ)
+    if value is None:
+        return STATE_EVICTION_WINDOW
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(
+            f"{envs.STATE_EVICTION_WINDOW_VAR}={value!r} is not understood: "
+            "cached state blocks to choose among, a whole number >= 1 (1: LRU)"
+        )
+    return int(value)
