@@ -74,10 +74,8 @@ class KVArena:
         self.token_pool = PoolHandle(token_pool)
         self.boundary = ArenaBoundary(layout, token_pool, state_pool, break_even)
         state_pool.weigh_entries(self.boundary.weighed_break_even())
-        #: whether prefix lookups look for the entries the pools evicted for
-        #: room (``pooled.misses``): what the misses split follows, and
-        #: what a benchmark reports (:meth:`follow_misses`)
-        self.follows_misses = self.boundary.split is ArenaSplit.MISSES
+        if self.boundary.split is ArenaSplit.MISSES:
+            self.follow_misses()
         token_pool.keep_boundary_clear(
             boundary_clear_state_blocks()
             * layout.state_block_bytes
@@ -158,11 +156,19 @@ class KVArena:
             pool.reset_prefix_cache()
         return True
 
+    @property
+    def follows_misses(self) -> bool:
+        """Whether the pools keep the entries they evict for room and prefix
+        lookups look for them (``pooled.misses``): what the misses split
+        follows, and what a benchmark reports (:meth:`follow_misses`)."""
+        return self.token_pool.ghosts is not None
+
     def follow_misses(self) -> None:
-        """Have prefix lookups count the entries the pools evicted for room
-        that they ask for again, whatever the split (a lookup then reads
-        the prompt past its hit once more)."""
-        self.follows_misses = True
+        """Have both pools keep the entries they evict for room, and prefix
+        lookups count those they ask for again, whatever the split (a lookup
+        then reads the prompt past its hit once more)."""
+        for pool in (self.token_pool, self.state_pool):
+            pool.follow_evictions()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests)."""

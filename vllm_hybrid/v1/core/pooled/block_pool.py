@@ -116,8 +116,9 @@ class ArenaBlockPool(BlockPool):
         #: cached ones (see ``keep_boundary_clear``)
         self._clear_ids = 0
         #: keys of the entries this pool evicted for room lately, and how
-        #: often they are asked for again (see ``policy.ghosts``)
-        self.ghosts = Ghosts(len(owned_ids))
+        #: often they are asked for again (see ``policy.ghosts``); None until
+        #: someone follows them (:meth:`follow_evictions`)
+        self.ghosts: Ghosts | None = None
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -328,11 +329,19 @@ class ArenaBlockPool(BlockPool):
             self.free_block_queue.refile(block)
         return evicted
 
+    def follow_evictions(self) -> None:
+        """Keep the keys of the entries evicted for room from now on (as many
+        as the pool owns blocks now, :class:`~.policy.ghosts.Ghosts`)."""
+        if self.ghosts is None:
+            self.ghosts = Ghosts(len(self._owned_ids))
+
     def _evict_for_room(self, block: KVCacheBlock) -> None:
         """Evict ``block``'s entry because its memory is wanted, keeping the
-        key as a ghost (entries dropped as useless go without one)."""
+        key as a ghost where evictions are followed (entries dropped as
+        useless go without one)."""
         key = block.block_hash
-        if self._maybe_evict_cached_block(block) and key is not None:
+        evicted = self._maybe_evict_cached_block(block)
+        if evicted and key is not None and self.ghosts is not None:
             self.ghosts.note_evicted(key)
 
     def evict_cached(self, block: KVCacheBlock) -> bool:

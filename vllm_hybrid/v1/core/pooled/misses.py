@@ -54,7 +54,7 @@ def ask_ghosts(
     evictions are followed."""
     for group_id, block, pool in groups:
         ghosts = pool.ghosts
-        if not ghosts.keys:
+        if ghosts is None or not ghosts.keys:
             continue
         hashes = _hashes(block_hashes, hash_block, block)
         stop = min(max_length // block, len(hashes))
