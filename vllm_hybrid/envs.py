@@ -111,6 +111,27 @@ def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return value.strip()
 
 
+def whole_number(
+    name: str,
+    default: int,
+    minimum: int,
+    meaning: str,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """The whole number variable ``name`` holds, at least ``minimum``;
+    ``default`` when unset; :class:`ValueError` naming the variable, what its
+    number means and the bound otherwise."""
+    value = raw(name, environ)
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) < minimum:
+        raise ValueError(
+            f"{name}={value!r} is not understood: {meaning}, a whole number "
+            f">= {minimum}"
+        )
+    return int(value)
+
+
 def choice(name: str, default: E, environ: Mapping[str, str] | None = None) -> E:
     """The member of ``default``'s enum that variable ``name`` names (by
     value, any case), ``default`` when unset; :class:`ValueError` naming the

@@ -422,26 +422,22 @@ def rank_entry(
 def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
     """``VLLM_HYBRID_BOUNDARY_CLEAR`` when set, else
     :data:`BOUNDARY_CLEAR_STATE_BLOCKS`."""
-    value = envs.raw(envs.BOUNDARY_CLEAR_VAR, environ)
-    if value is None:
-        return BOUNDARY_CLEAR_STATE_BLOCKS
-    if not value.isdigit():
-        raise ValueError(
-            f"{envs.BOUNDARY_CLEAR_VAR}={value!r} is not understood: state "
-            "blocks' worth of token ids to keep clear, a whole number >= 0"
-        )
-    return int(value)
+    return envs.whole_number(
+        envs.BOUNDARY_CLEAR_VAR,
+        BOUNDARY_CLEAR_STATE_BLOCKS,
+        0,
+        "state blocks' worth of token ids to keep clear",
+        environ,
+    )
 
 
 def state_eviction_window(environ: dict[str, str] | None = None) -> int:
     """``VLLM_HYBRID_STATE_EVICTION_WINDOW`` when set, else
     :data:`STATE_EVICTION_WINDOW`."""
-    value = envs.raw(envs.STATE_EVICTION_WINDOW_VAR, environ)
-    if value is None:
-        return STATE_EVICTION_WINDOW
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(
-            f"{envs.STATE_EVICTION_WINDOW_VAR}={value!r} is not understood: "
-            "cached state blocks to choose among, a whole number >= 1 (1: LRU)"
-        )
-    return int(value)
+    return envs.whole_number(
+        envs.STATE_EVICTION_WINDOW_VAR,
+        STATE_EVICTION_WINDOW,
+        1,
+        "cached state blocks to choose among (1: LRU)",
+        environ,
+    )
