@@ -80,8 +80,8 @@ DECODE_EDGES_VAR = "VLLM_HYBRID_DECODE_EDGES"
 #: none; :data:`vllm_hybrid.v1.core.pooled.policy.steps.ADMISSION_GROWTH_STATE_PAGES`
 #: when unset); for A/B runs.
 ADMISSION_GROWTH_VAR = "VLLM_HYBRID_ADMISSION_GROWTH"
-#: How many prompt tokens a pooled step computes while few requests wait:
-#: ``state_page`` (the default) or ``fill``
+#: How many prompt tokens a pooled step computes: ``state_page`` (the
+#: default), ``fill`` or ``deep_page``
 #: (:class:`vllm_hybrid.v1.core.pooled.policy.steps.PrefillPacing`); for A/B runs.
 PREFILL_PACING_VAR = "VLLM_HYBRID_PREFILL_PACING"
 #: Oldest cached state blocks among which pooled mode's state pool hands out

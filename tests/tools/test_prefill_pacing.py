@@ -77,3 +77,43 @@ def test_checkpoints_on_page_multiples_do_not_cut_a_paced_chunk(
     assert paced == {"r0": 3 * PAGE}
     filled = _first_step(model, PACING_MAX_WAITING, monkeypatch, "fill", 2304)
     assert filled == {"r0": 2304, "r1": BUDGET - 2304}
+
+
+def _steps(model: Path, monkeypatch, pacing: str, steps: int) -> list[dict[str, int]]:
+    """Tokens each of the first ``steps`` steps schedules per request: eight
+    8,000-token prompts, a 2,048-token budget (never paced: under two
+    pages), prefill checkpoints every six pages."""
+    from vllm_hybrid.tools.simulate.drive import _add
+    from vllm_hybrid.tools.simulate.sources import SimRequest
+
+    monkeypatch.setenv(envs.PREFILL_PACING_VAR, pacing)
+    scheduled: list[dict[str, int]] = []
+    with stand_in_engine(model, 2048, 6 * PAGE) as engine:
+        scheduler = engine.scheduler
+        for i in range(8):
+            prompt = [(7 * i + j) % 1000 + 1 for j in range(8000)]
+            _add(engine.core, SimRequest(f"r{i}", prompt, 4, 0.0))
+        schedule = scheduler.schedule
+
+        def recording(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            scheduled.append(dict(out.num_scheduled_tokens))
+            return out
+
+        scheduler.schedule = recording
+        while len(scheduled) < steps:
+            engine.core.step_fn()
+    return scheduled[:steps]
+
+
+def test_deep_page_ends_chunks_deep_in_a_prompt_on_the_next_page(
+    tiny_model_dir, monkeypatch
+):
+    """From 4,096 tokens into r0's prompt its chunks end on the next page
+    (4,608, then 5,760), and those steps admit no prompt they would not
+    finish; ``state_page`` fills the budget, r1 starts in the fourth step."""
+    model = tiny_model_dir("qwen3_6")
+    deep = _steps(model, monkeypatch, "deep_page", 4)
+    assert deep == [{"r0": 2048}, {"r0": 2048}, {"r0": 512}, {"r0": PAGE}]
+    filled = _steps(model, monkeypatch, "state_page", 4)
+    assert filled == [{"r0": 2048}, {"r0": 2048}, {"r0": 2048}, {"r0": 768, "r1": 1280}]

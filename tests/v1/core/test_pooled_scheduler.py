@@ -208,3 +208,75 @@ def test_prefill_pacing_setting():
     assert fill is PrefillPacing.FILL
     with pytest.raises(ValueError, match="VLLM_HYBRID_PREFILL_PACING='x'.*fill"):
         prefill_pacing_policy({envs.PREFILL_PACING_VAR: "x"})
+
+
+def test_a_deep_chunk_ends_on_the_next_page_unless_it_finishes_the_prompt():
+    """Past ``deep`` tokens an unfinished chunk ends on the next multiple of
+    the page (at most one page), as upstream's align split ends it on its
+    block; shallower chunks and last chunks keep the budget's length."""
+    from vllm_hybrid.v1.core.pooled.policy import deep_chunk
+
+    def chunk(prompt: int, start: int, tokens: int, output: int = 0) -> int:
+        request = SimpleNamespace(num_prompt_tokens=prompt, num_tokens=prompt + output)
+        return deep_chunk(request, start, tokens, 1056, 4096)
+
+    assert chunk(100_000, 0, 2048) == 2048  # shallow: the whole budget
+    assert chunk(100_000, 4095, 2048) == 2048
+    assert chunk(100_000, 4224, 2048) == 1056  # on a page: one page
+    assert chunk(100_000, 5000, 2032) == 5280 - 5000  # to the next page
+    assert chunk(100_000, 5280, 500) == 500  # the budget cut it shorter
+    assert chunk(6_000, 5280, 720) == 720  # the last chunk
+    # a preempted request replaying its output is still prefilling
+    assert chunk(4_000, 4224, 2048, output=3000) == 1056
+    request = SimpleNamespace(num_prompt_tokens=100_000, num_tokens=100_000)
+    assert deep_chunk(request, 50_000, 2048, 1056, 0) == 2048  # off
+
+
+def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
+    from vllm.v1.request import RequestStatus
+
+    from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
+
+    scheduler = SimpleNamespace(
+        _pace_page=1056, _deep_chunk=4096, _cut_deep=False, _full_budget=2048
+    )
+
+    def cut(prompt: int, start: int, tokens: int, status=RequestStatus.RUNNING):
+        request = SimpleNamespace(
+            num_prompt_tokens=prompt, num_tokens=prompt, status=status
+        )
+        return PooledSchedulerMixin._deep_cut(scheduler, request, start, tokens)
+
+    waiting = RequestStatus.WAITING
+    assert cut(30_000, 0, 2048, waiting) == 2048  # nothing cut yet
+    assert not scheduler._cut_deep
+    assert cut(100_000, 8448, 2048) == 1056
+    assert scheduler._cut_deep
+    assert cut(30_000, 0, 992, waiting) == 0  # would not finish: not admitted
+    assert cut(900, 0, 900, waiting) == 900  # finishes in this step
+    assert cut(30_000, 0, 992, RequestStatus.PREEMPTED) == 0
+    assert cut(50_000, 9504, 992) == 992  # a running prompt keeps its chunk
+    # a page longer than the budget: upstream's split starts a prompt short
+    # of its block, and so does this step
+    scheduler._pace_page = 2768
+    assert cut(30_000, 0, 1328, waiting) == 1328
+
+
+def test_deep_chunks_are_cut_only_with_deep_page_pacing():
+    from vllm_hybrid import envs
+    from vllm_hybrid.v1.core.pooled.policy import (
+        DEEP_CHUNK_TOKENS,
+        PrefillPacing,
+        deep_chunk_start,
+        paced_step_budget,
+        prefill_pacing_policy,
+    )
+
+    deep = prefill_pacing_policy({envs.PREFILL_PACING_VAR: "deep_page"})
+    assert deep is PrefillPacing.DEEP_PAGE
+    assert deep_chunk_start(deep, 1056) == DEEP_CHUNK_TOKENS == 4096
+    assert deep_chunk_start(deep, None) == 0  # no state pool: nothing to end on
+    assert deep_chunk_start(PrefillPacing.STATE_PAGE, 1056) == 0
+    assert deep_chunk_start(PrefillPacing.FILL, 1056) == 0
+    # its steps are paced as state_page's
+    assert paced_step_budget(8192, 2768, deep) == 5536

@@ -18,8 +18,8 @@ block edges, and every checkpoint a chunk runs past is never written: with
 an interval of 384 over 128-token attention blocks a 760-token prompt was
 cut at 640 and cached no state at 384. This scheduler gives the Mamba
 alignment the state group's block instead. Where else a chunk ends (prefill
-checkpoints, paced steps, room for decodes) is the checkpoint policy's
-decision (:mod:`vllm_hybrid.v1.core.pooled.policy`); the scheduler
+checkpoints, paced steps, room for decodes, deep chunks) is the checkpoint
+policy's decision (:mod:`vllm_hybrid.v1.core.pooled.policy`); the scheduler
 holds the step's state the policy reads. Everything else stays upstream's.
 """
 
@@ -29,7 +29,7 @@ import copy
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -39,10 +39,13 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.policy import (
     DECODE_ROOM,
+    admits_after_deep_cut,
     budget_chunk,
     checkpoint_chunk,
     checkpoints_on_pace,
     decode_room,
+    deep_chunk,
+    deep_chunk_start,
     growth_reserve_blocks,
     growth_reserve_geometry,
     paced_step_budget,
@@ -104,13 +107,18 @@ class PooledSchedulerMixin:
             self.kv_cache_config, self.cache_config.mamba_cache_mode
         )
         self._full_budget = self.max_num_scheduled_tokens
+        pacing = prefill_pacing_policy()
         self._paced_budget = paced_step_budget(
-            self._full_budget, self._pace_page, prefill_pacing_policy()
+            self._full_budget, self._pace_page, pacing
         )
         self._paced_step = False
         #: decode tokens of the running requests after each prefilling one,
         #: this step (empty: no room kept)
         self._decode_room: dict[str, int] = {}
+        #: prompt position from which unfinished chunks end on the next page
+        #: (0: never), and whether this step cut one there
+        self._deep_chunk = deep_chunk_start(pacing, self._pace_page)
+        self._cut_deep = False
         #: prefill checkpoints lie on page multiples, where paced chunks end
         self._checkpoints_on_pace = checkpoints_on_pace(
             self.prefill_checkpoint_interval, self._pace_page
@@ -162,6 +170,10 @@ class PooledSchedulerMixin:
         )
         if chunk is None:
             return 0
+        if self._deep_chunk:
+            chunk = self._deep_cut(request, start, chunk)
+            if chunk == 0:
+                return 0
         aligned = super()._mamba_block_aligned_split(
             request,
             chunk,
@@ -180,7 +192,26 @@ class PooledSchedulerMixin:
             self.prefill_checkpoint_cuts += 1
         return cut
 
+    def _deep_cut(self, request: Request, start: int, chunk: int) -> int:
+        """The chunk after the deep-chunk rule: ended on the next page deep
+        in a prompt; nothing for a waiting prompt a step that cut one does
+        not admit (:func:`admits_after_deep_cut`)."""
+        page = self._pace_page
+        assert page is not None
+        if self._cut_deep and request.status != RequestStatus.RUNNING:
+            budget = self._full_budget
+            return (
+                chunk
+                if admits_after_deep_cut(request, start, chunk, page, budget)
+                else 0
+            )
+        cut = deep_chunk(request, start, chunk, page, self._deep_chunk)
+        if cut < chunk:
+            self._cut_deep = True
+        return cut
+
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._cut_deep = False
         self._paced_step = self.paces_next_step()
         self.max_num_scheduled_tokens = (
             self._paced_budget if self._paced_step else self._full_budget

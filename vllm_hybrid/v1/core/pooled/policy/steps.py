@@ -5,8 +5,9 @@ The chunk cut (:func:`budget_chunk`, :func:`checkpoint_chunk`): a chunk ends
 at the next prefill checkpoint it would run past (:mod:`.positions`); a paced
 step (:class:`PrefillPacing`) ends chunks on state page multiples and keeps
 the checkpoints there without extra cuts; a chunk the token budget cut
-leaves room for the decodes behind it (:data:`DECODE_ROOM`). A waiting
-request is admitted only while the running ones keep room to grow
+leaves room for the decodes behind it (:data:`DECODE_ROOM`); a chunk deep
+in a long prompt may end on the next state page (:data:`DEEP_CHUNK_TOKENS`). A
+waiting request is admitted only while the running ones keep room to grow
 (:func:`growth_reserve_blocks`). The scheduler holds the step's state and asks.
 """
 
@@ -50,6 +51,12 @@ class PrefillPacing(Enum):
     #: the page, as upstream's align split ends it on its block. With more
     #: waiting, queueing dominates and steps fill the budget as with ``FILL``.
     STATE_PAGE = "state_page"
+    #: As :attr:`STATE_PAGE`, and in every step an unfinished chunk that
+    #: starts :data:`DEEP_CHUNK_TOKENS` or more into its prompt ends on the
+    #: next state page, as upstream's align split ends it on its block: a
+    #: shorter decode tail for later first tokens where the queue is long
+    #: (benchmarks/results/sim-20261201-deep-chunks.md).
+    DEEP_PAGE = "deep_page"
 
 
 #: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
@@ -73,6 +80,18 @@ PACING_MIN_PAGES = 2
 #: chunk ends on a 1,056-2,768-token block) leaves room for
 #: (docs/pooled-mode.md, "Room for the decodes behind a long prompt").
 DECODE_ROOM = True
+
+#: Prompt position (tokens) from which :attr:`PrefillPacing.DEEP_PAGE` ends
+#: an unfinished prefill chunk on the next multiple of the state page in
+#: tokens (at most one page), as upstream's align split ends it on its
+#: 1,056-2,768-token block; where the token budget holds a page, a step that
+#: cut one admits no waiting prompt that would not finish in it (upstream's
+#: split cuts such a prompt's first chunk to nothing there and stops
+#: admitting). A chunk's attention work grows with its position: deep in a
+#: long prompt a step filled with prompt tokens by pooled mode's 16-token
+#: blocks took up to 1.6x upstream's longest step, and every decode sharing
+#: it waited. Shallower chunks keep the whole budget.
+DEEP_CHUNK_TOKENS = 4096
 
 #: Admission's growth reserve, in state pages of tokens (the block upstream's
 #: single pool inflates attention to; 0 turns the reserve off). A waiting
@@ -192,6 +211,34 @@ def budget_chunk(
         if num_new_tokens == 0:
             return None
     return num_new_tokens
+
+
+def deep_chunk_start(pacing: PrefillPacing, page: int | None) -> int:
+    """Prompt position from which unfinished chunks end on the next page
+    (:data:`DEEP_CHUNK_TOKENS` with :attr:`PrefillPacing.DEEP_PAGE` and a
+    page); 0: never."""
+    return DEEP_CHUNK_TOKENS if pacing is PrefillPacing.DEEP_PAGE and page else 0
+
+
+def deep_chunk(
+    request: Request, start: int, num_new_tokens: int, page: int, deep: int
+) -> int:
+    """The chunk ended on the next multiple of ``page`` when it starts at or
+    past position ``deep`` (> 0) and does not finish the prefill; else
+    unchanged."""
+    end = start + num_new_tokens
+    if not deep or start < deep or end >= prefill_end(request):
+        return num_new_tokens
+    return min(num_new_tokens, (start // page + 1) * page - start)
+
+
+def admits_after_deep_cut(
+    request: Request, start: int, num_new_tokens: int, page: int, budget: int
+) -> bool:
+    """Whether a step that cut a deep chunk admits a waiting request's chunk:
+    when it finishes the prefill, or when the page is longer than the token
+    budget (upstream's split then starts a prompt short of its block)."""
+    return page > budget or start + num_new_tokens >= prefill_end(request)
 
 
 def checkpoint_chunk(
