@@ -106,14 +106,15 @@ def _steps(model: Path, monkeypatch, pacing: str, steps: int) -> list[dict[str, 
     return scheduled[:steps]
 
 
-def test_deep_page_ends_chunks_deep_in_a_prompt_on_the_next_page(
-    tiny_model_dir, monkeypatch
-):
+@pytest.mark.parametrize("pacing", ["deep_page", "state_page"])
+def test_deep_chunks_end_on_the_next_page(tiny_model_dir, monkeypatch, pacing):
     """From 4,096 tokens into r0's prompt its chunks end on the next page
     (4,608, then 5,760), and those steps admit no prompt they would not
-    finish; ``state_page`` fills the budget, r1 starts in the fourth step."""
+    finish: with ``deep_page``, and by default where the budget holds a page
+    but steps are never paced, as here, while more than four wait. ``fill``
+    fills the budget, r1 starts in the fourth step."""
     model = tiny_model_dir("qwen3_6")
-    deep = _steps(model, monkeypatch, "deep_page", 4)
+    deep = _steps(model, monkeypatch, pacing, 4)
     assert deep == [{"r0": 2048}, {"r0": 2048}, {"r0": 512}, {"r0": PAGE}]
-    filled = _steps(model, monkeypatch, "state_page", 4)
+    filled = _steps(model, monkeypatch, "fill", 4)
     assert filled == [{"r0": 2048}, {"r0": 2048}, {"r0": 2048}, {"r0": 768, "r1": 1280}]

@@ -262,11 +262,12 @@ def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
     assert cut(30_000, 0, 1328, waiting) == 1328
 
 
-def test_deep_chunks_are_cut_only_with_deep_page_pacing():
+def test_where_deep_chunks_are_cut():
     from vllm_hybrid import envs
     from vllm_hybrid.v1.core.pooled.policy import (
         DEEP_CHUNK_TOKENS,
         PrefillPacing,
+        cuts_deep_chunks,
         deep_chunk_start,
         paced_step_budget,
         prefill_pacing_policy,
@@ -274,9 +275,19 @@ def test_deep_chunks_are_cut_only_with_deep_page_pacing():
 
     deep = prefill_pacing_policy({envs.PREFILL_PACING_VAR: "deep_page"})
     assert deep is PrefillPacing.DEEP_PAGE
-    assert deep_chunk_start(deep, 1056) == DEEP_CHUNK_TOKENS == 4096
-    assert deep_chunk_start(deep, None) == 0  # no state pool: nothing to end on
-    assert deep_chunk_start(PrefillPacing.STATE_PAGE, 1056) == 0
-    assert deep_chunk_start(PrefillPacing.FILL, 1056) == 0
-    # its steps are paced as state_page's
+    state, fill = PrefillPacing.STATE_PAGE, PrefillPacing.FILL
+    # deep_page: wherever there is a page, whatever the queue
+    assert deep_chunk_start(deep, 1056, 8192) == DEEP_CHUNK_TOKENS == 4096
+    assert deep_chunk_start(deep, 2768, 2048) == 4096
+    assert deep_chunk_start(deep, None, 2048) == 0  # no state pool
+    assert cuts_deep_chunks(deep, 0)
+    # the default: where steps are never paced but the budget holds a page
+    # (bf16 at 2,048 tokens), while more than four requests wait
+    assert deep_chunk_start(state, 1056, 2048) == 4096
+    assert deep_chunk_start(state, 1056, 8192) == 0  # paced while few wait
+    assert deep_chunk_start(state, 2768, 2048) == 0  # the page exceeds the budget
+    assert not cuts_deep_chunks(state, 4)
+    assert cuts_deep_chunks(state, 5)
+    assert deep_chunk_start(fill, 1056, 2048) == 0
+    # deep_page's steps are paced as state_page's
     assert paced_step_budget(8192, 2768, deep) == 5536

@@ -43,6 +43,7 @@ from vllm_hybrid.v1.core.pooled.policy import (
     budget_chunk,
     checkpoint_chunk,
     checkpoints_on_pace,
+    cuts_deep_chunks,
     decode_room,
     deep_chunk,
     deep_chunk_start,
@@ -117,7 +118,8 @@ class PooledSchedulerMixin:
         self._decode_room: dict[str, int] = {}
         #: prompt position from which unfinished chunks end on the next page
         #: (0: never), and whether this step cut one there
-        self._deep_chunk = deep_chunk_start(pacing, self._pace_page)
+        self._pacing = pacing
+        self._deep_chunk = deep_chunk_start(pacing, self._pace_page, self._full_budget)
         self._cut_deep = False
         #: prefill checkpoints lie on page multiples, where paced chunks end
         self._checkpoints_on_pace = checkpoints_on_pace(
@@ -170,7 +172,7 @@ class PooledSchedulerMixin:
         )
         if chunk is None:
             return 0
-        if self._deep_chunk:
+        if self._deep_chunk and cuts_deep_chunks(self._pacing, len(self.waiting)):
             chunk = self._deep_cut(request, start, chunk)
             if chunk == 0:
                 return 0

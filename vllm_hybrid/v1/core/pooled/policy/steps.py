@@ -6,7 +6,7 @@ at the next prefill checkpoint it would run past (:mod:`.positions`); a paced
 step (:class:`PrefillPacing`) ends chunks on state page multiples and keeps
 the checkpoints there without extra cuts; a chunk the token budget cut
 leaves room for the decodes behind it (:data:`DECODE_ROOM`); a chunk deep
-in a long prompt may end on the next state page (:data:`DEEP_CHUNK_TOKENS`). A
+in a long prompt ends on the next state page (:data:`DEEP_CHUNK_TOKENS`). A
 waiting request is admitted only while the running ones keep room to grow
 (:func:`growth_reserve_blocks`). The scheduler holds the step's state and asks.
 """
@@ -49,11 +49,13 @@ class PrefillPacing(Enum):
     #: budget is the largest multiple of the state page in tokens (upstream's
     #: state block) it holds, and an unfinished chunk ends on a multiple of
     #: the page, as upstream's align split ends it on its block. With more
-    #: waiting, queueing dominates and steps fill the budget as with ``FILL``.
+    #: waiting, queueing dominates and steps fill the budget as with ``FILL``,
+    #: but where steps are never paced and the budget holds a page, chunks
+    #: deep in a prompt end on the next page (:func:`deep_chunk_start`).
     STATE_PAGE = "state_page"
-    #: As :attr:`STATE_PAGE`, and in every step an unfinished chunk that
-    #: starts :data:`DEEP_CHUNK_TOKENS` or more into its prompt ends on the
-    #: next state page, as upstream's align split ends it on its block: a
+    #: As :attr:`STATE_PAGE`, and in every plan and step an unfinished chunk
+    #: that starts :data:`DEEP_CHUNK_TOKENS` or more into its prompt ends on
+    #: the next state page, as upstream's align split ends it on its block: a
     #: shorter decode tail for later first tokens where the queue is long
     #: (benchmarks/results/sim-20261201-deep-chunks.md).
     DEEP_PAGE = "deep_page"
@@ -81,16 +83,17 @@ PACING_MIN_PAGES = 2
 #: (docs/pooled-mode.md, "Room for the decodes behind a long prompt").
 DECODE_ROOM = True
 
-#: Prompt position (tokens) from which :attr:`PrefillPacing.DEEP_PAGE` ends
-#: an unfinished prefill chunk on the next multiple of the state page in
-#: tokens (at most one page), as upstream's align split ends it on its
-#: 1,056-2,768-token block; where the token budget holds a page, a step that
-#: cut one admits no waiting prompt that would not finish in it (upstream's
-#: split cuts such a prompt's first chunk to nothing there and stops
-#: admitting). A chunk's attention work grows with its position: deep in a
-#: long prompt a step filled with prompt tokens by pooled mode's 16-token
-#: blocks took up to 1.6x upstream's longest step, and every decode sharing
-#: it waited. Shallower chunks keep the whole budget.
+#: Prompt position (tokens) from which an unfinished prefill chunk ends on
+#: the next multiple of the state page in tokens (at most one page), as
+#: upstream's align split ends it on its 1,056-2,768-token block; where the
+#: token budget holds a page, a step that cut one admits no waiting prompt
+#: that would not finish in it (upstream's split cuts such a prompt's first
+#: chunk to nothing there and stops admitting). A chunk's attention work
+#: grows with its position: deep in a long prompt a step filled with prompt
+#: tokens by pooled mode's 16-token blocks took up to 1.6x upstream's longest
+#: step, and every decode sharing it waited. Shallower chunks keep the whole
+#: budget. Where it applies: :func:`deep_chunk_start` and
+#: :func:`cuts_deep_chunks`.
 DEEP_CHUNK_TOKENS = 4096
 
 #: Admission's growth reserve, in state pages of tokens (the block upstream's
@@ -213,11 +216,27 @@ def budget_chunk(
     return num_new_tokens
 
 
-def deep_chunk_start(pacing: PrefillPacing, page: int | None) -> int:
-    """Prompt position from which unfinished chunks end on the next page
-    (:data:`DEEP_CHUNK_TOKENS` with :attr:`PrefillPacing.DEEP_PAGE` and a
-    page); 0: never."""
-    return DEEP_CHUNK_TOKENS if pacing is PrefillPacing.DEEP_PAGE and page else 0
+def deep_chunk_start(pacing: PrefillPacing, page: int | None, budget: int) -> int:
+    """Prompt position from which unfinished chunks end on the next page; 0:
+    never. :attr:`PrefillPacing.DEEP_PAGE` cuts wherever there is a page;
+    :attr:`PrefillPacing.STATE_PAGE` only in plans whose steps are never
+    paced but whose token ``budget`` holds a page (bf16 below 70 GiB: 2,048
+    tokens against 1,056), and there only while the queue is long
+    (:func:`cuts_deep_chunks`)."""
+    if not page or pacing is PrefillPacing.FILL:
+        return 0
+    if pacing is PrefillPacing.DEEP_PAGE:
+        return DEEP_CHUNK_TOKENS
+    unpaced = paced_step_budget(budget, page, pacing) is None
+    return DEEP_CHUNK_TOKENS if unpaced and page <= budget else 0
+
+
+def cuts_deep_chunks(pacing: PrefillPacing, num_waiting: int) -> bool:
+    """Whether a step with a deep-chunk start cuts deep chunks:
+    :attr:`PrefillPacing.DEEP_PAGE` always, :attr:`PrefillPacing.STATE_PAGE`
+    while more than :data:`PACING_MAX_WAITING` requests wait (with fewer the
+    queue is short and the first tokens' wait is the chunks themselves)."""
+    return pacing is PrefillPacing.DEEP_PAGE or num_waiting > PACING_MAX_WAITING
 
 
 def deep_chunk(
