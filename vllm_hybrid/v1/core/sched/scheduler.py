@@ -116,6 +116,7 @@ class PooledSchedulerMixin:
         #: decode tokens of the running requests after each prefilling one,
         #: this step (empty: no room kept)
         self._decode_room: dict[str, int] = {}
+        #: the pacing (whether deep chunks are cut whatever the queue), the
         #: prompt position from which unfinished chunks end on the next page
         #: (0: never), and whether this step cut one there
         self._pacing = pacing
