@@ -33,6 +33,7 @@ POOLED_LAYERS = (
     "free_queue",
     "block_pool",
     "coupling",
+    "moves",
     "boundary",
     "arena",
     "misses",

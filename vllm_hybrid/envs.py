@@ -98,6 +98,21 @@ ARENA_SPLIT_VAR = "VLLM_HYBRID_ARENA_SPLIT"
 #: :data:`vllm_hybrid.v1.core.pooled.policy.eviction.BOUNDARY_CLEAR_STATE_BLOCKS`
 #: when unset); for A/B runs.
 BOUNDARY_CLEAR_VAR = "VLLM_HYBRID_BOUNDARY_CLEAR"
+TOKEN_MOVES_VAR = "VLLM_HYBRID_TOKEN_MOVES"
+
+
+def token_moves_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Return whether ``VLLM_HYBRID_TOKEN_MOVES`` lets pooled mode move live
+    token blocks off the arena's boundary so that the state pool can grow
+    (unset or ``1``); ``0`` leaves them where they are until their request
+    ends (for A/B runs, and a way out should a worker not apply the moves).
+    """
+    return _on_off(
+        TOKEN_MOVES_VAR,
+        "live token blocks move off the arena boundary",
+        "they pin it until their request ends",
+        environ,
+    )
 
 
 def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
@@ -164,6 +179,7 @@ OVERLAY_ENV_VARS = (
     STATE_EVICTION_WINDOW_VAR,
     ARENA_SPLIT_VAR,
     BOUNDARY_CLEAR_VAR,
+    TOKEN_MOVES_VAR,
 )
 
 

@@ -180,7 +180,7 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
         self.cache_config = type("C", (), {"block_size": 32})()
         self._paced_step = False  # pacing: test_pooled_scheduler.py
         self._decode_room = {}  # no decodes: test_decode_room.py
-        self._deep_chunk = 0  # deep_page pacing: test_pooled_scheduler.py
+        self._deep_step = False  # deep chunks: test_pooled_scheduler.py
 
 
 def _request(computed: int, prompt: int):

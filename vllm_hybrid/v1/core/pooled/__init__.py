@@ -16,6 +16,8 @@ Layers, bottom to top (a module imports only from the layers below it):
 ``free_queue``  one pool's free blocks, kept in that order
 ``block_pool``  upstream's BlockPool over one pool's movable id range
 ``coupling``    coordinated prefix-cache eviction across the two pools
+``moves``       live token blocks moved out of the state pool's way, and the
+                record of the moves the workers must apply
 ``boundary``    the boundary: initial split, floors, moves, admission
 ``arena``       the two pools and their boundary, built and checked together
 ``misses``      which entries the pools evicted for room a prefix lookup asks

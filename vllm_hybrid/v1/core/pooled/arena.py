@@ -12,6 +12,7 @@ themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import count
 
 from vllm.distributed.kv_events import MEDIUM_GPU
@@ -142,6 +143,21 @@ class KVArena:
             handle.coupling = self.coupling
         self.boundary.coupling = self.coupling
 
+    # -- live token blocks moved off the boundary (.moves) -------------------
+
+    def allow_token_moves(self, *listeners: Callable[[int, int], None]) -> None:
+        """Let the boundary move live token blocks out of the state pool's
+        way from now on; each of ``listeners`` hears every block's (old id,
+        new id). Only for schedulers whose workers apply the moves
+        (:meth:`take_token_moves`)."""
+        self.boundary.allow_moves().listeners.extend(listeners)
+
+    def take_token_moves(self) -> dict[int, int]:
+        """Old token id -> new token id of the blocks moved since the last
+        call (empty when none moved or moves are not allowed)."""
+        moves = self.boundary.moves
+        return moves.take() if moves is not None else {}
+
     # -- whole-arena operations --------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
@@ -243,6 +259,8 @@ def _check_pool(pool: ArenaBlockPool) -> None:
         )
     for i in policy.hit_counts():
         _require(pool.blocks[i].block_hash is not None, f"{name}: hits of clean {i}")
+    for i, block in enumerate(pool.blocks):
+        _require(block.block_id == i, f"{name}: block {block.block_id} at id {i}")
     for block in pool.blocks[1:]:
         _require(block.ref_cnt >= 0, f"{name}: block {block.block_id} ref_cnt < 0")
         if block.block_id not in owned:

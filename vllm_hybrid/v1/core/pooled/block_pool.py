@@ -101,13 +101,12 @@ class ArenaBlockPool(BlockPool):
         self._owned_ids = owned_ids
         #: another pool whose KV cache events this one hands out with its own
         self._events_of = events_of
-        #: where this pool appends its prefix-cache events, in the order they
-        #: happen; None while nobody reads them. The coupling hands both pools
-        #: one list, so the events of the two keep one order.
+        #: where this pool appends its prefix-cache events as they happen
+        #: (None: nobody reads them); both pools share the coupling's list
         self.cache_events: list[CacheEvent] | None = None
         #: request whose blocks are being cached (state side: links them)
         self._caching: Request | None = None
-        #: keys are being re-pointed to another block, not leaving the cache
+        #: keys are moving to another block or id, not leaving the cache
         self._moving = False
         #: tokens of attention KV one of this pool's blocks holds, when its
         #: entries are weighed against attention KV (see ``weigh_entries``)
@@ -115,9 +114,8 @@ class ArenaBlockPool(BlockPool):
         #: token ids next to the boundary whose clean blocks go after the
         #: cached ones (see ``keep_boundary_clear``)
         self._clear_ids = 0
-        #: keys of the entries this pool evicted for room lately, and how
-        #: often they are asked for again (see ``policy.ghosts``); None until
-        #: someone follows them (:meth:`follow_evictions`)
+        #: keys this pool evicted for room lately and how often they are asked
+        #: for again (``policy.ghosts``; None: not followed)
         self.ghosts: Ghosts | None = None
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
@@ -134,10 +132,9 @@ class ArenaBlockPool(BlockPool):
         self.free_block_queue = self._new_free_queue()
 
     def take_events(self) -> list[KVCacheEvent]:
-        """This pool's KV cache events; the token pool also drains the state
-        pool's, because upstream's ``KVCacheManager`` reads events from one
-        pool (its ``block_pool``, the token pool). Events keep their group
-        index, so consumers still see which pool a block belongs to."""
+        """This pool's KV cache events; the token pool, the one upstream's
+        ``KVCacheManager`` reads, also drains the state pool's (events keep
+        their group index, which names the pool)."""
         events = super().take_events()
         if self._events_of is not None:
             events.extend(self._events_of.take_events())
@@ -288,13 +285,11 @@ class ArenaBlockPool(BlockPool):
         return [block]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation, in its two steps: :meth:`take_free`, then
-        :meth:`claim` of each block. The pool's handle drives the steps itself
-        so that the coupling handles what one block's eviction made dead
-        before the next block leaves the cache, as if it heard each event
-        where it happened. A pool never moves the
-        boundary: admission secured the room before the allocation, and a
-        pool short of it raises upstream's ValueError."""
+        """Upstream's allocation in two steps, :meth:`take_free` then
+        :meth:`claim` of each block, which the pool's handle drives itself so
+        that the coupling handles what one block's eviction made dead before
+        the next block leaves the cache. A pool never moves the boundary
+        (admission secured the room; a pool short of it raises ValueError)."""
         blocks = self.take_free(num_blocks)
         for block in blocks:
             self.claim(block)
@@ -414,6 +409,32 @@ class ArenaBlockPool(BlockPool):
 
     # -- boundary moves ------------------------------------------------------
 
+    def can_move(self, block: KVCacheBlock) -> bool:
+        """Whether a live block may change its id (:meth:`swap_ids`): not the
+        null block, and no reader of its bytes waits for its reuse by id."""
+        return not block.is_null and block.block_id not in self._reuse_watchers
+
+    def swap_ids(self, live: KVCacheBlock, free: KVCacheBlock) -> None:
+        """Swap the ids of ``live`` and a free block (:mod:`.moves`); ``free``
+        leaves the prefix cache and rejoins the free queue clean, the keys,
+        hits and metrics of ``live`` follow it without leaving the cache."""
+        assert live.ref_cnt > 0 and free.ref_cnt == 0
+        self.free_block_queue.remove(free)
+        self._evict_for_room(free)
+        old, new, num_tokens = live.block_id, free.block_id, live.block_hash_num_tokens
+        self._moving = True
+        keys = self._remove_cached_block_hashes(live)
+        self._moving = False
+        self.blocks[old], self.blocks[new] = free, live
+        live.block_id, free.block_id = new, old
+        for i, key in enumerate(keys):  # the token count is the first key's
+            self._insert_block_hash(key, live, num_tokens if i == 0 else None)
+        self.free_block_queue.policy.rekey(old, new)
+        collector = self.metrics_collector
+        if collector is not None and old in collector.block_metrics:
+            collector.block_metrics[new] = collector.block_metrics.pop(old)
+        self.free_block_queue.append_n([free])
+
     def resize(self, owned_ids: range) -> None:
         """Own ``owned_ids`` from now on (a boundary move).
 
@@ -458,14 +479,11 @@ class ArenaBlockPool(BlockPool):
 
 class InPlaceView:
     """The state pool as one manager's allocation sees it when admission
-    reserved the request's running block to advance in place.
-
-    Upstream's manager takes its new block from ``manager.block_pool``; the
-    coordinator points it at this view for that one call, so the reserved
-    block travels down as a value and the pool keeps no note of it. A
-    one-block allocation (align mode's one allocation at a state block edge)
-    returns the running block (:meth:`ArenaBlockPool.advance_in_place`);
-    anything else is the pool's.
+    reserved the request's running block to advance in place: the
+    coordinator points ``manager.block_pool`` at this view for that call, so
+    the block travels down as a value. A one-block allocation (align mode's
+    at a state block edge) returns the running block
+    (:meth:`ArenaBlockPool.advance_in_place`); anything else is the pool's.
     """
 
     def __init__(self, pool: ArenaBlockPool, block: KVCacheBlock) -> None:

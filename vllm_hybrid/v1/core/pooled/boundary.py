@@ -22,7 +22,10 @@ When it moves (:meth:`ArenaBoundary.ensure`)
     The ids of the shrinking pool in the way must all be free and not about
     to be reused by a prefix hit; cached ones among them are evicted (with
     ``BlockRemoved`` events). All-or-nothing: either every condition holds
-    and the boundary moves, or nothing changes. Live blocks never move.
+    and the boundary moves, or nothing changes. Where only live token blocks
+    stand in the state pool's way and enough token blocks are free farther
+    off, those live blocks move there first (:mod:`.moves`, when the
+    scheduler's workers apply moves); live state blocks never move.
 
 Who is admitted (:meth:`ArenaBoundary.admit`)
     The ways to serve a request's blocks, tried in the order of
@@ -54,6 +57,7 @@ from vllm_hybrid.v1.core.pooled.coupling import (
     resize_settled,
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
+from vllm_hybrid.v1.core.pooled.moves import TokenMoves, clear_way
 from vllm_hybrid.v1.core.pooled.policy import (
     ADMISSION,
     ARENA_SPLIT,
@@ -156,6 +160,16 @@ class ArenaBoundary:
         #: (``policy.state_block_attention_tokens``; None: entries
         #: not weighed)
         self.break_even = break_even
+        #: the live token blocks moved out of the state pool's way (None:
+        #: none may move; the scheduler turns moves on, :meth:`allow_moves`)
+        self.moves: TokenMoves | None = None
+
+    def allow_moves(self) -> TokenMoves:
+        """Let live token blocks move off the boundary from now on; the
+        record of their moves, which someone must hand to the workers."""
+        if self.moves is None:
+            self.moves = TokenMoves()
+        return self.moves
 
     # -- read side --------------------------------------------------------
 
@@ -197,6 +211,8 @@ class ArenaBoundary:
         yet touched): a move must not evict them or hand their bytes over.
         """
         target = self._plan(need_token, need_state, keep, reach)
+        if target is None and self.moves is not None:
+            target = self._plan_with_moves(need_token, need_state, keep, reach)
         if target is None:
             return False
         if target != self._state_floor:
@@ -271,6 +287,31 @@ class ArenaBoundary:
         if free_token - len(lost) < need_token:
             return None
         return target if _all_free(token, lost, self._kept(keep, reach)) else None
+
+    def _plan_with_moves(
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Iterable[KVCacheBlock],
+        reach: Reach,
+    ) -> int | None:
+        """State floor for a state need that only live token blocks in the
+        way refuse, after moving them farther off (:func:`~.moves.clear_way`);
+        None, nothing moved, when no such move serves it."""
+        free_token = self.token_pool.get_num_free_within(reach)
+        free_state = self.state_pool.get_num_free_within(reach)
+        if need_token > free_token or need_state <= free_state:
+            return None
+        target = self._state_floor - (need_state - free_state)
+        if target < self.layout.min_state_floor:
+            return None
+        lost = self._token_ids_lost(target)
+        kept = self._kept(keep, reach)
+        room = free_token - need_token
+        assert self.moves is not None
+        if not clear_way(self.token_pool, lost, kept, room, self.moves, self.coupling):
+            return None
+        return target
 
     def _recency_target(
         self,

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.metrics.stats import SchedulerStats
 
+from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
+from vllm_hybrid.v1.core.pooled.moves import new_block_ids_follow
 from vllm_hybrid.v1.core.pooled.policy import (
     DECODE_ROOM,
     admits_after_deep_cut,
@@ -118,10 +120,13 @@ class PooledSchedulerMixin:
         self._decode_room: dict[str, int] = {}
         #: the pacing (whether deep chunks are cut whatever the queue), the
         #: prompt position from which unfinished chunks end on the next page
-        #: (0: never), and whether this step cut one there
+        #: (0: never), whether this step cuts them (decided once, at its
+        #: start) and whether it cut one
         self._pacing = pacing
         self._deep_chunk = deep_chunk_start(pacing, self._pace_page, self._full_budget)
+        self._deep_step = False
         self._cut_deep = False
+        self._allow_token_moves()
         #: prefill checkpoints lie on page multiples, where paced chunks end
         self._checkpoints_on_pace = checkpoints_on_pace(
             self.prefill_checkpoint_interval, self._pace_page
@@ -173,7 +178,7 @@ class PooledSchedulerMixin:
         )
         if chunk is None:
             return 0
-        if self._deep_chunk and cuts_deep_chunks(self._pacing, len(self.waiting)):
+        if self._deep_step:
             chunk = self._deep_cut(request, start, chunk)
             if chunk == 0:
                 return 0
@@ -216,6 +221,9 @@ class PooledSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._cut_deep = False
         self._paced_step = self.paces_next_step()
+        self._deep_step = bool(self._deep_chunk) and cuts_deep_chunks(
+            self._pacing, len(self.waiting)
+        )
         self.max_num_scheduled_tokens = (
             self._paced_budget if self._paced_step else self._full_budget
         )
@@ -229,7 +237,30 @@ class PooledSchedulerMixin:
             if hasattr(coordinator, "admission_reserve"):
                 # so that admission moves the arena's boundary for it too
                 coordinator.admission_reserve = reserve
-        return super().schedule(*args, **kwargs)
+        output = super().schedule(*args, **kwargs)
+        arena = arena_of(self.kv_cache_manager)
+        moves = arena.take_token_moves() if arena is not None else None
+        if moves:
+            # the workers copy the moved blocks and rename them in the block
+            # tables they keep before they run the step
+            output.hybrid_token_moves = moves
+        return output
+
+    def _allow_token_moves(self) -> None:
+        """Let the arena move live token blocks off its boundary
+        (:mod:`~vllm_hybrid.v1.core.pooled.moves`), unless a KV connector
+        may read blocks by id across steps or ``VLLM_HYBRID_TOKEN_MOVES=0``."""
+        arena = arena_of(self.kv_cache_manager)
+        if arena is None or self.connector is not None:
+            return
+        if not envs.token_moves_enabled():
+            return
+        managers = [
+            manager
+            for manager in self.kv_cache_manager.coordinator.single_type_managers
+            if manager.block_pool is arena.token_pool
+        ]
+        arena.allow_token_moves(new_block_ids_follow(managers))
 
     def paces_next_step(self) -> bool:
         """Whether the next step is paced: pacing is on for this plan and at

@@ -334,6 +334,13 @@ class EvictionPolicy:
         self._kinds.pop(block.block_id, None)
         self._saves.pop(block.block_id, None)
 
+    def rekey(self, old: int, new: int) -> None:
+        """A block moved from id ``old`` to ``new`` (:mod:`..moves`): what
+        the policy knows of it follows; ``new`` held nothing cached."""
+        for known in (self._hits, self._kinds, self._saves):
+            if old in known:
+                known[new] = known.pop(old)
+
     def rank(
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None
     ) -> Place:

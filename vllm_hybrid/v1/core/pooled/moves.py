@@ -1,0 +1,160 @@
+"""Moving live token blocks out of the way of the state pool's growth.
+
+The state pool grows by taking the token ids next to the arena's boundary
+(:mod:`.boundary`), and only while every one of them is free. Where memory is
+short the token pool hands those blocks out last, but a request admitted
+when the token pool was full holds them until it ends, and the state pool
+refuses new requests meanwhile even though enough token blocks are free
+farther from the boundary. A *move* gives each live token block in the way a
+free token block outside it instead; then the boundary moves as usual.
+
+The scheduler's side of a move (this module, and the pool's ``swap_ids``)
+swaps the two blocks' ids in the pool: the live block object, which every
+holder keeps (the request's block table, this step's new blocks, the prefix
+cache), takes the free block's id, and the free block takes the live one's
+and leaves with the token ids the state pool takes. The prefix cache, the
+free queue's policy and the metrics collector follow the id. The workers'
+side copies each moved block's bytes and rewrites the slots that named its
+old id before the step runs (``vllm_hybrid.v1.worker.token_moves``); the
+scheduler hands them the step's moves, composed into one old-id to new-id
+mapping (:meth:`TokenMoves.take`), on its output (``hybrid_token_moves``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
+
+
+@dataclass
+class TokenMoves:
+    """The token blocks moved since the workers last heard of moves.
+
+    ``pending`` maps the id a moved block had when the workers last saw it
+    to the id it has now: moves within one step compose (a block moved from
+    A to B and then from B to C is one move from A to C), so the workers
+    apply the mapping at once, every source read before any destination is
+    written.
+    """
+
+    #: old id -> current id of every block moved since the last take
+    pending: dict[int, int] = field(default_factory=dict)
+    #: boundary moves that needed blocks moved, and blocks moved (totals)
+    boundary_moves: int = 0
+    blocks: int = 0
+    #: called with (old id, new id) at each block's move, for holders of
+    #: plain ids (the managers' lists of new blocks to zero)
+    listeners: list[Callable[[int, int], None]] = field(default_factory=list)
+    #: current id -> id the workers know, for the blocks in ``pending``
+    _known_as: dict[int, int] = field(default_factory=dict)
+
+    def record(self, old: int, new: int) -> None:
+        """The block at ``old`` is at ``new`` now."""
+        origin = self._known_as.pop(old, old)
+        if origin == new:
+            del self.pending[origin]
+        else:
+            self.pending[origin] = new
+            self._known_as[new] = origin
+        self.blocks += 1
+        for listener in self.listeners:
+            listener(old, new)
+
+    def take(self) -> dict[int, int]:
+        """The moves the workers have not heard of yet, now handed out."""
+        pending, self.pending = self.pending, {}
+        self._known_as = {}
+        return pending
+
+
+def destinations(
+    pool: ArenaBlockPool, count: int, avoid: range, kept: set[tuple[int, int]]
+) -> list[KVCacheBlock] | None:
+    """``count`` free blocks of ``pool`` outside ``avoid`` and not ``kept``,
+    in the order the pool hands blocks out (clean ones first, so that moves
+    evict as few cached entries as an allocation would); None when fewer are
+    free there."""
+    found: list[KVCacheBlock] = []
+    if not count:
+        return found
+    for block in pool.free_block_queue.get_all_free_blocks():
+        if block.block_id in avoid or (id(pool), block.block_id) in kept:
+            continue
+        found.append(block)
+        if len(found) == count:
+            return found
+    return None
+
+
+def move_live_blocks(
+    pool: ArenaBlockPool,
+    live: list[KVCacheBlock],
+    avoid: range,
+    kept: set[tuple[int, int]],
+    moves: TokenMoves,
+    coupling: PrefixCacheCoupling | None = None,
+) -> bool:
+    """Move every block of ``live`` to a free block outside ``avoid``;
+    all-or-nothing: False, nothing moved, when too few are free or one of
+    them may not move (``ArenaBlockPool.can_move``). The ``coupling``, if
+    any, handles what each destination's eviction made dead before the next
+    move."""
+    if not all(pool.can_move(block) for block in live):
+        return False
+    targets = destinations(pool, len(live), avoid, kept)
+    if targets is None:
+        return False
+    for block, target in zip(live, targets, strict=True):
+        old = block.block_id
+        pool.swap_ids(block, target)
+        if coupling is not None:
+            coupling.settle()
+        moves.record(old, block.block_id)
+    moves.boundary_moves += 1
+    return True
+
+
+def clear_way(
+    pool: ArenaBlockPool,
+    ids: range,
+    kept: set[tuple[int, int]],
+    room: int,
+    moves: TokenMoves,
+    coupling: PrefixCacheCoupling | None = None,
+) -> bool:
+    """Make every block of ``pool`` at ``ids`` free by moving the live ones
+    among them elsewhere, leaving at least ``room`` of the pool's free
+    blocks outside ``ids``; False, nothing moved, when some are ``kept`` or
+    not movable, none is live (a move would not help) or too few are free."""
+    blocks = pool.blocks
+    if any((id(pool), i) in kept for i in ids):
+        return False
+    live = [blocks[i] for i in ids if blocks[i].ref_cnt]
+    # the free blocks at ids leave too; the moved ones take others
+    if not live or room - (len(ids) - len(live)) - len(live) < 0:
+        return False
+    return move_live_blocks(pool, live, ids, kept, moves, coupling)
+
+
+def new_block_ids_follow(
+    managers: Iterable[SingleTypeKVCacheManager],
+) -> Callable[[int, int], None]:
+    """A listener (:attr:`TokenMoves.listeners`) that renames a moved block
+    in the ``managers``' lists of this step's new block ids, which upstream
+    keeps as plain ids for the workers to zero."""
+    managers = list(managers)
+
+    def rename(old: int, new: int) -> None:
+        for manager in managers:
+            ids = manager.new_block_ids
+            for i, block_id in enumerate(ids):
+                if block_id == old:
+                    ids[i] = new
+
+    return rename
