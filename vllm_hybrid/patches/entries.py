@@ -2,7 +2,8 @@
 
 Each entry says why no extension point serves, how the patch works, where
 upstream stands and when to drop it. Target paths are written here (and in
-:mod:`.cuda_graph_entries` and :mod:`.v2_runner_entries`, one group of them
+:mod:`.cuda_graph_entries`, :mod:`.v2_runner_entries`,
+:mod:`.state_read_entries` and :mod:`.token_move_entries`, one group of them
 each) and nowhere else:
 replacement modules reach upstream's object through
 :func:`vllm_hybrid.patches.registry.upstream_of`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from vllm_hybrid.patches.cuda_graph_entries import CUDA_GRAPH_PATCHES
 from vllm_hybrid.patches.entry import PatchEntry
 from vllm_hybrid.patches.state_read_entries import STATE_READ_PATCHES
+from vllm_hybrid.patches.token_move_entries import TOKEN_MOVE_PATCHES
 from vllm_hybrid.patches.v2_runner_entries import V2_RUNNER_PATCHES
 
 #: Home of the replacements of ``vllm.v1.core.kv_cache_utils`` functions.
@@ -217,6 +219,8 @@ PATCHES: list[PatchEntry] = [
     *V2_RUNNER_PATCHES,
     # -- prefill chunks reading their state out of place (CUDA) ------------
     *STATE_READ_PATCHES,
+    # -- live token blocks moved off the arena's boundary ------------------
+    *TOKEN_MOVE_PATCHES,
     # -- TurboQuant KV cache on CPU, dtype validation ------------------------
     PatchEntry(
         target="vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",

@@ -16,6 +16,7 @@ from vllm_hybrid.patches.state_read_entries import (
     STATE_READ_ATTRIBUTES,
     STATE_READ_PRIVATE,
 )
+from vllm_hybrid.patches.token_move_entries import TOKEN_MOVE_ATTRIBUTES
 
 SUBCLASSES: list[SubclassEntry] = [
     SubclassEntry(
@@ -289,6 +290,7 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
         ),
     ),
     *STATE_READ_ATTRIBUTES,
+    *TOKEN_MOVE_ATTRIBUTES,
 ]
 
 #: Private upstream attributes the overlay reads or calls (overrides of
