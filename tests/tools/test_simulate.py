@@ -203,6 +203,25 @@ def test_no_state_block_means_no_copies_and_finished_requests_are_dropped() -> N
     assert observer.requests == {}
 
 
+def test_token_blocks_moved_are_counted_and_charged_as_block_copies() -> None:
+    """A step whose output moves token blocks (pooled mode's boundary) counts
+    each, and its copy bytes add one token block apiece."""
+    from vllm_hybrid.tools.simulate.session import _copy_bytes
+
+    observer = StepObserver(state_block=None, state_group=None)
+    output = _output({"a": 16}, new=[_new("a", 16, 0, [1])])
+    output.hybrid_token_moves = {10: 3, 11: 4}
+    step = observer.observe(output)
+    assert step.token_moves == 2
+    assert (
+        observer.observe(_output({"a": 1}, cached=[("a", 16, None)])).token_moves == 0
+    )
+    clock = SimpleNamespace(model=SimpleNamespace(state_bytes=1000))
+    assert _copy_bytes(step, clock, (500, 64)) == 2 * 64
+    step.cow_copies, step.state_copies = 1, 3
+    assert _copy_bytes(step, clock, (500, 64)) == 3 * 1000 + 500 + 2 * 64
+
+
 def test_records_add_up() -> None:
     total = StepRecord()
     total.add(StepRecord(steps=1, prefill_tokens=3, state_copies=1))

@@ -261,6 +261,7 @@ def summarize(
         "state_self_copies": steps.state_self_copies,
         "state_reads_elsewhere": steps.state_reads_elsewhere,
         "cow_copies": steps.cow_copies,
+        "token_moves": steps.token_moves,
         "copy_bytes": copy_bytes,
         "checkpoints_cached": checkpoints,
         "peak_running": result.running_peak,
@@ -312,13 +313,13 @@ def run_variant(
         checkpoints = count_state_checkpoints(engine.scheduler)
         follow_misses(engine.scheduler)
         clock = cost_model(engine, spec)
-        cow_bytes = _cow_block_bytes(engine)
+        block_bytes = _copied_block_bytes(engine)
         workload = make_workload(spec.workload, engine.vocab_size())
 
         def seconds(record: StepRecord) -> float:
             return clock.step_seconds(
                 record,
-                _copy_bytes(record, clock, cow_bytes),
+                _copy_bytes(record, clock, block_bytes),
                 record.copies_moved,
             )
 
@@ -337,7 +338,9 @@ def run_variant(
             if progress is not None:
                 progress.close()
         summary = summarize(
-            result, _copy_bytes(result.steps, clock, cow_bytes), checkpoints.checkpoints
+            result,
+            _copy_bytes(result.steps, clock, block_bytes),
+            checkpoints.checkpoints,
         )
         summary["counted"]["eviction_misses"] = eviction_misses(engine.scheduler)
         summary["geometry"] = geometry_summary(engine.scheduler, engine.vllm_config)
@@ -348,19 +351,26 @@ def run_variant(
     return summary
 
 
-def _copy_bytes(record: StepRecord, clock: CostModel, cow_bytes: int) -> float:
+def _copy_bytes(
+    record: StepRecord, clock: CostModel, block_bytes: tuple[int, int]
+) -> float:
     """Bytes a step's copies move on the clock's runner: the states it
-    copies (``StepRecord.copies_moved``) and copy-on-write blocks."""
+    copies (``StepRecord.copies_moved``), copy-on-write blocks and token
+    blocks moved off the arena's boundary (``block_bytes``: one state-pool
+    and one token-pool block, :func:`_copied_block_bytes`)."""
+    cow_bytes, token_bytes = block_bytes
     states = record.copies_moved * clock.model.state_bytes
-    return states + record.cow_copies * cow_bytes
+    return states + record.cow_copies * cow_bytes + record.token_moves * token_bytes
 
 
-def _cow_block_bytes(engine: SimEngine) -> int:
-    """Bytes one copy-on-write block copy moves: the block of the pool the
-    state groups use (every layer's page of one block id)."""
+def _copied_block_bytes(engine: SimEngine) -> tuple[int, int]:
+    """Bytes one copy-on-write block copy moves (the block of the pool the
+    state groups use: every layer's page of one block id) and one moved
+    token block (0 without a token pool)."""
     pools = geometry_summary(engine.scheduler, engine.vllm_config)["pools"]
-    state = [p for p in pools if p["kind"] in ("state", "shared")]
-    return state[0]["block_bytes"] if state else 0
+    state = [p["block_bytes"] for p in pools if p["kind"] in ("state", "shared")]
+    token = [p["block_bytes"] for p in pools if p["kind"] == "token"]
+    return (state[0] if state else 0, token[0] if token else 0)
 
 
 def _progress_bar(

@@ -21,7 +21,8 @@ fused pre-copy copies at the same column changes; the overlay drops self
 copies on both runners, so they cost nothing (:attr:`StepRecord.copies_moved`).
 Copy-on-write
 block copies (a sub-block prefix hit taking over a cached checkpoint) come
-from the output's ``kv_cache_block_copies``.
+from the output's ``kv_cache_block_copies``, the token blocks pooled mode
+moves off its arena's boundary from its ``hybrid_token_moves``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class StepRecord:
     #: block instead (:mod:`vllm_hybrid.v1.worker.state_reads`)
     state_reads_elsewhere: int = 0
     cow_copies: int = 0
+    #: live token blocks the workers copy elsewhere before the step, so
+    #: that the arena's boundary could move (``hybrid_token_moves``,
+    #: :mod:`vllm_hybrid.v1.core.pooled.moves`)
+    token_moves: int = 0
 
     @property
     def copies_moved(self) -> int:
@@ -151,6 +156,7 @@ class StepObserver:
             computed = cached.num_computed_tokens[i]
             self._count(record, req_id, tracked, computed, scheduled)
         record.cow_copies = len(output.kv_cache_block_copies or ())
+        record.token_moves = len(getattr(output, "hybrid_token_moves", None) or ())
         self.total.add(record)
         return record
 
