@@ -85,8 +85,9 @@ class _UpstreamScheduler:
         self.cache_config = SimpleNamespace(mamba_cache_mode="align", block_size=16)
         self.max_num_scheduled_tokens = 8192
         self.kv_cache_manager = SimpleNamespace(
-            coordinator=SimpleNamespace(arena=arena)
+            coordinator=SimpleNamespace(arena=arena, single_type_managers=())
         )
+        self.connector = None
         self.log_stats = log_stats
         self.stats_calls = 0
 
