@@ -544,6 +544,16 @@ def test_table_gives_ratios_to_upstream_best() -> None:
     assert "ub (best): prefill tokens 100" in render_sweeps(engines)
 
 
+def test_token_blocks_moved_show_beside_the_copies_once_a_run_counts_them() -> None:
+    engines = {
+        "upstream-best": {"best": "ub", "runs": {"ub": _summary(100, 100)}},
+        "pooled": {"best": "pooled", "runs": {"pooled": _summary(50, 150)}},
+    }
+    assert "token blocks moved" not in render_table(engines)
+    engines["pooled"]["runs"]["pooled"]["counted"]["token_moves"] = 19056
+    assert "| token blocks moved (counted) | - | 19,056 |" in render_table(engines)
+
+
 def test_summary_rows_give_prefill_ratio_to_upstream_best() -> None:
     engines = {
         "upstream-best": {"best": "ub", "runs": {"ub": _summary(100, 100)}},

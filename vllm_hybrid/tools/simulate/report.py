@@ -32,6 +32,7 @@ ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
         False,
     ),
     ("copy-on-write block copies (counted)", "counted", "cow_copies", "{:,}", False),
+    ("token blocks moved (counted)", "counted", "token_moves", "{:,}", False),
     ("bytes copied, GB (counted)", "counted", "copy_gb", "{:,.1f}", True),
     ("checkpoints cached (counted)", "counted", "checkpoints_cached", "{:,.0f}", True),
     ("TTFT p50, s (modeled)", "modeled", "ttft_p50", "{:.2f}", True),
@@ -41,8 +42,9 @@ ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
     ("output tokens/s (modeled)", "modeled", "output_tok_per_s", "{:,.0f}", True),
 )
 
-#: Rows shown only when some run has the figure (traces with follow-ups).
-OPTIONAL_KEYS = frozenset({"floor_tokens", "above_floor"})
+#: Rows shown only when some run has the figure (traces with follow-ups;
+#: token moves, which runs before pooled mode moved blocks do not count).
+OPTIONAL_KEYS = frozenset({"floor_tokens", "above_floor", "token_moves"})
 
 
 def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
