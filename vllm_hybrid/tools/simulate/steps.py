@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -156,7 +158,7 @@ class StepObserver:
             computed = cached.num_computed_tokens[i]
             self._count(record, req_id, tracked, computed, scheduled)
         record.cow_copies = len(output.kv_cache_block_copies or ())
-        record.token_moves = len(getattr(output, "hybrid_token_moves", None) or ())
+        record.token_moves = len(getattr(output, MOVES_ATTRIBUTE, None) or ())
         self.total.add(record)
         return record
 

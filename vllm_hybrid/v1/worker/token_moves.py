@@ -49,6 +49,7 @@ from vllm.utils.torch_utils import async_tensor_h2d
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.patches.registry import upstream_of
+from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PooledKVCacheConfig, PoolKind
 
 if TYPE_CHECKING:
@@ -60,9 +61,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-#: The attribute the scheduler mixin (vllm_hybrid/v1/core/sched/scheduler.py)
-#: sets on a step's ``SchedulerOutput``.
-MOVES_ATTRIBUTE = "hybrid_token_moves"
 
 #: Bytes one batch of the copy stages: blocks that are not also destinations
 #: go in batches, so a large move needs no temporary as large as itself.
@@ -277,9 +275,7 @@ def apply_token_moves(runner: Any, moves: Mapping[int, int]) -> None:
             event = getattr(runner, "prepare_inputs_event", None)
             if event is not None:
                 event.synchronize()
-            remap_request_states(
-                runner.requests, groups, dict(zip(sources, dests, strict=True))
-            )
+            remap_request_states(runner.requests, groups, moves)
             batch = runner.input_batch
             rows = list(batch.req_id_to_index.values())
             remap_v1_rows(batch.block_table, rows, groups, sources, dests)

@@ -210,9 +210,7 @@ class ArenaBoundary:
         ``keep`` are free cached blocks about to be reused (prefix hits not
         yet touched): a move must not evict them or hand their bytes over.
         """
-        target = self._plan(need_token, need_state, keep, reach)
-        if target is None and self.moves is not None:
-            target = self._plan_with_moves(need_token, need_state, keep, reach)
+        target = self._plan(need_token, need_state, keep, reach, self.moves)
         if target is None:
             return False
         if target != self._state_floor:
@@ -252,9 +250,13 @@ class ArenaBoundary:
         need_state: int,
         keep: Iterable[KVCacheBlock],
         reach: Reach,
+        moves: TokenMoves | None = None,
     ) -> int | None:
         """State floor that satisfies both needs, or None if none does.
-        Blocks ``reach`` spares count as neither free nor movable."""
+        Blocks ``reach`` spares count as neither free nor movable. With
+        ``moves``, live token blocks alone in the state pool's way move
+        elsewhere (:func:`~.moves.clear_way`, recorded there), the one thing
+        planning changes."""
         token, state = self.token_pool, self.state_pool
         free_token = token.get_num_free_within(reach)
         free_state = state.get_num_free_within(reach)
@@ -286,32 +288,12 @@ class ArenaBoundary:
         lost = self._token_ids_lost(target)
         if free_token - len(lost) < need_token:
             return None
-        return target if _all_free(token, lost, self._kept(keep, reach)) else None
-
-    def _plan_with_moves(
-        self,
-        need_token: int,
-        need_state: int,
-        keep: Iterable[KVCacheBlock],
-        reach: Reach,
-    ) -> int | None:
-        """State floor for a state need that only live token blocks in the
-        way refuse, after moving them farther off (:func:`~.moves.clear_way`);
-        None, nothing moved, when no such move serves it."""
-        free_token = self.token_pool.get_num_free_within(reach)
-        free_state = self.state_pool.get_num_free_within(reach)
-        if need_token > free_token or need_state <= free_state:
-            return None
-        target = self._state_floor - (need_state - free_state)
-        if target < self.layout.min_state_floor:
-            return None
-        lost = self._token_ids_lost(target)
         kept = self._kept(keep, reach)
-        room = free_token - need_token
-        assert self.moves is not None
-        if not clear_way(self.token_pool, lost, kept, room, self.moves, self.coupling):
-            return None
-        return target
+        if _all_free(token, lost, kept):
+            return target
+        if moves is not None and clear_way(token, lost, kept, moves, self.coupling):
+            return target
+        return None
 
     def _recency_target(
         self,

@@ -31,6 +31,10 @@ from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
 
+#: The ``SchedulerOutput`` attribute that carries a step's moves to the
+#: workers (:meth:`TokenMoves.take`'s mapping; absent when none moved).
+MOVES_ATTRIBUTE = "hybrid_token_moves"
+
 
 @dataclass
 class TokenMoves:
@@ -45,8 +49,7 @@ class TokenMoves:
 
     #: old id -> current id of every block moved since the last take
     pending: dict[int, int] = field(default_factory=dict)
-    #: boundary moves that needed blocks moved, and blocks moved (totals)
-    boundary_moves: int = 0
+    #: blocks moved in all
     blocks: int = 0
     #: called with (old id, new id) at each block's move, for holders of
     #: plain ids (the managers' lists of new blocks to zero)
@@ -116,7 +119,6 @@ def move_live_blocks(
         if coupling is not None:
             coupling.settle()
         moves.record(old, block.block_id)
-    moves.boundary_moves += 1
     return True
 
 
@@ -124,20 +126,19 @@ def clear_way(
     pool: ArenaBlockPool,
     ids: range,
     kept: set[tuple[int, int]],
-    room: int,
     moves: TokenMoves,
     coupling: PrefixCacheCoupling | None = None,
 ) -> bool:
     """Make every block of ``pool`` at ``ids`` free by moving the live ones
-    among them elsewhere, leaving at least ``room`` of the pool's free
-    blocks outside ``ids``; False, nothing moved, when some are ``kept`` or
-    not movable, none is live (a move would not help) or too few are free."""
+    among them elsewhere; False, nothing moved, when some are ``kept`` or
+    not movable, none is live (a move would not help) or too few are free
+    elsewhere. The caller has checked that the pool's free blocks outside
+    ``ids`` cover its own need after the moves."""
     blocks = pool.blocks
     if any((id(pool), i) in kept for i in ids):
         return False
     live = [blocks[i] for i in ids if blocks[i].ref_cnt]
-    # the free blocks at ids leave too; the moved ones take others
-    if not live or room - (len(ids) - len(live)) - len(live) < 0:
+    if not live:
         return False
     return move_live_blocks(pool, live, ids, kept, moves, coupling)
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-from vllm_hybrid.v1.core.pooled.moves import new_block_ids_follow
+from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE, new_block_ids_follow
 from vllm_hybrid.v1.core.pooled.policy import (
     DECODE_ROOM,
     admits_after_deep_cut,
@@ -243,7 +243,7 @@ class PooledSchedulerMixin:
         if moves:
             # the workers copy the moved blocks and rename them in the block
             # tables they keep before they run the step
-            output.hybrid_token_moves = moves
+            setattr(output, MOVES_ATTRIBUTE, moves)
         return output
 
     def _allow_token_moves(self) -> None:
