@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_hybrid.tools.simulate.floor import PrefixFloor
+from vllm_hybrid.tools.simulate.host import SchedulerCpu
 from vllm_hybrid.tools.simulate.sources import SimRequest, Workload
 from vllm_hybrid.tools.simulate.steps import StepRecord
 
@@ -102,7 +103,8 @@ class Driver:
     call; ``step_seconds`` prices one of them on the modeled clock. A run is
     stalled after ``stall_steps`` steps in a row that ran nothing; ``on_step``
     sees the result after every step and ends the run with the outcome it
-    returns (None: go on).
+    returns (None: go on). With ``scheduler_cpu`` the scheduler's CPU time
+    is read per engine step (:mod:`.host`).
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class Driver:
         progress: Any = None,
         stall_steps: int = STALL_STEPS,
         on_step: Callable[[DriveResult], str | None] | None = None,
+        scheduler_cpu: SchedulerCpu | None = None,
     ) -> None:
         self.core = core
         self.workload = workload
@@ -124,6 +127,9 @@ class Driver:
         self.progress = progress
         self.stall_steps = stall_steps
         self.on_step = on_step
+        self.scheduler_cpu = scheduler_cpu
+        if scheduler_cpu is not None:
+            scheduler_cpu.attach(core.scheduler)
         self.now = 0.0
         self.result = DriveResult(StepRecord(), {})
         self.replies: dict[str, list[int]] = {}
@@ -149,6 +155,8 @@ class Driver:
                 self.now = max(self.now, upcoming)
                 continue
             outputs, _ = step()
+            if self.scheduler_cpu is not None:
+                self.scheduler_cpu.close_step()
             seconds = 0.0
             for record in self.take_records():
                 result.steps.add(record)

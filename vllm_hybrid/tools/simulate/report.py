@@ -40,11 +40,15 @@ ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
     ("TPOT p50, ms (modeled)", "modeled", "tpot_p50_ms", "{:.1f}", True),
     ("TPOT p99, ms (modeled)", "modeled", "tpot_p99_ms", "{:.1f}", True),
     ("output tokens/s (modeled)", "modeled", "output_tok_per_s", "{:,.0f}", True),
+    ("scheduler CPU per step, ms, this host", "host", "cpu_mean_ms", "{:.2f}", True),
+    ("scheduler CPU per step p99, ms, this host", "host", "cpu_p99_ms", "{:.2f}", True),
 )
 
 #: Rows shown only when some run has the figure (traces with follow-ups;
-#: token moves, which runs before pooled mode moved blocks do not count).
-OPTIONAL_KEYS = frozenset({"floor_tokens", "above_floor", "token_moves"})
+#: token moves and the scheduler's CPU, which older runs did not record).
+OPTIONAL_KEYS = frozenset(
+    {"floor_tokens", "above_floor", "token_moves", "cpu_mean_ms", "cpu_p99_ms"}
+)
 
 
 def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -66,7 +70,9 @@ def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     modeled["ttft_p50"], modeled["ttft_p99"] = ttft.get("p50"), ttft.get("p99")
     modeled["tpot_p50_ms"] = tpot["p50"] * 1e3 if "p50" in tpot else None
     modeled["tpot_p99_ms"] = tpot["p99"] * 1e3 if "p99" in tpot else None
-    return {"counted": counted, "modeled": modeled}
+    per_step = (summary.get("host") or {}).get("scheduler_cpu_ms_per_step") or {}
+    host = {"cpu_mean_ms": per_step.get("mean"), "cpu_p99_ms": per_step.get("p99")}
+    return {"counted": counted, "modeled": modeled, "host": host}
 
 
 def best_runs(engines: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:

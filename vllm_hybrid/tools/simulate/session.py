@@ -35,6 +35,7 @@ from vllm_hybrid.tools.simulate.followups import (
     read_followup_trace,
     trace_format,
 )
+from vllm_hybrid.tools.simulate.host import SchedulerCpu
 from vllm_hybrid.tools.simulate.probes import (
     count_state_checkpoints,
     eviction_misses,
@@ -324,6 +325,7 @@ def run_variant(
             )
 
         progress = _progress_bar(spec, variant, workload, line)
+        scheduler_cpu = SchedulerCpu()
         driver = Driver(
             engine.core,
             workload,
@@ -331,6 +333,7 @@ def run_variant(
             seconds,
             sample_every_s=spec.sample_every_s,
             progress=progress,
+            scheduler_cpu=scheduler_cpu,
         )
         try:
             result = driver.run()
@@ -344,6 +347,7 @@ def run_variant(
         )
         summary["counted"]["eviction_misses"] = eviction_misses(engine.scheduler)
         summary["geometry"] = geometry_summary(engine.scheduler, engine.vllm_config)
+        summary["host"] = scheduler_cpu.summary()
     summary["variant"] = dataclasses.asdict(variant)
     summary["gpu"] = clock.gpu.name
     summary["timeline"] = [dataclasses.astuple(p) for p in result.timeline]
