@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 #: Scheduler methods an engine core calls each step.
 TIMED_METHODS = ("schedule", "update_from_output")
@@ -32,7 +35,7 @@ class SchedulerCpu:
     per_step_ns: list[int] = field(default_factory=list)
     _open_ns: int = 0
 
-    def attach(self, scheduler: Any) -> SchedulerCpu:
+    def attach(self, scheduler: Scheduler) -> SchedulerCpu:
         """Wrap the timed methods of ``scheduler`` (the instance only)."""
         for name in TIMED_METHODS:
             setattr(scheduler, name, self._timed(getattr(scheduler, name)))

@@ -453,7 +453,8 @@ class ArenaBlockPool(BlockPool):
     def leaving(self, owned_ids: range) -> list[KVCacheBlock]:
         """The blocks a move to ``owned_ids`` takes from this pool; whoever
         reads one until its reuse is told now."""
-        leaving = [self.blocks[i] for i in self._owned_ids if i not in owned_ids]
+        blocks = self.blocks
+        leaving = [blocks[i] for r in _minus(self._owned_ids, owned_ids) for i in r]
         if self._reuse_watchers:
             self._notify_reuse(leaving)
         return leaving
@@ -468,13 +469,24 @@ class ArenaBlockPool(BlockPool):
     def take_over(self, owned_ids: range) -> None:
         """Own ``owned_ids``, the leaving blocks released: the arriving ones
         join the free queue as clean blocks."""
-        old = self._owned_ids
-        arriving = [self.blocks[i] for i in owned_ids if i not in old]
+        blocks = self.blocks
+        arriving = [blocks[i] for r in _minus(owned_ids, self._owned_ids) for i in r]
         for block in arriving:
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids
         self.free_block_queue.append_n(arriving)
         self.free_block_queue.hold_clean_from(self._held_from())
+
+
+def _minus(ids: range, other: range) -> tuple[range, ...]:
+    """The ids of ``ids`` not in ``other``, as at most two ranges (both are
+    contiguous, step 1): a boundary move touches only the ids it moves, not
+    every id a pool owns."""
+    if not other or other.stop <= ids.start or other.start >= ids.stop:
+        return (ids,)
+    below = range(ids.start, min(other.start, ids.stop))
+    above = range(max(other.stop, ids.start), ids.stop)
+    return tuple(r for r in (below, above) if r)
 
 
 class InPlaceView:

@@ -177,13 +177,34 @@ class TurnEndRetentionMixin:
                 if _align_mode(manager):
                     _drop_in_place_key(manager, request.request_id)
             return
+        managers = self.single_type_managers
+        cacheable = [
+            self.get_num_cacheable_tokens(num_computed_tokens, group_id)
+            for group_id in range(len(managers))
+        ]
+        if not _fills_a_block(managers, request.request_id, cacheable):
+            # Most steps: no group filled a block since the last call, so
+            # upstream caches nothing new and no position the policy keeps
+            # was reached; only upstream's per-step work remains.
+            for manager, num_tokens in zip(managers, cacheable, strict=True):
+                if not manager.enable_caching:
+                    continue
+                manager.cache_blocks(
+                    request,
+                    num_tokens,
+                    retention_interval=self.retention_interval,
+                    replay_boundaries=(),
+                )
+                if _align_mode(manager):
+                    _drop_in_place_key(manager, request.request_id)
+            return
         replay = replay_positions(
             request, self.scheduler_block_size, bool(self.eagle_group_ids)
         )
-        for group_id, manager in enumerate(self.single_type_managers):
+        for group_id, manager in enumerate(managers):
             if not manager.enable_caching:
                 continue
-            num_tokens = self.get_num_cacheable_tokens(num_computed_tokens, group_id)
+            num_tokens = cacheable[group_id]
             # asked once per group: the checks below run at every step
             align = _align_mode(manager)
             positions = policy.state_positions(
@@ -382,6 +403,26 @@ class TurnEndRetentionMixin:
         self.turn_end_counts.by_request.pop(request_id, None)
         self.turn_end_counts.prefill_by_request.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
+
+
+def _fills_a_block(
+    managers: Sequence[SingleTypeKVCacheManager],
+    request_id: str,
+    cacheable: Sequence[int],
+) -> bool:
+    """Whether caching ``cacheable`` tokens per group reaches a block some
+    group has not cached yet for the request. When none does, upstream's
+    ``cache_blocks`` returns before it looks at any boundary, and every
+    position the checkpoint policy keeps lies on a block edge already
+    handled."""
+    for manager, num_tokens in zip(managers, cacheable, strict=True):
+        if not manager.enable_caching:
+            continue
+        if num_tokens // manager.block_size > manager.num_cached_block.get(
+            request_id, 0
+        ):
+            return True
+    return False
 
 
 def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> None:
