@@ -23,8 +23,8 @@ from typing import Any
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from benchmarks.harness import MIB, markdown_table, tiny_model  # noqa: E402
+from testing.inproc import llm_vocab, open_llm  # noqa: E402
 from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES  # noqa: E402
-from vllm_hybrid.tools.inproc import llm_vocab, open_llm  # noqa: E402
 from vllm_hybrid.tools.workloads import random_tokens  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """What the benchmarks' command lines share: the tiny models they run, the
 KV cache dtypes they compare, the ``vllm serve`` options of the soak's and
 the serving benchmark's servers, and how their tables show ratios. The
-loopback server itself is :mod:`vllm_hybrid.tools.loopback` (the server tests
+loopback server itself is :mod:`testing.loopback` (the server tests
 and the demo use it too).
 """
 

@@ -2,7 +2,7 @@
 
 Builds the tiny random-weight ``qwen3_5`` model (offline, seconds), serves it
 with ``vllm-hybrid serve --kv-cache-dtype turboquant_k8v4`` on loopback
-(through :mod:`vllm_hybrid.tools.loopback`, as the tests do), sends one chat
+(through :mod:`testing.loopback`, as the tests do), sends one chat
 completion, prints the answer (random weights: expect word salad) and the
 engine's KV cache plan lines, then shuts the server down and reports what its
 exit code and log say about the shutdown. ``bash scripts/demo.sh`` sets up
@@ -19,7 +19,7 @@ from pathlib import Path
 # so the checkout's vllm_hybrid is the one imported.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from vllm_hybrid.tools.loopback import serve, shutdown_report, stop  # noqa: E402
+from testing.loopback import serve, shutdown_report, stop  # noqa: E402
 from vllm_hybrid.tools.tiny_models import build_tiny_model  # noqa: E402
 
 

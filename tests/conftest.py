@@ -156,7 +156,7 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_eagle_dir(tiny_model_dir, tmp_path_factory):
     """``tiny_eagle_dir(kind) -> Path``: the EAGLE draft of the tiny model
     ``kind`` (built once, next to nothing else)."""
-    from vllm_hybrid.tools.tiny_eagle import build_eagle_draft
+    from testing.tiny_eagle import build_eagle_draft
 
     root = tmp_path_factory.mktemp("tiny-eagle")
     cache: dict[str, Path] = {}

@@ -14,13 +14,8 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 # engine_core and NEAR_TIE: re-exported for the engine tests
-from vllm_hybrid.tools.inproc import (
-    NEAR_TIE,
-    engine_core,
-    first_difference,
-    open_llm,
-    top2_gaps,
-)
+from testing.inproc import engine_core, open_llm
+from vllm_hybrid.tools.greedy import NEAR_TIE, first_difference, top2_gaps
 
 T = TypeVar("T")
 

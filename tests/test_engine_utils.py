@@ -38,7 +38,7 @@ def test_two_runs_each_within_rounding_of_a_tie_are_rounding():
 def test_top2_gap_is_best_minus_second_best():
     """The gap the comparison reads: best minus second best of one
     position's log-probabilities (a tie is 0; one entry has no gap)."""
-    from vllm_hybrid.tools.inproc import top2_gap
+    from vllm_hybrid.tools.greedy import top2_gap
 
     assert top2_gap([-1.5, -0.25]) == 1.25
     assert top2_gap([-0.5, -0.5, -2.0]) == 0.0

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hybrid.tools.inproc import engine_core, open_llm
+from testing.inproc import engine_core, open_llm
 from vllm_hybrid.tools.plan.geometry import KVGeometry
 from vllm_hybrid.tools.simulate.drive import Driver, DriveResult
 from vllm_hybrid.tools.simulate.session import geometry_summary

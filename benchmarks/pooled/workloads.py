@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from testing.inproc import llm_vocab
 from vllm_hybrid.tools import workloads as wl
-from vllm_hybrid.tools.inproc import llm_vocab
 from vllm_hybrid.tools.plan.geometry import KVGeometry, kv_geometry
 from vllm_hybrid.tools.simulate.session import summarize
 from vllm_hybrid.tools.simulate.sources import (

@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 
 from benchmarks.harness import KV_CACHE_DTYPES, MODELS
-from vllm_hybrid.tools.loopback import MODES
+from testing.loopback import MODES
 
 from .config import BenchConfig, quick
 from .report import document, ratio_rows, ratio_table, results_table

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.harness import KV_CACHE_DTYPES, MODELS, TINY_MODELS
-from vllm_hybrid.tools.loopback import MODES
+from testing.loopback import MODES
 
 #: The load of one rate, in ``vllm bench serve`` options: a shared 576-token
 #: prefix (a partial block in every layout), then 36-252 tokens of its own;

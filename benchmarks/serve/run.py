@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import server_args, tiny_model
-from vllm_hybrid.tools.loopback import (
+from testing.loopback import (
     POOL_USED,
     PREEMPTIONS,
     PREFIX_HITS,

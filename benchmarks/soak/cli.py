@@ -10,7 +10,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from benchmarks.harness import KV_CACHE_DTYPES, MIB, MODELS
-from vllm_hybrid.tools.loopback import MODES
+from testing.loopback import MODES
 
 from .client import RESULTS
 from .config import SoakConfig

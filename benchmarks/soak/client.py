@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from vllm_hybrid.tools.loopback import connect, send, sse_events
+from testing.loopback import connect, send, sse_events
 
 from .workload import Job, RequestSpec
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness import TINY_MODELS
-from vllm_hybrid.tools.loopback import MODES
+from testing.loopback import MODES
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ import numpy as np
 import psutil
 
 from benchmarks.harness import MIB, server_args, tiny_model
-from vllm_hybrid.tools.inproc import first_difference
-from vllm_hybrid.tools.loopback import (
+from testing.loopback import (
     PREEMPTIONS,
     ServerHandle,
     held_requests,
@@ -29,6 +28,7 @@ from vllm_hybrid.tools.loopback import (
     stop,
     wait_idle,
 )
+from vllm_hybrid.tools.greedy import first_difference
 
 from .client import FAILURES, Target, run_phase, submit
 from .config import SoakConfig, middle_phase, phase_plan

@@ -12,7 +12,7 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
-from vllm_hybrid.tools.loopback import CHAT, COMPLETIONS
+from testing.loopback import CHAT, COMPLETIONS
 
 #: Job kinds and their weights in the mix.
 MIX = {

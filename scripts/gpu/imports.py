@@ -61,9 +61,9 @@ MODULES = (
     "vllm.benchmarks.serve",
     "vllm.v1.worker.gpu.model_runner",
     "vllm.model_executor.layers.fused_moe.fused_moe",
-    "vllm_hybrid.tools.shaped_models",
+    "testing.shaped_models",
     "vllm_hybrid.cli",
-    "vllm_hybrid.tools.loopback",
+    "testing.loopback",
     "benchmarks.serve.run",
     "serve",
 )

@@ -9,7 +9,7 @@ OpenAI server, one at a time, with where each engine's start-up went.
   upstream's near-ties, as in ``vllm-hybrid verify``); ``/metrics`` gives
   the prefix-cache hit of the follow-up.
 * ``flagship``: a model with Qwen3.6-35B-A3B's per-layer shapes
-  (:mod:`vllm_hybrid.tools.shaped_models`, depth cut to :data:`FLAGSHIP_LAYERS`,
+  (:mod:`testing.shaped_models`, depth cut to :data:`FLAGSHIP_LAYERS`,
   random weights by ``--load-format dummy``), bf16, pooled mode and upstream
   one after the other, each driven by ``vllm bench serve`` on a shared-prefix
   load (the serving benchmark's harness, ``benchmarks/serve``): TTFT and
@@ -42,7 +42,7 @@ from tier_env import ROOT, write_json
 
 sys.path.insert(0, str(ROOT))
 
-from vllm_hybrid.tools.loopback import (
+from testing.loopback import (
     PREFIX_HITS,
     PREFIX_QUERIES,
     read_log,
@@ -396,7 +396,7 @@ def part_flagship(
     rate: float,
     overrides: dict,
 ) -> dict:
-    from vllm_hybrid.tools.shaped_models import build_shaped_model
+    from testing.shaped_models import build_shaped_model
 
     start, cuda = time.monotonic(), on_cuda()
     gib = card_gib() if cuda else None

@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks.harness import REPO_ROOT, server_args
 from benchmarks.serve import cli, config, report, run
-from vllm_hybrid.tools.loopback import Metrics
+from testing.loopback import Metrics
 
 
 def _vllm_args(argv):

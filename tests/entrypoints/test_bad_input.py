@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from vllm_hybrid.tools.loopback import serve
+from testing.loopback import serve
 
 pytestmark = pytest.mark.slow
 

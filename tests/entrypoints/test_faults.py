@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from vllm_hybrid.tools.loopback import RUNNING, request, scrape, serve, shutdown_report
+from testing.loopback import RUNNING, request, scrape, serve, shutdown_report
 from vllm_hybrid.v1.engine.async_llm import SHUTDOWN_MESSAGE
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_hybrid.tools.loopback import (
+from testing.loopback import (
     LOOPBACK,
     free_port,
     held_requests,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hybrid.tools.loopback import free_port, serve
+from testing.loopback import free_port, serve
 
 pytestmark = pytest.mark.slow
 

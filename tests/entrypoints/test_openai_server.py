@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from vllm_hybrid.tools.loopback import (
+from testing.loopback import (
     Metrics,
     connect,
     scrape,
@@ -149,7 +149,7 @@ def test_overlay_active_in_server_processes(server):
 def test_shutdown_is_clean_and_its_exit_noise_is_known(server):
     """Last in this module: SIGINT stops the server with exit code 0 and no
     failure in its log; what else it prints at exit is upstream's known
-    noise (see ``vllm_hybrid.tools.loopback.HARMLESS_SHUTDOWN_MARKERS``)."""
+    noise (see ``testing.loopback.HARMLESS_SHUTDOWN_MARKERS``)."""
     report = shutdown_report(server, stop(server))
     assert report.exit_code == 0
     assert report.problems == ()

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from vllm_hybrid.tools.loopback import serve
+from testing.loopback import serve
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 

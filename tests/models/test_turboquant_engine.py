@@ -43,8 +43,8 @@ from engine_utils import (
     with_engine,
 )
 
+from testing.inproc import llm_vocab
 from vllm_hybrid.tools import workloads
-from vllm_hybrid.tools.inproc import llm_vocab
 from vllm_hybrid.tools.simulate.sources import MultiTurnShape
 
 pytestmark = pytest.mark.slow

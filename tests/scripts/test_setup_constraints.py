@@ -55,3 +55,14 @@ def test_the_carried_wheels_are_pinned_at_the_constraints():
     carried = pins(ROOT / "scripts" / "gpu" / "carried.txt")
     assert carried
     assert {n: v for n, v in carried.items() if pinned.get(n) != v} == {}
+
+
+def test_the_pre_commit_hook_runs_the_pinned_ruff():
+    import yaml
+
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    (ruff,) = [r for r in config["repos"] if r["repo"].endswith("/ruff-pre-commit")]
+    assert ruff["rev"] == "v" + pins(CONSTRAINTS)["ruff"]
+    # lint and the formatter, both checking only, as scripts/test.sh runs them
+    hooks = {hook["id"]: hook.get("args", []) for hook in ruff["hooks"]}
+    assert hooks == {"ruff-check": [], "ruff-format": ["--check"]}

@@ -35,7 +35,7 @@ def _multi_turn(llm: Any) -> dict[str, Any]:
     """The workload in one drive from a cold cache: the simulator's counted
     figures, the state copies that moved a state and pooled mode's prefill
     chunks cut at a checkpoint (None upstream)."""
-    from vllm_hybrid.tools.inproc import llm_vocab
+    from testing.inproc import llm_vocab
     from vllm_hybrid.tools.simulate.drive import Driver
     from vllm_hybrid.tools.simulate.probes import count_state_checkpoints
     from vllm_hybrid.tools.simulate.session import summarize

@@ -33,12 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_hybrid.tools.inproc import (
-    NEAR_TIE,
-    engine_core,
-    first_difference,
-    top2_gaps,
-)
+from vllm_hybrid.tools.greedy import NEAR_TIE, first_difference, top2_gaps
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -118,7 +113,9 @@ def _plan_facts(llm: LLM) -> dict[str, Any]:
         PooledKVCacheConfig,
     )
 
-    core = engine_core(llm)
+    # The worker runs its engine in this process (multiprocessing off), so
+    # the engine's client is in-process and holds the core itself.
+    core = llm.llm_engine.engine_core.engine_core
     config = core.scheduler.kv_cache_config
     cache = llm.llm_engine.vllm_config.cache_config
     facts: dict[str, Any] = {

@@ -44,7 +44,7 @@ SPECULATIVE = {
     },
     # the tiny models' one MTP layer, run twice per step
     "mtp": {"method": "mtp", "num_speculative_tokens": 2},
-    # a one-layer EAGLE draft (vllm_hybrid.tools.tiny_eagle), its directory
+    # a one-layer EAGLE draft (testing.tiny_eagle), its directory
     # given on the command line
     "eagle": {"method": "eagle", "num_speculative_tokens": 2},
 }

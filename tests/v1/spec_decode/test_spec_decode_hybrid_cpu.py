@@ -6,7 +6,7 @@ Triton kernels the CPU platform has no host version of, and with or without
 prefix caching the CPU GDN conv mis-rolls its buffer after a step with fewer
 drafts than configured. The overlay replaces both (registry entries); this
 runs the tiny ``qwen3_next`` with n-gram drafts and with a one-layer EAGLE
-draft (``vllm_hybrid.tools.tiny_eagle``), and its MTP variant (one MTP
+draft (``testing.tiny_eagle``), and its MTP variant (one MTP
 layer) with MTP drafts, and compares the greedy tokens with the same
 engine without speculative decoding, and pooled mode with the overlay's
 single shared pool under the same flags. The default tier runs n-gram and

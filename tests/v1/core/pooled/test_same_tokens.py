@@ -78,7 +78,7 @@ def _child(model: str, kind: str, mamba_block: int, cached_only: bool) -> dict:
     """Both modes' configurations (run in the pinned child process)."""
     import torch
 
-    from vllm_hybrid.tools.inproc import llm_vocab
+    from testing.inproc import llm_vocab
     from vllm_hybrid.tools.workloads import same_tokens_prompts
 
     main = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from vllm_hybrid.tools.loopback import Metrics, read_log, shutdown_report
+from testing.loopback import Metrics, read_log, shutdown_report
 
 
 def test_metrics_are_summed_over_engines_and_split_by_label():

@@ -13,7 +13,7 @@ reproducible.
 
 Usage::
 
-    python -m vllm_hybrid.tools.tiny_eagle TARGET_DIR OUT_DIR [--seed N]
+    python -m testing.tiny_eagle TARGET_DIR OUT_DIR [--seed N]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def build_eagle_draft(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_hybrid.tools.tiny_eagle",
+        prog="python -m testing.tiny_eagle",
         description="Build a tiny random-weight EAGLE draft for a tiny model.",
     )
     parser.add_argument("target_dir", type=Path, help="a tiny_models directory")

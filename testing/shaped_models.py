@@ -2,14 +2,15 @@
 
 A serving measurement of what pooled mode costs per token needs the real
 model's layer shapes (attention heads, GDN heads and state, MoE width), not
-the tiny models' (:mod:`.tiny_models`), but not its weights: vLLM's
-``--load-format dummy`` fills them with random values at start-up. This
-module writes such a directory: a ``config.json`` built from a plan preset's
-shipped facts (:mod:`.plan.presets`, the one place they live) with the depth
-cut to ``layers`` (the preset's attention / state pattern kept), and the tiny
-models' tokenizer. The vocabulary is the tokenizer's, so that every token
-the random weights pick can be detokenized; the LM head is therefore smaller
-than the checkpoint's, and only it.
+the tiny models' (:mod:`vllm_hybrid.tools.tiny_models`), but not its
+weights: vLLM's ``--load-format dummy`` fills them with random values at
+start-up. This module writes such a directory: a ``config.json`` built from
+a plan preset's shipped facts (:mod:`vllm_hybrid.tools.plan.presets`, the
+one place they live) with the depth cut to ``layers`` (the preset's
+attention / state pattern kept), and the tiny models' tokenizer. The
+vocabulary is the tokenizer's, so that every token the random weights pick
+can be detokenized; the LM head is therefore smaller than the checkpoint's,
+and only it.
 
 Qwen3.5/3.6 presets are written as the Qwen3-Next architecture (as the tiny
 models are): vLLM's Qwen3.5 classes import torchvision, which CPU installs

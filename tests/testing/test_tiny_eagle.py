@@ -7,7 +7,7 @@ import json
 
 from safetensors.torch import load_file
 
-from vllm_hybrid.tools.tiny_eagle import build_eagle_draft
+from testing.tiny_eagle import build_eagle_draft
 
 
 def test_draft_matches_the_target_and_rebuilds_byte_for_byte(tiny_model_dir, tmp_path):
