@@ -86,13 +86,10 @@ def _environment_or_exit() -> bool:
     vLLM loads this plugin first thing in ``vllm serve``, ``LLM(...)`` and
     every engine and worker process.
     """
-    from vllm_hybrid.config.hybrid_kv import HybridKVOptions
-
     try:
         if not overlay_enabled():
             return False
         tq_native_enabled()
-        HybridKVOptions.from_vllm_config(None)  # the page-limit variables
     except ValueError as exc:
         raise SystemExit(f"vllm-hybrid: {exc}") from None
     return True

@@ -28,10 +28,11 @@ CLI = str(Path(sys.executable).with_name("vllm-hybrid"))
         ),
         (
             [CLI, "serve", "/nonexistent-model"],
-            "VLLM_HYBRID_MAX_PAGE_GROWTH",
-            "0.5",
-            "vllm-hybrid: VLLM_HYBRID_MAX_PAGE_GROWTH='0.5' is not valid: "
-            "expected a number of at least 1",
+            "VLLM_HYBRID_TQ_NATIVE",
+            "2",
+            "vllm-hybrid: VLLM_HYBRID_TQ_NATIVE='2' is not understood: set "
+            "VLLM_HYBRID_TQ_NATIVE=1 (native kernel when built, the default) or "
+            "VLLM_HYBRID_TQ_NATIVE=0 (torch reference).",
         ),
     ],
 )

@@ -20,7 +20,6 @@ from types import SimpleNamespace
 import pytest
 from engine_utils import stand_in_engine
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.policy import decode_room
 from vllm_hybrid.v1.core.sched import scheduler as pooled_scheduler
 
@@ -57,11 +56,13 @@ def _steps(model: Path, monkeypatch, room: bool, steps: int) -> list[dict[str, i
     from vllm_hybrid.tools.simulate.drive import _add
     from vllm_hybrid.tools.simulate.sources import SimRequest
 
-    monkeypatch.setenv(envs.PREFILL_PACING_VAR, "fill")
     monkeypatch.setattr(pooled_scheduler, "DECODE_ROOM", room)
     with stand_in_engine(model, BUDGET, INTERVAL) as engine:
         scheduler = engine.scheduler
         assert type(scheduler).__name__.startswith("Pooled")
+        # steps fill the token budget: the decode room alone is compared
+        scheduler._paced_budget = None
+        scheduler._deep_chunk = 0
         schedule = scheduler.schedule
         seen: list[dict[str, int]] = []
 

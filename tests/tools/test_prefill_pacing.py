@@ -17,25 +17,34 @@ from pathlib import Path
 import pytest
 from engine_utils import stand_in_engine
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.policy import PACING_MAX_WAITING
 
 BUDGET = 4096
 PAGE = 1152
+#: the first step fills the budget: two chunks cut at checkpoints, the rest
+FILLED = {"r0": 1664, "r1": 1664, "r2": BUDGET - 2 * 1664}
+
+
+def _unpaced(scheduler) -> None:
+    """Steps fill the token budget and chunks are never cut deep in a
+    prompt: the scheduler as it would be without pacing, to compare."""
+    scheduler._paced_budget = None
+    scheduler._deep_chunk = 0
 
 
 def _first_step(
-    model: Path, prompts: int, monkeypatch, pacing: str, interval: int = 1664
+    model: Path, prompts: int, paced: bool, interval: int = 1664
 ) -> dict[str, int]:
     """Tokens the first step schedules per request (``interval``: between
-    prefill checkpoints)."""
+    prefill checkpoints; ``paced``: as pooled mode ships, else unpaced)."""
     from vllm_hybrid.tools.simulate.drive import _add
     from vllm_hybrid.tools.simulate.sources import SimRequest
 
-    monkeypatch.setenv(envs.PREFILL_PACING_VAR, pacing)
     with stand_in_engine(model, BUDGET, interval) as engine:
         scheduler = engine.scheduler
         assert type(scheduler).__name__ == "PooledScheduler"
+        if not paced:
+            _unpaced(scheduler)
         for i in range(prompts):
             prompt = [(7 * i + j) % 1000 + 1 for j in range(5000)]
             _add(engine.core, SimRequest(f"r{i}", prompt, 4, 0.0))
@@ -45,51 +54,50 @@ def _first_step(
 
 
 @pytest.mark.parametrize(
-    ("pacing", "prompts", "chunks"),
+    ("paced", "prompts", "chunks"),
     [
         # paced to 3,456: r0 cut at its checkpoint, r1 ends on a page
         # multiple, r2's 640 tokens reach none and it waits
-        ("state_page", PACING_MAX_WAITING, {"r0": 1664, "r1": PAGE}),
+        (True, PACING_MAX_WAITING, {"r0": 1664, "r1": PAGE}),
         # more waiting: queueing dominates, the step fills the budget
         (
-            "state_page",
+            True,
             PACING_MAX_WAITING + 1,
             {"r0": 1664, "r1": 1664, "r2": BUDGET - 2 * 1664},
         ),
-        ("fill", PACING_MAX_WAITING, {"r0": 1664, "r1": 1664, "r2": BUDGET - 2 * 1664}),
+        (False, PACING_MAX_WAITING, {"r0": 1664, "r1": 1664, "r2": BUDGET - 2 * 1664}),
     ],
 )
 def test_a_paced_step_ends_chunks_on_the_state_page(
-    tiny_model_dir, monkeypatch, pacing, prompts, chunks
+    tiny_model_dir, paced, prompts, chunks
 ):
     model = tiny_model_dir("qwen3_6")
-    assert _first_step(model, prompts, monkeypatch, pacing) == chunks
+    assert _first_step(model, prompts, paced) == chunks
 
 
-def test_checkpoints_on_page_multiples_do_not_cut_a_paced_chunk(
-    tiny_model_dir, monkeypatch
-):
+def test_checkpoints_on_page_multiples_do_not_cut_a_paced_chunk(tiny_model_dir):
     """Checkpoints every two pages: r0's chunk runs to 3,456 past the one at
     2,304 (a paced step keeps checkpoints where chunks end on them); unpaced,
     the checkpoint cuts it."""
     model = tiny_model_dir("qwen3_6")
-    paced = _first_step(model, PACING_MAX_WAITING, monkeypatch, "state_page", 2304)
+    paced = _first_step(model, PACING_MAX_WAITING, True, 2304)
     assert paced == {"r0": 3 * PAGE}
-    filled = _first_step(model, PACING_MAX_WAITING, monkeypatch, "fill", 2304)
+    filled = _first_step(model, PACING_MAX_WAITING, False, 2304)
     assert filled == {"r0": 2304, "r1": BUDGET - 2304}
 
 
-def _steps(model: Path, monkeypatch, pacing: str, steps: int) -> list[dict[str, int]]:
+def _steps(model: Path, paced: bool, steps: int) -> list[dict[str, int]]:
     """Tokens each of the first ``steps`` steps schedules per request: eight
     8,000-token prompts, a 2,048-token budget (never paced: under two
     pages), prefill checkpoints every six pages."""
     from vllm_hybrid.tools.simulate.drive import _add
     from vllm_hybrid.tools.simulate.sources import SimRequest
 
-    monkeypatch.setenv(envs.PREFILL_PACING_VAR, pacing)
     scheduled: list[dict[str, int]] = []
     with stand_in_engine(model, 2048, 6 * PAGE) as engine:
         scheduler = engine.scheduler
+        if not paced:
+            _unpaced(scheduler)
         for i in range(8):
             prompt = [(7 * i + j) % 1000 + 1 for j in range(8000)]
             _add(engine.core, SimRequest(f"r{i}", prompt, 4, 0.0))
@@ -106,15 +114,14 @@ def _steps(model: Path, monkeypatch, pacing: str, steps: int) -> list[dict[str, 
     return scheduled[:steps]
 
 
-@pytest.mark.parametrize("pacing", ["deep_page", "state_page"])
-def test_deep_chunks_end_on_the_next_page(tiny_model_dir, monkeypatch, pacing):
+def test_deep_chunks_end_on_the_next_page(tiny_model_dir):
     """From 4,096 tokens into r0's prompt its chunks end on the next page
     (4,608, then 5,760), and those steps admit no prompt they would not
-    finish: with ``deep_page``, and by default where the budget holds a page
-    but steps are never paced, as here, while more than four wait. ``fill``
-    fills the budget, r1 starts in the fourth step."""
+    finish: where the budget holds a page but steps are never paced, as here,
+    while more than four wait. Unpaced, steps fill the budget and r1 starts
+    in the fourth step."""
     model = tiny_model_dir("qwen3_6")
-    deep = _steps(model, monkeypatch, pacing, 4)
+    deep = _steps(model, True, 4)
     assert deep == [{"r0": 2048}, {"r0": 2048}, {"r0": 512}, {"r0": PAGE}]
-    filled = _steps(model, monkeypatch, "fill", 4)
+    filled = _steps(model, False, 4)
     assert filled == [{"r0": 2048}, {"r0": 2048}, {"r0": 2048}, {"r0": 768, "r1": 1280}]

@@ -1,9 +1,8 @@
 """The overlay's options: ``--additional-config '{"hybrid_kv": {...}}'``.
 
 One parser for every option, so that each process and each module reads the
-same values with the same error messages. Page-unification limits fall back
-to environment variables (declared in :mod:`vllm_hybrid.envs`) where the
-config does not set them; the other options have no variable.
+same values with the same error messages. No option has an environment
+variable: a setting an engine runs with is in its configuration.
 """
 
 from __future__ import annotations
@@ -13,15 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_hybrid import envs
-
 #: Key of the overlay's options inside ``--additional-config``.
 ADDITIONAL_CONFIG_KEY = "hybrid_kv"
 MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
 MAX_PAGE_GROWTH = "max_page_growth"
 PREFILL_CHECKPOINT_INTERVAL = "prefill_checkpoint_interval"
 #: Boolean options (defaults: the fields of :class:`HybridKVOptions`).
-_FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends")
+_FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends", "token_moves")
 #: Every option of the ``hybrid_kv`` object.
 KNOWN_OPTIONS = frozenset(
     {*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH, PREFILL_CHECKPOINT_INTERVAL}
@@ -72,6 +69,12 @@ class HybridKVOptions:
     #: Such a checkpoint is the first cached block its pool evicts, so it
     #: never pushes another entry out (docs/pooled-mode.md#turn-end-checkpoints).
     retain_turn_ends: bool = True
+    #: Pooled mode: live attention blocks next to the arena's boundary may
+    #: move to free blocks elsewhere (the workers copy them before the step)
+    #: so that the state pool can grow (:mod:`vllm_hybrid.v1.core.pooled.moves`).
+    #: Off, they stay until their request ends; a way out should a custom
+    #: worker not apply the moves. Off anyway with a KV connector.
+    token_moves: bool = True
     #: Pooled mode, align mode: tokens between the states kept during a
     #: prefill, so a shared prefix hits on its first reuse
     #: (:mod:`vllm_hybrid.v1.core.pooled.policy`); None picks
@@ -81,11 +84,9 @@ class HybridKVOptions:
     page_limits: PageUnificationLimits = PageUnificationLimits()
 
     @classmethod
-    def from_vllm_config(
-        cls, vllm_config: Any, environ: Mapping[str, str] | None = None
-    ) -> HybridKVOptions:
-        """Parse ``vllm_config.additional_config`` (and, for the page limits,
-        the environment); raises ValueError naming the option and the fix."""
+    def from_vllm_config(cls, vllm_config: Any) -> HybridKVOptions:
+        """Parse ``vllm_config.additional_config``; raises ValueError naming
+        the option and the fix."""
         raw = _raw_options(vllm_config)
         unknown = sorted(set(raw) - KNOWN_OPTIONS)
         if unknown:
@@ -104,8 +105,6 @@ class HybridKVOptions:
             max_page_padding_pct=_limit(
                 raw,
                 MAX_PAGE_PADDING_PCT,
-                environ,
-                envs.MAX_PAGE_PADDING_PCT_VAR,
                 DEFAULT_MAX_PAGE_PADDING_PCT,
                 minimum=0.0,
                 maximum=100.0,
@@ -113,8 +112,6 @@ class HybridKVOptions:
             max_page_growth=_limit(
                 raw,
                 MAX_PAGE_GROWTH,
-                environ,
-                envs.MAX_PAGE_GROWTH_VAR,
                 DEFAULT_MAX_PAGE_GROWTH,
                 minimum=1.0,
                 maximum=None,
@@ -140,9 +137,7 @@ def options_error(additional_config: Any) -> str | None:
     rather than an exception from deep inside the engine.
     """
     try:
-        HybridKVOptions.from_vllm_config(
-            _AdditionalConfigOnly(additional_config), environ={}
-        )
+        HybridKVOptions.from_vllm_config(_AdditionalConfigOnly(additional_config))
     except ValueError as exc:
         return str(exc)
     return None
@@ -175,22 +170,15 @@ def _raw_options(vllm_config: Any) -> Mapping[str, Any]:
 def _limit(
     options: Mapping[str, Any],
     key: str,
-    environ: Mapping[str, str] | None,
-    env_var: str,
     default: float,
     minimum: float,
     maximum: float | None,
 ) -> float:
-    """One limit: ``--additional-config`` wins over the environment."""
-    from_env = envs.raw(env_var, environ)
-    if key in options:
-        raw: Any = options[key]
-        source = f"--additional-config {ADDITIONAL_CONFIG_KEY}.{key}"
-    elif from_env is not None:
-        raw = from_env
-        source = env_var
-    else:
+    """One limit of ``--additional-config``, ``default`` when unset."""
+    if key not in options:
         return default
+    raw: Any = options[key]
+    source = f"--additional-config {ADDITIONAL_CONFIG_KEY}.{key}"
     try:
         value = float(raw)
     except (TypeError, ValueError):

@@ -59,7 +59,6 @@ SUBCLASSES: list[SubclassEntry] = [
             "vllm_hybrid.v1.core.pooled.coordinator:PooledHybridKVCacheCoordinator"
         ),
         overrides=(
-            "find_longest_cache_hit",
             "get_num_blocks_to_allocate",
             "allocate_new_computed_blocks",
             "allocate_new_blocks",
@@ -83,10 +82,7 @@ SUBCLASSES: list[SubclassEntry] = [
             "request starts from, which the recomputation its checkpoints "
             "save is measured from (pooled.policy, the costed split); "
             "free/pop_blocks_for_free drop the request's record and "
-            "any reservation no allocation came for. find_longest_cache_hit "
-            "returns upstream's hit unchanged, then tells each pool which "
-            "entries it evicted for room the lookup asked for again "
-            "(pooled.misses, the misses split)."
+            "any reservation no allocation came for."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",

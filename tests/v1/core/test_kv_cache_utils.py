@@ -41,7 +41,6 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request
 
 import vllm_hybrid.v1.core.kv_cache_utils as hybrid
-from vllm_hybrid import envs
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions, PageUnificationLimits
 from vllm_hybrid.patches import registry
 from vllm_hybrid.v1.core import page_unification, token_capacity
@@ -133,12 +132,6 @@ def assert_kernel_split_legal(spec: KVCacheSpec, kernel_block_size: int) -> None
 # ---------------------------------------------------------------------------
 # Fixtures
 # ---------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _no_limit_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(envs.MAX_PAGE_PADDING_PCT_VAR, raising=False)
-    monkeypatch.delenv(envs.MAX_PAGE_GROWTH_VAR, raising=False)
 
 
 @pytest.fixture
@@ -290,21 +283,23 @@ def small_state_spec(block_size: int = 16) -> MambaSpec:
     return MambaSpec(block_size=block_size, shapes=((3, 64),), dtypes=(torch.bfloat16,))
 
 
+def _overlay_unify_lifted(specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """The overlay's unification with both limits at 100."""
+    lifted = PageUnificationLimits(max_page_padding_pct=100, max_page_growth=100)
+    return hybrid.unify_kv_cache_spec_page_size(specs, lifted)
+
+
 @pytest.mark.parametrize(
     "unify",
     [
-        pytest.param(overlay_unify, id="overlay"),
+        pytest.param(_overlay_unify_lifted, id="overlay"),
         _upstream_fails("upstream pads the TurboQuant pages to the bf16 page"),
     ],
 )
-def test_bf16_skip_layers_next_to_turboquant(
-    unify, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bf16_skip_layers_next_to_turboquant(unify) -> None:
     """Skip layers keep bf16 pages next to TurboQuant ones in a hybrid stack:
     lcm(12,416, 32,768) = 3,178,496 B (97x the bf16 page); the state page is
-    the only one padded."""
-    monkeypatch.setenv(envs.MAX_PAGE_GROWTH_VAR, "100")
-    monkeypatch.setenv(envs.MAX_PAGE_PADDING_PCT_VAR, "100")
+    the only one padded (limits lifted as ``--additional-config`` would)."""
     specs = {
         "model.layers.0.self_attn.attn": attention_spec(),
         "model.layers.1.self_attn.attn": turboquant_spec(),
@@ -347,7 +342,6 @@ def test_plan_beyond_the_limits_falls_back_to_upstreams_padding(
     assert len(lines) == 1
     assert "65.46%" in lines[0] and "using upstream's page unification" in lines[0]
     assert '"max_page_padding_pct": 65.47' in lines[0]
-    assert f"{envs.MAX_PAGE_PADDING_PCT_VAR}=65.47" in lines[0]
     # Growth stays within the default: 3,178,496 / 1,097,728 = 2.9x.
     assert "max_page_growth" not in lines[0]
 
@@ -541,37 +535,32 @@ def test_padding_is_logged_once_at_info(vllm_log: pytest.LogCaptureFixture) -> N
 # -- limits ------------------------------------------------------------------
 
 
-def test_limits_default_env_and_additional_config() -> None:
-    assert HybridKVOptions.from_vllm_config(None, {}).page_limits == (
+def test_limits_default_and_additional_config() -> None:
+    assert HybridKVOptions.from_vllm_config(None).page_limits == (
         PageUnificationLimits(2.0, 16.0)
     )
-    env = {envs.MAX_PAGE_PADDING_PCT_VAR: "7.5", envs.MAX_PAGE_GROWTH_VAR: "64"}
-    assert HybridKVOptions.from_vllm_config(None, env).page_limits == (
-        PageUnificationLimits(7.5, 64.0)
+    config = VllmConfig(
+        additional_config={
+            "hybrid_kv": {"max_page_padding_pct": 3, "max_page_growth": 64}
+        }
     )
-    config = VllmConfig(additional_config={"hybrid_kv": {"max_page_padding_pct": 3}})
-    # --additional-config wins over the environment, key by key.
-    assert HybridKVOptions.from_vllm_config(config, env).page_limits == (
+    assert HybridKVOptions.from_vllm_config(config).page_limits == (
         PageUnificationLimits(3.0, 64.0)
     )
 
 
 @pytest.mark.parametrize(
-    ("options", "env", "needle"),
+    ("options", "needle"),
     [
-        ({"max_page_padding_pct": 101}, {}, "hybrid_kv.max_page_padding_pct=101"),
-        ({"max_page_growth": 0.5}, {}, "hybrid_kv.max_page_growth=0.5"),
-        (
-            {},
-            {envs.MAX_PAGE_GROWTH_VAR: "lots"},
-            "VLLM_HYBRID_MAX_PAGE_GROWTH='lots'",
-        ),
+        ({"max_page_padding_pct": 101}, "hybrid_kv.max_page_padding_pct=101"),
+        ({"max_page_growth": 0.5}, "hybrid_kv.max_page_growth=0.5"),
+        ({"max_page_growth": "lots"}, "hybrid_kv.max_page_growth='lots'"),
     ],
 )
-def test_invalid_limits_name_their_source(options, env, needle) -> None:
+def test_invalid_limits_name_their_source(options, needle) -> None:
     config = VllmConfig(additional_config={"hybrid_kv": options})
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
-        HybridKVOptions.from_vllm_config(config, env)
+        HybridKVOptions.from_vllm_config(config)
 
 
 def test_additional_config_reaches_unification_through_get_kv_cache_groups(

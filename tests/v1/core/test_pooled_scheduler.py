@@ -133,33 +133,18 @@ def test_growth_reserve_counts_each_running_requests_next_tokens():
     assert PooledSchedulerMixin.growth_reserve(scheduler) == 2 * 67
 
 
-def test_growth_reserve_setting():
-    from vllm_hybrid import envs
-    from vllm_hybrid.v1.core.pooled.policy import (
-        ADMISSION_GROWTH_STATE_PAGES,
-        admission_growth_state_pages,
-    )
-
-    assert admission_growth_state_pages({}) == ADMISSION_GROWTH_STATE_PAGES == 1.0
-    assert admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "0.5"}) == 0.5
-    with pytest.raises(ValueError, match="VLLM_HYBRID_ADMISSION_GROWTH='-1'"):
-        admission_growth_state_pages({envs.ADMISSION_GROWTH_VAR: "-1"})
-
-
 def test_paced_step_budget_is_the_largest_multiple_of_the_page():
     """Upstream's chunk of one long prompt: 2 x 2,768 of 8,192 with
     turboquant_k8v4's block, 7 x 1,056 with bf16's; a budget of one page
     (1,056 of 2,048) or less (2,768 over 2,048) is not paced."""
-    from vllm_hybrid.v1.core.pooled.policy import PrefillPacing, paced_step_budget
+    from vllm_hybrid.v1.core.pooled.policy import paced_step_budget
 
-    paced = PrefillPacing.STATE_PAGE
-    assert paced_step_budget(8192, 2768, paced) == 5536
-    assert paced_step_budget(8192, 1056, paced) == 7392
-    assert paced_step_budget(2112, 1056, paced) == 2112
-    assert paced_step_budget(2111, 1056, paced) is None
-    assert paced_step_budget(2048, 2768, paced) is None
-    assert paced_step_budget(8192, None, paced) is None
-    assert paced_step_budget(8192, 2768, PrefillPacing.FILL) is None
+    assert paced_step_budget(8192, 2768) == 5536
+    assert paced_step_budget(8192, 1056) == 7392
+    assert paced_step_budget(2112, 1056) == 2112
+    assert paced_step_budget(2111, 1056) is None
+    assert paced_step_budget(2048, 2768) is None
+    assert paced_step_budget(8192, None) is None
 
 
 @pytest.mark.parametrize(("waiting", "paced"), [(0, True), (4, True), (5, False)])
@@ -193,21 +178,6 @@ def test_a_paced_chunk_ends_on_a_page_multiple_unless_it_finishes_the_prompt():
     assert chunk(5_000, 500, 400) == 0
     # a preempted request replaying its output is still prefilling
     assert chunk(4_000, 0, 4100, output=200) == 3 * 1056
-
-
-def test_prefill_pacing_setting():
-    from vllm_hybrid import envs
-    from vllm_hybrid.v1.core.pooled.policy import (
-        PREFILL_PACING,
-        PrefillPacing,
-        prefill_pacing_policy,
-    )
-
-    assert prefill_pacing_policy({}) is PREFILL_PACING is PrefillPacing.STATE_PAGE
-    fill = prefill_pacing_policy({envs.PREFILL_PACING_VAR: "Fill"})
-    assert fill is PrefillPacing.FILL
-    with pytest.raises(ValueError, match="VLLM_HYBRID_PREFILL_PACING='x'.*fill"):
-        prefill_pacing_policy({envs.PREFILL_PACING_VAR: "x"})
 
 
 def test_a_deep_chunk_ends_on_the_next_page_unless_it_finishes_the_prompt():
@@ -263,31 +233,17 @@ def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
 
 
 def test_where_deep_chunks_are_cut():
-    from vllm_hybrid import envs
     from vllm_hybrid.v1.core.pooled.policy import (
         DEEP_CHUNK_TOKENS,
-        PrefillPacing,
         cuts_deep_chunks,
         deep_chunk_start,
-        paced_step_budget,
-        prefill_pacing_policy,
     )
 
-    deep = prefill_pacing_policy({envs.PREFILL_PACING_VAR: "deep_page"})
-    assert deep is PrefillPacing.DEEP_PAGE
-    state, fill = PrefillPacing.STATE_PAGE, PrefillPacing.FILL
-    # deep_page: wherever there is a page, whatever the queue
-    assert deep_chunk_start(deep, 1056, 8192) == DEEP_CHUNK_TOKENS == 4096
-    assert deep_chunk_start(deep, 2768, 2048) == 4096
-    assert deep_chunk_start(deep, None, 2048) == 0  # no state pool
-    assert cuts_deep_chunks(deep, 0)
-    # the default: where steps are never paced but the budget holds a page
-    # (bf16 at 2,048 tokens), while more than four requests wait
-    assert deep_chunk_start(state, 1056, 2048) == 4096
-    assert deep_chunk_start(state, 1056, 8192) == 0  # paced while few wait
-    assert deep_chunk_start(state, 2768, 2048) == 0  # the page exceeds the budget
-    assert not cuts_deep_chunks(state, 4)
-    assert cuts_deep_chunks(state, 5)
-    assert deep_chunk_start(fill, 1056, 2048) == 0
-    # deep_page's steps are paced as state_page's
-    assert paced_step_budget(8192, 2768, deep) == 5536
+    # where steps are never paced but the budget holds a page (bf16 at
+    # 2,048 tokens), while more than four requests wait
+    assert deep_chunk_start(1056, 2048) == DEEP_CHUNK_TOKENS == 4096
+    assert deep_chunk_start(1056, 8192) == 0  # paced while few wait
+    assert deep_chunk_start(2768, 2048) == 0  # the page exceeds the budget
+    assert deep_chunk_start(None, 2048) == 0  # no state pool
+    assert not cuts_deep_chunks(4)
+    assert cuts_deep_chunks(5)

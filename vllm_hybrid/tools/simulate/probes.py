@@ -56,32 +56,3 @@ def count_state_checkpoints(scheduler: Any) -> CheckpointCount:
 
         pool._insert_block_hash = insert
     return count
-
-
-def follow_misses(scheduler: Any) -> None:
-    """Have a pooled engine's lookups count the entries its pools evicted
-    for room that are asked for again (read by :func:`eviction_misses`)."""
-    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-
-    arena = arena_of(scheduler.kv_cache_manager)
-    if arena is not None:
-        arena.follow_misses()
-
-
-def eviction_misses(scheduler: Any) -> dict[str, dict[str, int]] | None:
-    """Per pool of a pooled engine's arena, the entries it evicted for room
-    and how many of them a later lookup asked for again (the pools' ghosts,
-    ``vllm_hybrid.v1.core.pooled.policy.ghosts``); None without an arena."""
-    from vllm_hybrid.v1.core.pooled.coordinator import arena_of
-
-    arena = arena_of(scheduler.kv_cache_manager)
-    if arena is None:
-        return None
-    return {
-        name: {
-            "evicted": pool.ghosts.evicted,
-            "asked_again": pool.ghosts.asked,
-            "lost_tokens": pool.ghosts.lost_tokens,
-        }
-        for name, pool in (("token", arena.token_pool), ("state", arena.state_pool))
-    }

@@ -36,11 +36,7 @@ from vllm_hybrid.tools.simulate.followups import (
     trace_format,
 )
 from vllm_hybrid.tools.simulate.host import SchedulerCpu
-from vllm_hybrid.tools.simulate.probes import (
-    count_state_checkpoints,
-    eviction_misses,
-    follow_misses,
-)
+from vllm_hybrid.tools.simulate.probes import count_state_checkpoints
 from vllm_hybrid.tools.simulate.sources import (
     ChatServerShape,
     ChatServerWorkload,
@@ -312,7 +308,6 @@ def run_variant(
         ) as engine,
     ):
         checkpoints = count_state_checkpoints(engine.scheduler)
-        follow_misses(engine.scheduler)
         clock = cost_model(engine, spec)
         block_bytes = _copied_block_bytes(engine)
         workload = make_workload(spec.workload, engine.vocab_size())
@@ -345,7 +340,6 @@ def run_variant(
             _copy_bytes(result.steps, clock, block_bytes),
             checkpoints.checkpoints,
         )
-        summary["counted"]["eviction_misses"] = eviction_misses(engine.scheduler)
         summary["geometry"] = geometry_summary(engine.scheduler, engine.vllm_config)
         summary["host"] = scheduler_cpu.summary()
     summary["variant"] = dataclasses.asdict(variant)

@@ -66,7 +66,7 @@ def _current_vllm_config() -> VllmConfig | None:
 
 def page_unification_limits() -> PageUnificationLimits:
     """The limits of the planning in progress (``--additional-config``, else
-    the environment, else the defaults), with the engine's ``max_model_len``
+    the defaults), with the engine's ``max_model_len``
     as the bound on block growth."""
     config = _current_vllm_config()
     limits = HybridKVOptions.from_vllm_config(config).page_limits

@@ -29,7 +29,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from vllm_hybrid import envs
 from vllm_hybrid.config.hybrid_kv import (
     ADDITIONAL_CONFIG_KEY,
     MAX_PAGE_GROWTH,
@@ -285,8 +284,8 @@ class PlanViolations:
     accept it."""
 
     problems: tuple[str, ...]
-    #: (``hybrid_kv`` key, environment variable, suggested value)
-    fixes: tuple[tuple[str, str, str], ...]
+    #: (``hybrid_kv`` key, suggested value)
+    fixes: tuple[tuple[str, str], ...]
 
     @property
     def acceptable(self) -> bool:
@@ -296,12 +295,8 @@ class PlanViolations:
 
     def accept_hint(self) -> str:
         """The option values that lift the padding and growth limits."""
-        options = ", ".join(f'"{key}": {value}' for key, _, value in self.fixes)
-        env = " ".join(f"{var}={value}" for _, var, value in self.fixes)
-        return (
-            f"--additional-config '{{\"{ADDITIONAL_CONFIG_KEY}\": {{{options}}}}}' "
-            f"(or set {env})"
-        )
+        options = ", ".join(f'"{key}": {value}' for key, value in self.fixes)
+        return f"--additional-config '{{\"{ADDITIONAL_CONFIG_KEY}\": {{{options}}}}}'"
 
 
 def page_plan_violations(
@@ -309,20 +304,14 @@ def page_plan_violations(
 ) -> PlanViolations | None:
     """The limits ``plan`` exceeds, or None."""
     problems: list[str] = []
-    fixes: list[tuple[str, str, str]] = []
+    fixes: list[tuple[str, str]] = []
     if plan.max_padding_pct > limits.max_page_padding_pct:
         problems.append(
             f"state pages would be padded to {plan.page_size:,} B, up to "
             f"{plan.max_padding_pct:.2f}% of each page (limit "
             f"{limits.max_page_padding_pct:g}%)"
         )
-        fixes.append(
-            (
-                MAX_PAGE_PADDING_PCT,
-                envs.MAX_PAGE_PADDING_PCT_VAR,
-                _suggested(plan.max_padding_pct),
-            )
-        )
+        fixes.append((MAX_PAGE_PADDING_PCT, _suggested(plan.max_padding_pct)))
     if plan.page_growth > limits.max_page_growth:
         problems.append(
             f"the common page ({plan.page_size:,} B, a multiple of the LCM "
@@ -331,9 +320,7 @@ def page_plan_violations(
             f" B), multiplying block sizes as much (limit "
             f"{limits.max_page_growth:g}x)"
         )
-        fixes.append(
-            (MAX_PAGE_GROWTH, envs.MAX_PAGE_GROWTH_VAR, _suggested(plan.page_growth))
-        )
+        fixes.append((MAX_PAGE_GROWTH, _suggested(plan.page_growth)))
     longest = _longest_scaled_block(plan)
     if (
         limits.max_block_tokens is not None

@@ -887,18 +887,3 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
     assert st_.get_cached_block(BlockHash(b"s5"), [1]) == [hit]
     assert arena.boundary.ensure(10, 0)  # without the hit, the move evicts it
     arena.check_invariants()
-
-
-def test_state_eviction_window_setting():
-    from vllm_hybrid import envs
-    from vllm_hybrid.v1.core.pooled.policy import (
-        STATE_EVICTION_WINDOW,
-        state_eviction_window,
-    )
-
-    name = envs.STATE_EVICTION_WINDOW_VAR
-    assert state_eviction_window({}) == STATE_EVICTION_WINDOW == 8
-    assert state_eviction_window({name: " 1 "}) == 1
-    for bad in ("0", "-2", "2.5", "all"):
-        with pytest.raises(ValueError, match=rf"{name}='{bad}'.*whole number >= 1"):
-            state_eviction_window({name: bad})

@@ -1,4 +1,4 @@
-"""When the arena's boundary moves by recency (``ArenaSplit.RECENCY``).
+"""When the arena's boundary moves by recency.
 
 A pool whose need would evict a cached entry filed in LRU order takes the
 other pool's free blocks next to the boundary instead, when the other pool's
@@ -13,16 +13,8 @@ from __future__ import annotations
 import pytest
 from test_arena import cache, make_arena
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.boundary import arena_split
-from vllm_hybrid.v1.core.pooled.policy import SPLIT_TOKEN_RESERVE, ArenaSplit
-
-
-@pytest.fixture(params=[ArenaSplit.RECENCY, ArenaSplit.DEMAND])
-def split(request, monkeypatch) -> ArenaSplit:
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, request.param.value)
-    return request.param
+from vllm_hybrid.v1.core.pooled.policy import SPLIT_TOKEN_RESERVE
 
 
 def _cache_free(pool, n: int, prefix: bytes) -> list:
@@ -43,29 +35,23 @@ def _state_pool_full_of_entries(arena: KVArena) -> None:
     assert arena.state_pool.free_block_queue.clean_ids() == []
 
 
-def test_the_state_pool_grows_into_clean_token_blocks_instead_of_evicting(split):
+def test_the_state_pool_grows_into_clean_token_blocks_instead_of_evicting():
     arena = make_arena()
-    assert arena.boundary.split is split
     _state_pool_full_of_entries(arena)
     assert arena.boundary.ensure(0, 1)
     (block,) = arena.state_pool.get_new_blocks(1)
-    if split is ArenaSplit.RECENCY:
-        assert arena.state_floor == 4 and arena.token_capacity == 7
-        assert block.block_id == 4 and _cached(arena.state_pool) == 5
-    else:
-        assert arena.state_floor == 5 and arena.token_capacity == 9
-        assert _cached(arena.state_pool) == 4  # its LRU entry went
+    assert arena.state_floor == 4 and arena.token_capacity == 7
+    assert block.block_id == 4 and _cached(arena.state_pool) == 5
     arena.check_invariants()
 
 
 @pytest.mark.parametrize("filed_first", [True, False])
 def test_the_state_pool_grows_only_into_token_entries_older_than_its_own(
-    monkeypatch, filed_first
+    filed_first,
 ):
     """Token ids 10 and 11 hold entries filed before (or after) the state
     pool's; an older token entry at id 3 makes the token pool the staler one
     either way."""
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, "recency")
     arena = make_arena()
     token = arena.token_pool
     held = token.get_new_blocks(9)
@@ -92,10 +78,9 @@ def test_the_state_pool_grows_only_into_token_entries_older_than_its_own(
 
 
 @pytest.mark.parametrize("live", [2, 3])
-def test_the_state_pool_leaves_the_token_pool_its_reserve(monkeypatch, live):
+def test_the_state_pool_leaves_the_token_pool_its_reserve(live):
     """The token pool keeps ``SPLIT_TOKEN_RESERVE`` of its 9 blocks (5) free
     beyond the need: with 2 held, 7 free less the 2 given up leave 5."""
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, "recency")
     assert SPLIT_TOKEN_RESERVE == 0.5
     arena = make_arena()
     arena.token_pool.get_new_blocks(live)
@@ -107,9 +92,8 @@ def test_the_state_pool_leaves_the_token_pool_its_reserve(monkeypatch, live):
 
 @pytest.mark.parametrize("state_older", [True, False])
 def test_the_token_pool_takes_state_blocks_when_the_state_pool_is_staler(
-    monkeypatch, state_older
+    state_older,
 ):
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, "recency")
     arena = make_arena()
     if state_older:
         _state_pool_full_of_entries(arena)
@@ -126,11 +110,3 @@ def test_the_token_pool_takes_state_blocks_when_the_state_pool_is_staler(
         assert arena.state_floor == 5
         assert _cached(arena.token_pool) == 8 and _cached(arena.state_pool) == 5
     arena.check_invariants()
-
-
-def test_the_split_is_read_from_its_variable():
-    assert arena_split({}) is ArenaSplit.COSTED
-    assert arena_split({envs.ARENA_SPLIT_VAR: "recency"}) is ArenaSplit.RECENCY
-    assert arena_split({envs.ARENA_SPLIT_VAR: "Demand"}) is ArenaSplit.DEMAND
-    with pytest.raises(ValueError, match="VLLM_HYBRID_ARENA_SPLIT='lru'.*demand"):
-        arena_split({envs.ARENA_SPLIT_VAR: "lru"})

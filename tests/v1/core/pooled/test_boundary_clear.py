@@ -16,12 +16,9 @@ from test_arena import cache, make_arena
 from test_eviction import Driver
 from vllm.v1.core import kv_cache_manager
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm_hybrid.v1.core.pooled.policy import (
-    BOUNDARY_CLEAR_STATE_BLOCKS,
-    boundary_clear_state_blocks,
-)
+from vllm_hybrid.v1.core.pooled import arena as arena_module
+from vllm_hybrid.v1.core.pooled.policy import BOUNDARY_CLEAR_STATE_BLOCKS
 
 
 def _ids(blocks) -> list[int]:
@@ -76,17 +73,10 @@ def test_the_arena_keeps_clear_state_blocks_worth_of_token_ids(monkeypatch):
     assert make_arena().token_pool.free_block_queue.clean_at_boundary_ids() == list(
         range(3, 12)
     )
-    monkeypatch.setenv(envs.BOUNDARY_CLEAR_VAR, "1")
+    monkeypatch.setattr(arena_module, "BOUNDARY_CLEAR_STATE_BLOCKS", 1)
     queue = make_arena().token_pool.free_block_queue
     assert queue.clean_at_boundary_ids() == [10, 11]
     assert make_arena().state_pool.free_block_queue.clean_at_boundary_ids() == []
-
-
-def test_the_variable_is_read_and_checked():
-    assert boundary_clear_state_blocks({}) == BOUNDARY_CLEAR_STATE_BLOCKS
-    assert boundary_clear_state_blocks({envs.BOUNDARY_CLEAR_VAR: "0"}) == 0
-    with pytest.raises(ValueError, match="VLLM_HYBRID_BOUNDARY_CLEAR='-1'"):
-        boundary_clear_state_blocks({envs.BOUNDARY_CLEAR_VAR: "-1"})
 
 
 def test_the_coordinator_clears_while_the_arena_refuses_new_requests(monkeypatch):

@@ -1,5 +1,4 @@
-"""Entries weighed by the recomputation they save per byte
-(``ArenaSplit.COSTED``).
+"""Entries weighed by the recomputation they save per byte.
 
 An attention block saves the recomputation of its own tokens; a state entry
 saves the tokens between the previous checkpoint its request kept (or the
@@ -24,20 +23,24 @@ from test_arena_split import _cache_free, _cached
 from test_eviction import BLOCK, Driver
 from vllm.v1.core import kv_cache_manager
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.policy import (
-    ARENA_SPLIT,
-    ArenaSplit,
     Entry,
     state_block_attention_tokens,
     worth_more_than_attention,
 )
 
 
-def _arena() -> KVArena:
-    return KVArena(SMALL, enable_caching=True, hash_block_size=16, break_even=40)
+def _arena(weighed: bool = True) -> KVArena:
+    """The arena, its state entries weighed against attention KV or (to
+    compare) by recency alone."""
+    return KVArena(
+        SMALL,
+        enable_caching=True,
+        hash_block_size=16,
+        break_even=40 if weighed else None,
+    )
 
 
 def test_the_break_even_is_the_attention_tokens_a_state_block_holds(monkeypatch):
@@ -49,26 +52,22 @@ def test_the_break_even_is_the_attention_tokens_a_state_block_holds(monkeypatch)
     )
     driver = Driver()
     assert state_block_attention_tokens(driver.coordinator.kv_cache_config) == 16
-    assert driver.arena.boundary.break_even == 16
+    assert driver.arena.state_pool.free_block_queue.policy.break_even == 16
     assert not worth_more_than_attention(40, 40)
     assert worth_more_than_attention(41, 40)
     assert not worth_more_than_attention(None, 40)
     assert not worth_more_than_attention(10**6, None)
-    assert ARENA_SPLIT is ArenaSplit.COSTED
 
 
-@pytest.mark.parametrize("split", [ArenaSplit.COSTED, ArenaSplit.RECENCY])
+@pytest.mark.parametrize("weighed", [True, False])
 @pytest.mark.parametrize("saves", [40, 41])
-def test_an_entry_that_saves_more_per_byte_outlives_one_that_saves_less(
-    monkeypatch, split, saves
-):
+def test_an_entry_that_saves_more_per_byte_outlives_one_that_saves_less(weighed, saves):
     """The state pool's entries are older than all of the token pool's, so by
     recency alone the token pool takes the state block next to the boundary
     (id 5) and its entry. Weighed, an entry that saves more than 40 tokens
     is worth more per byte than the token pool's own least recently used
     entry, which goes instead."""
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, split.value)
-    arena = _arena()
+    arena = _arena(weighed)
     state = arena.state_pool
     blocks = state.get_new_blocks(5)
     for i, block in enumerate(blocks):
@@ -80,7 +79,7 @@ def test_an_entry_that_saves_more_per_byte_outlives_one_that_saves_less(
     _cache_free(arena.token_pool, 9, b"token")
     assert arena.boundary.ensure(1, 0)
     arena.token_pool.get_new_blocks(1)
-    if split is ArenaSplit.COSTED and saves > 40:
+    if weighed and saves > 40:
         assert arena.state_floor == 5 and _cached(state) == 5
         assert boundary_block.block_hash is not None
         assert _cached(arena.token_pool) == 8  # its LRU entry went
@@ -91,16 +90,13 @@ def test_an_entry_that_saves_more_per_byte_outlives_one_that_saves_less(
     arena.check_invariants()
 
 
-@pytest.mark.parametrize("split", [ArenaSplit.COSTED, ArenaSplit.RECENCY])
-def test_among_the_oldest_states_those_worth_less_than_attention_go_first(
-    monkeypatch, split
-):
+@pytest.mark.parametrize("weighed", [True, False])
+def test_among_the_oldest_states_those_worth_less_than_attention_go_first(weighed):
     """Five state entries, oldest first at ids 9, 8, 7, 6, 5 (all within the
     state pool's window); 9 and 8 save 41 tokens, the others 40. Weighed, 7
     goes first (the farthest from the boundary of those worth no more than
     attention KV); unweighed, 9 (the farthest of all)."""
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, split.value)
-    state = _arena().state_pool
+    state = _arena(weighed).state_pool
     blocks = state.get_new_blocks(5)
     assert [b.block_id for b in blocks] == [9, 8, 7, 6, 5]
     for i, block in enumerate(blocks):
@@ -108,11 +104,9 @@ def test_among_the_oldest_states_those_worth_less_than_attention_go_first(
     state.free_blocks(blocks)
     for block in blocks:
         state.rank_entry(block, Entry.PREFILL_ANCHOR, 41 if block.block_id > 7 else 40)
-    assert state.free_block_queue.cached_ids()[0] == (
-        7 if split is ArenaSplit.COSTED else 9
-    )
+    assert state.free_block_queue.cached_ids()[0] == (7 if weighed else 9)
     (taken,) = state.get_new_blocks(1)
-    assert taken.block_id == (7 if split is ArenaSplit.COSTED else 9)
+    assert taken.block_id == (7 if weighed else 9)
 
 
 def test_a_checkpoint_saves_the_tokens_past_the_previous_one(monkeypatch):

@@ -1,7 +1,7 @@
 """Which decode edges keep a state, and which runner copies are no copies.
 
 The engine-level behaviour is in ``test_decode_copies.py``; these check the
-rules on their own: the last edge a token budget reaches, the policy switch
+rules on their own: the last edge a token budget reaches, the default
 and the runner's test for a copy of a block onto itself.
 """
 
@@ -11,12 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.policy import (
     DECODE_EDGES,
     DecodeEdges,
     budget_end_edge,
-    decode_edges_policy,
 )
 from vllm_hybrid.v1.worker.mamba_copies import is_self_copy
 
@@ -44,14 +42,8 @@ def test_budget_end_is_the_last_edge_the_computed_tokens_reach(
     assert budget_end_edge(_request(prompt, max_tokens), 16) == edge
 
 
-def test_policy_default_and_override() -> None:
+def test_pooled_mode_keeps_the_budget_end() -> None:
     assert DECODE_EDGES is DecodeEdges.BUDGET_END
-    assert decode_edges_policy({}) is DecodeEdges.BUDGET_END
-    for edges in DecodeEdges:
-        var = {envs.DECODE_EDGES_VAR: edges.value.upper()}
-        assert decode_edges_policy(var) is edges
-    with pytest.raises(ValueError, match="VLLM_HYBRID_DECODE_EDGES='some'"):
-        decode_edges_policy({envs.DECODE_EDGES_VAR: "some"})
 
 
 def test_a_copy_onto_the_same_block_in_every_group_is_no_copy() -> None:

@@ -30,7 +30,6 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm.v1.request import Request
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
@@ -359,11 +358,12 @@ def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
     The boundary moves on demand only here: by recency the state pool would
     have grown into a clean token block while the prefix was shared
     (``test_arena_split.py``), and the arena would differ from the start."""
-    monkeypatch.setenv(envs.ARENA_SPLIT_VAR, "demand")
     monkeypatch.setattr(
         kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
     )
     driver = Driver()
+    # no recency moves: the boundary moves only where a pool is short
+    monkeypatch.setattr(driver.arena.boundary, "_recency_target", lambda *a: None)
     driver.share(3)
     state_queue = driver.arena.state_pool.free_block_queue
     assert state_queue.protected_ids() == [15] and state_queue.clean_ids() == [14]

@@ -114,9 +114,9 @@ def test_the_option_is_a_whole_number_of_tokens(value, parsed):
     config = type("V", (), {"additional_config": {"hybrid_kv": options}})()
     if parsed == "":
         with pytest.raises(ValueError, match="prefill_checkpoint_interval must be"):
-            HybridKVOptions.from_vllm_config(config, {})
+            HybridKVOptions.from_vllm_config(config)
         return
-    assert HybridKVOptions.from_vllm_config(config, {}).prefill_checkpoint_interval == (
+    assert HybridKVOptions.from_vllm_config(config).prefill_checkpoint_interval == (
         parsed
     )
 

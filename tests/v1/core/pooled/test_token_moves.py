@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_arena import cache, key, make_arena
 
-from vllm_hybrid import envs
+from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.moves import TokenMoves, new_block_ids_follow
+from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
 
 def _boundary_pinned(arena, free: int = 7):
@@ -96,9 +97,23 @@ def test_new_block_ids_to_zero_follow_their_blocks():
     assert managers[0].new_block_ids == [4, 3, 10]
 
 
-def test_the_switch_turns_moves_off():
-    assert envs.token_moves_enabled({})
-    assert not envs.token_moves_enabled({envs.TOKEN_MOVES_VAR: "0"})
+def test_the_option_turns_moves_off():
+    def options(hybrid_kv: dict) -> HybridKVOptions:
+        config = SimpleNamespace(additional_config={"hybrid_kv": hybrid_kv})
+        return HybridKVOptions.from_vllm_config(config)
+
+    assert options({}).token_moves
+    assert not options({"token_moves": False}).token_moves
+    for on in (True, False):
+        arena = make_arena()
+        coordinator = SimpleNamespace(arena=arena, single_type_managers=())
+        scheduler = SimpleNamespace(
+            kv_cache_manager=SimpleNamespace(coordinator=coordinator),
+            kv_cache_config=SimpleNamespace(token_moves=on),
+            connector=None,
+        )
+        PooledSchedulerMixin._allow_token_moves(scheduler)
+        assert (arena.boundary.moves is not None) is on
 
 
 _OPS = st.lists(

@@ -8,8 +8,7 @@ Layers, bottom to top (a module imports only from the layers below it):
 ``links``       which attention blocks each cached state checkpoint needs
 ``policy``      the checkpoint policy (a package): ``eviction`` the
                 eviction order (segments, protection, ranked entries, what
-                an entry is worth, admission attempts), ``ghosts`` the keys
-                of entries evicted for room, ``positions`` where
+                an entry is worth, admission attempts), ``positions`` where
                 states are kept and how freed ones rank, ``steps`` where
                 prefill chunks end and what a step admits (retention, the
                 scheduler and the pools ask it)
@@ -20,8 +19,6 @@ Layers, bottom to top (a module imports only from the layers below it):
                 record of the moves the workers must apply
 ``boundary``    the boundary: initial split, floors, moves, admission
 ``arena``       the two pools and their boundary, built and checked together
-``misses``      which entries the pools evicted for room a prefix lookup asks
-                for again (what the misses split follows)
 ``capacity``    every capacity figure: one request, concurrency, states held
                 (both plan kinds: the arena and the single shared pool)
 ``planner``     pure planning: a byte budget and layer specs -> a config

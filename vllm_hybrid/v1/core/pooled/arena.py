@@ -22,7 +22,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
 from vllm_hybrid.v1.core.pooled.coupling import PoolHandle, PrefixCacheCoupling
-from vllm_hybrid.v1.core.pooled.policy import ArenaSplit, boundary_clear_state_blocks
+from vllm_hybrid.v1.core.pooled.policy import BOUNDARY_CLEAR_STATE_BLOCKS
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import ArenaUsage, PoolUsage
 
@@ -73,12 +73,10 @@ class KVArena:
         )
         self.state_pool = PoolHandle(state_pool)
         self.token_pool = PoolHandle(token_pool)
-        self.boundary = ArenaBoundary(layout, token_pool, state_pool, break_even)
-        state_pool.weigh_entries(self.boundary.weighed_break_even())
-        if self.boundary.split is ArenaSplit.MISSES:
-            self.follow_misses()
+        self.boundary = ArenaBoundary(layout, token_pool, state_pool)
+        state_pool.weigh_entries(break_even)
         token_pool.keep_boundary_clear(
-            boundary_clear_state_blocks()
+            BOUNDARY_CLEAR_STATE_BLOCKS
             * layout.state_block_bytes
             // layout.token_block_bytes
         )
@@ -171,20 +169,6 @@ class KVArena:
         for pool in pools:
             pool.reset_prefix_cache()
         return True
-
-    @property
-    def follows_misses(self) -> bool:
-        """Whether the pools keep the entries they evict for room and prefix
-        lookups look for them (``pooled.misses``): what the misses split
-        follows, and what a benchmark reports (:meth:`follow_misses`)."""
-        return self.token_pool.ghosts is not None
-
-    def follow_misses(self) -> None:
-        """Have both pools keep the entries they evict for room, and prefix
-        lookups count those they ask for again, whatever the split (a lookup
-        then reads the prompt past its hit once more)."""
-        for pool in (self.token_pool, self.state_pool):
-            pool.follow_evictions()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests)."""

@@ -28,11 +28,10 @@ if TYPE_CHECKING:
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.policy import (
+    STATE_EVICTION_WINDOW,
     Entry,
-    Ghosts,
     Place,
     Reach,
-    state_eviction_window,
 )
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
@@ -114,9 +113,6 @@ class ArenaBlockPool(BlockPool):
         #: token ids next to the boundary whose clean blocks go after the
         #: cached ones (see ``keep_boundary_clear``)
         self._clear_ids = 0
-        #: keys this pool evicted for room lately and how often they are asked
-        #: for again (``policy.ghosts``; None: not followed)
-        self.ghosts: Ghosts | None = None
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
         super().__init__(
@@ -144,7 +140,7 @@ class ArenaBlockPool(BlockPool):
         queue = ArenaFreeBlockQueue(
             (self.blocks[i] for i in self.owned_ids if self.blocks[i].ref_cnt == 0),
             low_ids_first=self.side is PoolKind.TOKEN,
-            window=1 if self.side is PoolKind.TOKEN else state_eviction_window(),
+            window=1 if self.side is PoolKind.TOKEN else STATE_EVICTION_WINDOW,
             clock=self._clock,
         )
         queue.policy.break_even = self._break_even
@@ -309,7 +305,7 @@ class ArenaBlockPool(BlockPool):
         """Hand out a block :meth:`take_free` took: out of the prefix cache,
         with its first reference."""
         if self.enable_caching:
-            self._evict_for_room(block)
+            self._maybe_evict_cached_block(block)
         assert block.ref_cnt == 0
         block.ref_cnt += 1
         if self.metrics_collector:
@@ -323,21 +319,6 @@ class ArenaBlockPool(BlockPool):
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
         return evicted
-
-    def follow_evictions(self) -> None:
-        """Keep the keys of the entries evicted for room from now on (as many
-        as the pool owns blocks now, :class:`~.policy.ghosts.Ghosts`)."""
-        if self.ghosts is None:
-            self.ghosts = Ghosts(len(self._owned_ids))
-
-    def _evict_for_room(self, block: KVCacheBlock) -> None:
-        """Evict ``block``'s entry because its memory is wanted, keeping the
-        key as a ghost where evictions are followed (entries dropped as
-        useless go without one)."""
-        key = block.block_hash
-        evicted = self._maybe_evict_cached_block(block)
-        if evicted and key is not None and self.ghosts is not None:
-            self.ghosts.note_evicted(key)
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
         """Upstream's ``_maybe_evict_cached_block`` under a public name: upstream's
@@ -420,7 +401,7 @@ class ArenaBlockPool(BlockPool):
         hits and metrics of ``live`` follow it without leaving the cache."""
         assert live.ref_cnt > 0 and free.ref_cnt == 0
         self.free_block_queue.remove(free)
-        self._evict_for_room(free)
+        self._maybe_evict_cached_block(free)
         old, new, num_tokens = live.block_id, free.block_id, live.block_hash_num_tokens
         self._moving = True
         keys = self._remove_cached_block_hashes(live)
@@ -463,7 +444,7 @@ class ArenaBlockPool(BlockPool):
         """A leaving block (:meth:`leaving`) out of the prefix cache and the
         free queue."""
         assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-        self._evict_for_room(block)
+        self._maybe_evict_cached_block(block)
         self.free_block_queue.remove(block)
 
     def take_over(self, owned_ids: range) -> None:

@@ -16,9 +16,9 @@ How far it may go (floors)
 When it moves (:meth:`ArenaBoundary.ensure`)
     On demand, when one pool lacks free blocks for the request at hand; by
     the smallest whole number of state blocks that covers the deficit; never
-    in advance. With :attr:`~.policy.eviction.ArenaSplit.RECENCY` also when a pool
-    would evict a cached entry filed in LRU order while the other pool's
-    least recently used entry is older (:meth:`ArenaBoundary._recency_target`).
+    in advance; also when a pool would evict a cached entry filed in LRU
+    order while the other pool's least recently used entry is older
+    (:meth:`ArenaBoundary._recency_target`).
     The ids of the shrinking pool in the way must all be free and not about
     to be reused by a prefix hit; cached ones among them are evicted (with
     ``BlockRemoved`` events). All-or-nothing: either every condition holds
@@ -49,7 +49,6 @@ from enum import Enum
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.coupling import (
@@ -58,14 +57,7 @@ from vllm_hybrid.v1.core.pooled.coupling import (
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.moves import TokenMoves, clear_way
-from vllm_hybrid.v1.core.pooled.policy import (
-    ADMISSION,
-    ARENA_SPLIT,
-    SPLIT_TOKEN_RESERVE,
-    ArenaSplit,
-    Reach,
-    regret_favours,
-)
+from vllm_hybrid.v1.core.pooled.policy import ADMISSION, SPLIT_TOKEN_RESERVE, Reach
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
 logger = init_logger(__name__)
@@ -142,24 +134,17 @@ class ArenaBoundary:
         layout: ArenaLayout,
         token_pool: ArenaBlockPool,
         state_pool: ArenaBlockPool,
-        break_even: float | None = None,
     ) -> None:
         self.layout = layout
         self.token_pool = token_pool
         self.state_pool = state_pool
         self._state_floor = layout.initial_state_floor
-        #: when the boundary moves (:class:`~.policy.eviction.ArenaSplit`)
-        self.split = arena_split()
         #: token blocks at the planned boundary (a recency move's reserve)
         self._initial_token_capacity = layout.token_capacity_at(
             layout.initial_state_floor
         )
         #: handles the prefix-cache events of each resize (set by the arena)
         self.coupling: PrefixCacheCoupling | None = None
-        #: tokens of attention KV one state block's bytes hold
-        #: (``policy.state_block_attention_tokens``; None: entries
-        #: not weighed)
-        self.break_even = break_even
         #: the live token blocks moved out of the state pool's way (None:
         #: none may move; the scheduler turns moves on, :meth:`allow_moves`)
         self.moves: TokenMoves | None = None
@@ -263,13 +248,10 @@ class ArenaBoundary:
         short_token = need_token > free_token
         short_state = need_state > free_state
         if not short_token and not short_state:
-            if self.split is not ArenaSplit.DEMAND:
-                target = self._recency_target(
-                    need_token, need_state, free_token, free_state, keep
-                )
-                if target is not None:
-                    return target
-            return self._state_floor
+            target = self._recency_target(
+                need_token, need_state, free_token, free_state, keep
+            )
+            return self._state_floor if target is None else target
         if short_token and short_state:
             return None  # a move only ever helps one side
         layout = self.layout
@@ -303,8 +285,7 @@ class ArenaBoundary:
         free_state: int,
         keep: Iterable[KVCacheBlock],
     ) -> int | None:
-        """State floor of a recency move (:attr:`~.policy.eviction.ArenaSplit.RECENCY`),
-        None when neither pool makes one.
+        """State floor of a recency move, None when neither pool makes one.
 
         A pool whose need would evict a cached entry filed in LRU order (its
         *victim*) takes the other pool's free blocks next to the boundary
@@ -319,8 +300,8 @@ class ArenaBoundary:
         boundary whatever their age: the state pool hands out the blocks
         farthest from the boundary first, so those next to it were often
         filed recently, and one of them is one entry, traded for the staler
-        pool's. With :attr:`~.policy.eviction.ArenaSplit.COSTED` it leaves a state
-        entry that saves more recomputation per byte than attention KV.
+        pool's; it leaves a state entry that saves more recomputation per
+        byte than attention KV (:func:`~.policy.eviction.worth_more_than_attention`).
         """
         layout = self.layout
         token, state = self.token_pool, self.state_pool
@@ -333,7 +314,7 @@ class ArenaBoundary:
             if (
                 target >= layout.min_state_floor
                 and free_token - len(lost) >= need_token + reserve
-                and self._gives_way(state, token, victim[1])
+                and _staler(token_q.oldest_lru_tick(), victim[1])
                 and _movable(token, lost, keep, filed_before=victim[1])
             ):
                 return target
@@ -345,42 +326,11 @@ class ArenaBoundary:
             if (
                 target <= layout.max_state_floor
                 and free_state - len(lost) >= need_state
-                and self._gives_way(token, state, victim[1])
+                and _staler(state_q.oldest_lru_tick(), victim[1])
                 and _movable(state, lost, keep)
             ):
                 return target
         return None
-
-    def _gives_way(
-        self, grower: ArenaBlockPool, other: ArenaBlockPool, victim: int
-    ) -> bool:
-        """Whether ``other`` gives up blocks to ``grower``, whose need would
-        evict its entry filed at tick ``victim``: when ``other``'s own next
-        LRU victim is older; with :attr:`~.policy.eviction.ArenaSplit.MISSES`
-        the pools' regrets (their evicted entries asked for again) decide
-        where they differ clearly (:func:`~.policy.ghosts.regret_favours`)."""
-        if self.split is ArenaSplit.MISSES:
-            favoured = regret_favours(
-                grower.ghosts,
-                other.ghosts,
-                self._block_bytes(grower),
-                self._block_bytes(other),
-            )
-            if favoured is not None:
-                return favoured
-        return _staler(other.free_block_queue.oldest_lru_tick(), victim)
-
-    def _block_bytes(self, pool: ArenaBlockPool) -> int:
-        layout = self.layout
-        if pool.side is PoolKind.TOKEN:
-            return layout.token_block_bytes
-        return layout.state_block_bytes
-
-    def weighed_break_even(self) -> float | None:
-        """Break-even the state pool weighs its entries with (None: not
-        weighed, as :attr:`~.policy.eviction.ArenaSplit.RECENCY` does not)."""
-        weighed = self.split in (ArenaSplit.COSTED, ArenaSplit.MISSES)
-        return self.break_even if weighed else None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
         """(pool, id) of the blocks a move must leave alone; built only when
@@ -471,9 +421,3 @@ def _movable(
 def _all_free(pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]) -> bool:
     blocks = pool.blocks
     return all(blocks[i].ref_cnt == 0 and (id(pool), i) not in kept for i in ids)
-
-
-def arena_split(environ: dict[str, str] | None = None) -> ArenaSplit:
-    """``VLLM_HYBRID_ARENA_SPLIT`` when set, else
-    :data:`~.policy.eviction.ARENA_SPLIT`."""
-    return envs.choice(envs.ARENA_SPLIT_VAR, ARENA_SPLIT, environ)

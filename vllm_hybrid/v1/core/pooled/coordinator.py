@@ -21,25 +21,24 @@ from vllm.v1.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
 )
-from vllm.v1.core.kv_cache_utils import BlockHash, KVCacheBlock
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
     SingleTypeKVCacheManager,
 )
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool, InPlaceView
+from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
 from vllm_hybrid.v1.core.pooled.boundary import Admission
-from vllm_hybrid.v1.core.pooled.misses import ask_ghosts
 from vllm_hybrid.v1.core.pooled.policy import (
+    DECODE_EDGES,
     RELOCATE_NEAR_BOUNDARY,
     CheckpointPolicy,
-    decode_edges_policy,
     state_block_attention_tokens,
 )
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
@@ -414,53 +413,14 @@ class PooledHybridKVCacheCoordinator(
         super().__init__(*args, **kwargs)
         self._bind_arena()
         config = self.kv_cache_config
-        #: the groups whose evicted entries a lookup looks for
-        self._miss_groups = _miss_groups(config, self._group_kind, self.pools)
         self._init_turn_ends(
             CheckpointPolicy.of(
                 config.retain_turn_ends,
                 config.prefill_checkpoint_interval,
                 config.prefill_checkpoint_anchor,
-                decode_edges_policy(),
+                DECODE_EDGES,
             )
         )
-
-    def find_longest_cache_hit(
-        self, block_hashes: list[BlockHash], max_cache_hit_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int, int]:
-        """Upstream's lookup; then, where the arena follows its misses, each
-        pool hears which of the entries it evicted for room this lookup
-        asked for again (:mod:`.misses`)."""
-        found = super().find_longest_cache_hit(block_hashes, max_cache_hit_length)
-        if not self.arena.follows_misses:
-            return found
-        ask_ghosts(
-            block_hashes,
-            self.hash_block_size,
-            found[1],
-            max_cache_hit_length,
-            self._miss_groups,
-        )
-        return found
-
-
-def _miss_groups(
-    config: PooledKVCacheConfig,
-    kinds: Sequence[PoolKind],
-    pools: Mapping[PoolKind, ArenaBlockPool],
-) -> tuple[tuple[int, int, ArenaBlockPool], ...]:
-    """(group id, block size, pool) of the token pool's first full-attention
-    group and of each Mamba group of the state pool: the keys of one group
-    per kind of entry are enough to follow where evictions are missed."""
-    token, state = [], []
-    for group_id, kind in enumerate(kinds):
-        spec = config.kv_cache_groups[group_id].kv_cache_spec
-        full = type(spec) in (FullAttentionSpec, MLAAttentionSpec)
-        if kind is PoolKind.TOKEN and full and not token:
-            token.append((group_id, spec.block_size, pools[kind]))
-        elif kind is PoolKind.STATE and isinstance(spec, MambaSpec):
-            state.append((group_id, spec.block_size, pools[kind]))
-    return (*token, *state)
 
 
 class PooledNoPrefixCacheCoordinator(

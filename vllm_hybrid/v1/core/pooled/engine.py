@@ -227,6 +227,7 @@ def plan_pooled_configs(
         )
         config.couple_prefix_caches = options.couple_prefix_caches
         config.retain_turn_ends = options.retain_turn_ends
+        config.token_moves = options.token_moves
         # align mode (prefix caching on) only: the policy says 0 otherwise
         (
             config.prefill_checkpoint_interval,

@@ -273,6 +273,8 @@ class PooledKVCacheConfig(KVCacheConfig):
     couple_prefix_caches: bool = True
     #: Keep each request's last decode checkpoint (turn-end retention).
     retain_turn_ends: bool = True
+    #: Let live token blocks move off the arena's boundary (see :mod:`.moves`).
+    token_moves: bool = True
     #: Tokens between the states kept during a prefill (0: none); see
     #: :mod:`.policy`.
     prefill_checkpoint_interval: int = 0

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.metrics.stats import SchedulerStats
 
-from vllm_hybrid import envs
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE, new_block_ids_follow
@@ -54,7 +53,6 @@ from vllm_hybrid.v1.core.pooled.policy import (
     paced_step_budget,
     paces,
     pacing_page,
-    prefill_pacing_policy,
     state_checkpoint_block,
 )
 from vllm_hybrid.v1.core.pooled.usage import usage_publisher
@@ -110,20 +108,15 @@ class PooledSchedulerMixin:
             self.kv_cache_config, self.cache_config.mamba_cache_mode
         )
         self._full_budget = self.max_num_scheduled_tokens
-        pacing = prefill_pacing_policy()
-        self._paced_budget = paced_step_budget(
-            self._full_budget, self._pace_page, pacing
-        )
+        self._paced_budget = paced_step_budget(self._full_budget, self._pace_page)
         self._paced_step = False
         #: decode tokens of the running requests after each prefilling one,
         #: this step (empty: no room kept)
         self._decode_room: dict[str, int] = {}
-        #: the pacing (whether deep chunks are cut whatever the queue), the
-        #: prompt position from which unfinished chunks end on the next page
-        #: (0: never), whether this step cuts them (decided once, at its
+        #: the prompt position from which unfinished chunks end on the next
+        #: page (0: never), whether this step cuts them (decided once, at its
         #: start) and whether it cut one
-        self._pacing = pacing
-        self._deep_chunk = deep_chunk_start(pacing, self._pace_page, self._full_budget)
+        self._deep_chunk = deep_chunk_start(self._pace_page, self._full_budget)
         self._deep_step = False
         self._cut_deep = False
         self._allow_token_moves()
@@ -221,9 +214,7 @@ class PooledSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         self._cut_deep = False
         self._paced_step = self.paces_next_step()
-        self._deep_step = bool(self._deep_chunk) and cuts_deep_chunks(
-            self._pacing, len(self.waiting)
-        )
+        self._deep_step = bool(self._deep_chunk) and cuts_deep_chunks(len(self.waiting))
         self.max_num_scheduled_tokens = (
             self._paced_budget if self._paced_step else self._full_budget
         )
@@ -249,11 +240,12 @@ class PooledSchedulerMixin:
     def _allow_token_moves(self) -> None:
         """Let the arena move live token blocks off its boundary
         (:mod:`~vllm_hybrid.v1.core.pooled.moves`), unless a KV connector
-        may read blocks by id across steps or ``VLLM_HYBRID_TOKEN_MOVES=0``."""
+        may read blocks by id across steps or ``hybrid_kv.token_moves`` is
+        off."""
         arena = arena_of(self.kv_cache_manager)
         if arena is None or self.connector is not None:
             return
-        if not envs.token_moves_enabled():
+        if not getattr(self.kv_cache_config, "token_moves", True):
             return
         managers = [
             manager

@@ -5,11 +5,8 @@ ask it; none of them decides.
 
 ``eviction``  the order pooled mode evicts in, declared as data: free-queue
               segments, entry kinds and where a freed one is filed, what a
-              state entry is worth per byte against attention KV, how the
-              arena's boundary follows (:class:`ArenaSplit`), admission's
+              state entry is worth per byte against attention KV, admission's
               attempts
-``ghosts``    the keys of entries each pool evicted for room, and how often
-              they are asked for again (the misses the split follows)
 ``positions`` where a request keeps a state: prefill checkpoints and their
               anchors, the prompt's own checkpoint, turn ends
               (:class:`DecodeEdges`), the kind each is filed as once freed
@@ -19,14 +16,13 @@ ask it; none of them decides.
               prompt, admission's growth reserve
 
 Everything a caller needs is importable from this package; the modules
-import only downward (``eviction``, ``ghosts`` < ``positions`` < ``steps``).
+import only downward (``eviction`` < ``positions`` < ``steps``).
 """
 
 from __future__ import annotations
 
 from vllm_hybrid.v1.core.pooled.policy.eviction import (
     ADMISSION,
-    ARENA_SPLIT,
     BOUNDARY_CLEAR_STATE_BLOCKS,
     CLEAN_SEGMENTS,
     CLEARING_ORDER,
@@ -41,24 +37,14 @@ from vllm_hybrid.v1.core.pooled.policy.eviction import (
     SPLIT_TOKEN_RESERVE,
     STATE_EVICTION_WINDOW,
     AdmissionAttempt,
-    ArenaSplit,
     Entry,
     EvictionPolicy,
     Place,
     RanksEntries,
     Reach,
     Segment,
-    boundary_clear_state_blocks,
     rank_entry,
-    state_eviction_window,
     worth_more_than_attention,
-)
-from vllm_hybrid.v1.core.pooled.policy.ghosts import (
-    GHOST_MAX_KEYS,
-    GHOST_MIN_EVICTIONS,
-    GHOST_REGRET_MARGIN,
-    Ghosts,
-    regret_favours,
 )
 from vllm_hybrid.v1.core.pooled.policy.positions import (
     ARENA_SHARE_INVERSE,
@@ -69,7 +55,6 @@ from vllm_hybrid.v1.core.pooled.policy.positions import (
     StatePositions,
     budget_end_edge,
     decode_checkpoint_edge,
-    decode_edges_policy,
     interval_keeps,
     is_prefill_anchor,
     last_prefill_checkpoint,
@@ -91,9 +76,6 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
     DEEP_CHUNK_TOKENS,
     PACING_MAX_WAITING,
     PACING_MIN_PAGES,
-    PREFILL_PACING,
-    PrefillPacing,
-    admission_growth_state_pages,
     admits_after_deep_cut,
     budget_chunk,
     checkpoint_chunk,
@@ -109,24 +91,14 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
     paces,
     pacing_page,
     prefill_end,
-    prefill_pacing_policy,
     state_checkpoint_block,
 )
 
 __all__ = [
-    "GHOST_MAX_KEYS",
-    "boundary_clear_state_blocks",
-    "state_eviction_window",
-    "GHOST_MIN_EVICTIONS",
-    "GHOST_REGRET_MARGIN",
-    "Ghosts",
-    "regret_favours",
     "ADMISSION",
     "ADMISSION_GROWTH_STATE_PAGES",
     "ARENA_SHARE_INVERSE",
-    "ARENA_SPLIT",
     "AdmissionAttempt",
-    "ArenaSplit",
     "BOUNDARY_CLEAR_STATE_BLOCKS",
     "CLEAN_SEGMENTS",
     "CLEARING_ORDER",
@@ -142,11 +114,9 @@ __all__ = [
     "PACING_MAX_WAITING",
     "PACING_MIN_PAGES",
     "PLACES",
-    "PREFILL_PACING",
     "PROMOTED",
     "PROTECT_AFTER_HITS",
     "Place",
-    "PrefillPacing",
     "RELOCATE_NEAR_BOUNDARY",
     "RIVALS",
     "RIVAL_HALF_LIFE_HITS",
@@ -157,7 +127,6 @@ __all__ = [
     "STATE_EVICTION_WINDOW",
     "Segment",
     "StatePositions",
-    "admission_growth_state_pages",
     "admits_after_deep_cut",
     "budget_chunk",
     "budget_end_edge",
@@ -165,7 +134,6 @@ __all__ = [
     "checkpoints_on_pace",
     "cuts_deep_chunks",
     "decode_checkpoint_edge",
-    "decode_edges_policy",
     "decode_room",
     "deep_chunk",
     "deep_chunk_start",
@@ -184,7 +152,6 @@ __all__ = [
     "prefill_checkpoint_interval",
     "prefill_checkpoints",
     "prefill_end",
-    "prefill_pacing_policy",
     "prompt_checkpoint",
     "rank_entry",
     "replay_positions",

@@ -45,8 +45,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_hybrid import envs
-
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
 
@@ -226,37 +224,6 @@ class AdmissionAttempt:
     in_place: bool = False
 
 
-class ArenaSplit(Enum):
-    """When the arena's boundary moves (see ``boundary``)."""
-
-    #: Only when one pool lacks free blocks, cached ones included: a full
-    #: pool evicts its own least recently used entry, however stale the
-    #: other pool's cached entries are.
-    DEMAND = "demand"
-    #: Also when a pool would evict a cached entry filed in LRU order and the
-    #: other pool can give up, instead, free blocks that are clean or were
-    #: filed before that entry: the two pools then evict as one LRU over the
-    #: arena's bytes, as upstream's single pool does, so that the split
-    #: follows where entries are used again.
-    RECENCY = "recency"
-    #: As ``RECENCY``, with state entries weighed by the recomputation they
-    #: save per byte against attention KV (:func:`worth_more_than_attention`):
-    #: the token pool takes only those worth no more, and among the state
-    #: pool's oldest (:data:`STATE_EVICTION_WINDOW`) those go first. A long
-    #: prompt's only checkpoint outlives the attention blocks of staler
-    #: prefixes; a turn end a few hundred tokens past its prompt does not.
-    COSTED = "costed"
-    #: As ``COSTED``, with the recency comparison overruled where one pool's
-    #: evicted entries are asked for again clearly more often than the
-    #: other's (:mod:`.ghosts`): that pool takes the other's blocks, and the
-    #: other does not take its.
-    MISSES = "misses"
-
-
-#: Pooled mode's split (``VLLM_HYBRID_ARENA_SPLIT`` overrides it).
-ARENA_SPLIT = ArenaSplit.COSTED
-
-
 def worth_more_than_attention(saves: int | None, break_even: float | None) -> bool:
     """Whether a state entry that saves ``saves`` tokens of recomputation is
     worth more per byte than attention KV, of which a state block's bytes
@@ -424,27 +391,3 @@ def rank_entry(
         queue.prepend_n([block])
     else:
         queue.append_n([block])
-
-
-def boundary_clear_state_blocks(environ: dict[str, str] | None = None) -> int:
-    """``VLLM_HYBRID_BOUNDARY_CLEAR`` when set, else
-    :data:`BOUNDARY_CLEAR_STATE_BLOCKS`."""
-    return envs.whole_number(
-        envs.BOUNDARY_CLEAR_VAR,
-        BOUNDARY_CLEAR_STATE_BLOCKS,
-        0,
-        "state blocks' worth of token ids to keep clear",
-        environ,
-    )
-
-
-def state_eviction_window(environ: dict[str, str] | None = None) -> int:
-    """``VLLM_HYBRID_STATE_EVICTION_WINDOW`` when set, else
-    :data:`STATE_EVICTION_WINDOW`."""
-    return envs.whole_number(
-        envs.STATE_EVICTION_WINDOW_VAR,
-        STATE_EVICTION_WINDOW,
-        1,
-        "cached state blocks to choose among (1: LRU)",
-        environ,
-    )

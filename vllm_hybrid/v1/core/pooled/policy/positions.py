@@ -35,7 +35,6 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 
@@ -196,19 +195,11 @@ class DecodeEdges(Enum):
     NONE = "none"
 
 
-#: Decode edges pooled mode keeps (``VLLM_HYBRID_DECODE_EDGES`` overrides it
-#: for A/B runs). ``EVERY`` copies a state at each edge a decode crosses,
-#: almost all superseded one state block later; ``BUDGET_END`` keeps every
-#: turn-end hit of replies that run to their budget at one copy per request
-#: (the simulator's comparison:
-#: benchmarks/results/sim-20261127-decode-copies.md).
+#: Decode edges pooled mode keeps: the turn-end hits of replies that run to
+#: their budget at one copy per request, where ``EVERY`` copies a state at
+#: each edge, almost all superseded one block later
+#: (benchmarks/results/sim-20261127-decode-copies.md).
 DECODE_EDGES = DecodeEdges.BUDGET_END
-
-
-def decode_edges_policy(environ: dict[str, str] | None = None) -> DecodeEdges:
-    """Pooled mode's :class:`DecodeEdges`: ``VLLM_HYBRID_DECODE_EDGES``
-    when set, else :data:`DECODE_EDGES`."""
-    return envs.choice(envs.DECODE_EDGES_VAR, DECODE_EDGES, environ)
 
 
 def budget_end_edge(request: Request, block: int) -> int:

@@ -3,7 +3,7 @@ how many prompt tokens a step takes, room for decodes, admission's reserve.
 
 The chunk cut (:func:`budget_chunk`, :func:`checkpoint_chunk`): a chunk ends
 at the next prefill checkpoint it would run past (:mod:`.positions`); a paced
-step (:class:`PrefillPacing`) ends chunks on state page multiples and keeps
+step (:data:`PACING_MAX_WAITING`) ends chunks on state page multiples and keeps
 the checkpoints there without extra cuts; a chunk the token budget cut
 leaves room for the decodes behind it (:data:`DECODE_ROOM`); a chunk deep
 in a long prompt ends on the next state page (:data:`DEEP_CHUNK_TOKENS`). A
@@ -13,13 +13,11 @@ waiting request is admitted only while the running ones keep room to grow
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
-from vllm_hybrid import envs
 from vllm_hybrid.v1.core.pooled.policy.positions import (
     last_prefill_checkpoint,
     next_prefill_checkpoint,
@@ -32,40 +30,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class PrefillPacing(Enum):
-    """How many prompt tokens one step computes while the queue is short.
-
-    Every running request's next token waits for the step: the decode tail
-    follows the prompt tokens of the steps decodes share. Upstream's align
-    mode ends an unfinished chunk on its 1,056-2,768-token state block;
-    pooled mode's is 16 tokens, so its steps fill the whole budget
-    (docs/pooled-mode.md, "Prefill pacing").
-    """
-
-    #: Every step may fill the token budget (``--max-num-batched-tokens``):
-    #: prompts finish sooner, decodes sharing those steps wait longer.
-    FILL = "fill"
-    #: While at most :data:`PACING_MAX_WAITING` requests wait, a step's token
-    #: budget is the largest multiple of the state page in tokens (upstream's
-    #: state block) it holds, and an unfinished chunk ends on a multiple of
-    #: the page, as upstream's align split ends it on its block. With more
-    #: waiting, queueing dominates and steps fill the budget as with ``FILL``,
-    #: but where steps are never paced and the budget holds a page, chunks
-    #: deep in a prompt end on the next page (:func:`deep_chunk_start`).
-    STATE_PAGE = "state_page"
-    #: As :attr:`STATE_PAGE`, and in every plan and step an unfinished chunk
-    #: that starts :data:`DEEP_CHUNK_TOKENS` or more into its prompt ends on
-    #: the next state page, as upstream's align split ends it on its block: a
-    #: shorter decode tail for later first tokens where the queue is long
-    #: (benchmarks/results/sim-20261201-deep-chunks.md).
-    DEEP_PAGE = "deep_page"
-
-
-#: Pooled mode's prefill pacing (``VLLM_HYBRID_PREFILL_PACING`` overrides it
-#: for A/B runs; benchmarks/results/sim-20261128-prefill-pacing.md).
-PREFILL_PACING = PrefillPacing.STATE_PAGE
-
-#: Waiting requests up to which :attr:`PrefillPacing.STATE_PAGE` paces.
+#: Prefill pacing: every running request's next token waits for the step,
+#: so the decode tail follows the prompt tokens of the steps decodes share.
+#: Upstream's align mode ends an unfinished chunk on its 1,056-2,768-token
+#: state block; pooled mode's state block is the attention block, so its
+#: steps would fill the whole token budget. While at most this many requests
+#: wait, a step's token budget is instead the largest multiple of the state
+#: page (upstream's block, in tokens) it holds and an unfinished chunk ends on
+#: a multiple of the page, as upstream's split ends it on its block; with
+#: more waiting, queueing dominates and steps fill the budget
+#: (docs/pooled-mode.md, "Prefill pacing").
 PACING_MAX_WAITING = 4
 
 #: State pages a step's token budget must hold for steps to be paced. A
@@ -140,22 +114,14 @@ def pacing_page(kv_cache_config: KVCacheConfig, mamba_cache_mode: str) -> int | 
     return cdiv(state_page_tokens(kv_cache_config), block) * block
 
 
-def paced_step_budget(
-    budget: int, page: int | None, pacing: PrefillPacing
-) -> int | None:
+def paced_step_budget(budget: int, page: int | None) -> int | None:
     """The token budget of a paced step: the largest multiple of ``page``
-    within ``budget``; None when steps are never paced (``FILL``, no page,
-    or a budget under :data:`PACING_MIN_PAGES` pages)."""
-    if pacing is PrefillPacing.FILL or page is None:
+    within ``budget``; None when steps are never paced (no page, or a budget
+    under :data:`PACING_MIN_PAGES` pages)."""
+    if page is None:
         return None
     pages = budget // page
     return pages * page if pages >= PACING_MIN_PAGES else None
-
-
-def prefill_pacing_policy(environ: dict[str, str] | None = None) -> PrefillPacing:
-    """``VLLM_HYBRID_PREFILL_PACING`` when set, else
-    :data:`PREFILL_PACING`."""
-    return envs.choice(envs.PREFILL_PACING_VAR, PREFILL_PACING, environ)
 
 
 def paces(num_waiting: int, paced_budget: int | None) -> bool:
@@ -216,27 +182,22 @@ def budget_chunk(
     return num_new_tokens
 
 
-def deep_chunk_start(pacing: PrefillPacing, page: int | None, budget: int) -> int:
+def deep_chunk_start(page: int | None, budget: int) -> int:
     """Prompt position from which unfinished chunks end on the next page; 0:
-    never. :attr:`PrefillPacing.DEEP_PAGE` cuts wherever there is a page;
-    :attr:`PrefillPacing.STATE_PAGE` only in plans whose steps are never
-    paced but whose token ``budget`` holds a page (bf16 below 70 GiB: 2,048
-    tokens against 1,056), and there only while the queue is long
+    never. Only in plans whose steps are never paced but whose token
+    ``budget`` holds a page, and there only while the queue is long
     (:func:`cuts_deep_chunks`)."""
-    if not page or pacing is PrefillPacing.FILL:
+    if not page:
         return 0
-    if pacing is PrefillPacing.DEEP_PAGE:
-        return DEEP_CHUNK_TOKENS
-    unpaced = paced_step_budget(budget, page, pacing) is None
+    unpaced = paced_step_budget(budget, page) is None
     return DEEP_CHUNK_TOKENS if unpaced and page <= budget else 0
 
 
-def cuts_deep_chunks(pacing: PrefillPacing, num_waiting: int) -> bool:
-    """Whether a step with a deep-chunk start cuts deep chunks:
-    :attr:`PrefillPacing.DEEP_PAGE` always, :attr:`PrefillPacing.STATE_PAGE`
+def cuts_deep_chunks(num_waiting: int) -> bool:
+    """Whether a step of a plan with a deep-chunk start cuts deep chunks:
     while more than :data:`PACING_MAX_WAITING` requests wait (with fewer the
     queue is short and the first tokens' wait is the chunks themselves)."""
-    return pacing is PrefillPacing.DEEP_PAGE or num_waiting > PACING_MAX_WAITING
+    return num_waiting > PACING_MAX_WAITING
 
 
 def deep_chunk(
@@ -300,31 +261,13 @@ def growth_reserve_geometry(
     :data:`ADMISSION_GROWTH_STATE_PAGES` is 0."""
     if not isinstance(kv_cache_config, PooledKVCacheConfig):
         return None
-    pages = admission_growth_state_pages()
+    pages = ADMISSION_GROWTH_STATE_PAGES
     if pages <= 0 or not any(p.kind is PoolKind.STATE for p in kv_cache_config.pools):
         return None
     token = kv_cache_config.pool_by_kind(PoolKind.TOKEN)
     block = kv_cache_config.kv_cache_groups[token.group_ids[0]].kv_cache_spec
     horizon = int(pages * state_page_tokens(kv_cache_config))
     return horizon, block.block_size, len(token.group_ids)
-
-
-def admission_growth_state_pages(environ: dict[str, str] | None = None) -> float:
-    """``VLLM_HYBRID_ADMISSION_GROWTH`` when set, else
-    :data:`ADMISSION_GROWTH_STATE_PAGES`."""
-    value = envs.raw(envs.ADMISSION_GROWTH_VAR, environ)
-    if value is None:
-        return ADMISSION_GROWTH_STATE_PAGES
-    try:
-        pages = float(value)
-    except ValueError:
-        pages = -1.0
-    if pages < 0:
-        raise ValueError(
-            f"{envs.ADMISSION_GROWTH_VAR}={value!r} is not understood: state "
-            "pages of growth to reserve, a number >= 0"
-        )
-    return pages
 
 
 def growth_reserve_blocks(
