@@ -35,6 +35,7 @@ POOLED_LAYERS = (
     "moves",
     "boundary",
     "arena",
+    "admission",
     "capacity",
     "planner",
     "scope",

@@ -61,7 +61,6 @@ SUBCLASSES: list[SubclassEntry] = [
         overrides=(
             "get_num_blocks_to_allocate",
             "allocate_new_computed_blocks",
-            "allocate_new_blocks",
             "cache_blocks",
             "remove_skipped_blocks",
             "free",
@@ -72,17 +71,20 @@ SUBCLASSES: list[SubclassEntry] = [
             "turn-end state checkpoints (vllm_hybrid/v1/core/pooled/retention.py)."
         ),
         how=(
-            "Upstream's per-group managers compute needs; the overrides ask "
-            "the arena for both pools at once and may advance a state in "
-            "place. cache_blocks passes the decode position as one more "
+            "Upstream's per-group managers compute needs; admit() decides, "
+            "without changing anything, how the arena serves both pools "
+            "(a boundary move, live token blocks moved off it, a state "
+            "advanced in place) and allocate() carries that out "
+            "(KVCacheManager.allocate_slots' entry hands one to the other); "
+            "get_num_blocks_to_allocate returns admit()'s count of token "
+            "blocks taken. cache_blocks passes the decode position as one more "
             "reachable boundary to align-mode state managers and evicts the "
             "request's previous decode checkpoint; remove_skipped_blocks and "
             "free put a freed decode checkpoint first in its pool's eviction "
             "order; allocate_new_computed_blocks notes the prefix hit a "
             "request starts from, which the recomputation its checkpoints "
             "save is measured from (pooled.policy, the costed split); "
-            "free/pop_blocks_for_free drop the request's record and "
-            "any reservation no allocation came for."
+            "free/pop_blocks_for_free drop the request's record."
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
@@ -123,12 +125,7 @@ SUBCLASSES: list[SubclassEntry] = [
         subclass=(
             "vllm_hybrid.v1.core.pooled.coordinator:PooledNoPrefixCacheCoordinator"
         ),
-        overrides=(
-            "get_num_blocks_to_allocate",
-            "allocate_new_blocks",
-            "free",
-            "pop_blocks_for_free",
-        ),
+        overrides=("get_num_blocks_to_allocate",),
         why="As PooledHybridKVCacheCoordinator, with prefix caching off.",
         how="The same mixin as PooledHybridKVCacheCoordinator.",
         upstream_status="none",

@@ -205,10 +205,11 @@ def test_a_deep_chunk_ends_on_the_next_page_unless_it_finishes_the_prompt():
 def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
     from vllm.v1.request import RequestStatus
 
+    from vllm_hybrid.v1.core.pooled.policy import StepPlan
     from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
     scheduler = SimpleNamespace(
-        _pace_page=1056, _deep_chunk=4096, _cut_deep=False, _full_budget=2048
+        _pace_page=1056, _deep_chunk=4096, _step=StepPlan(deep=True), _full_budget=2048
     )
 
     def cut(prompt: int, start: int, tokens: int, status=RequestStatus.RUNNING):
@@ -219,9 +220,9 @@ def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
 
     waiting = RequestStatus.WAITING
     assert cut(30_000, 0, 2048, waiting) == 2048  # nothing cut yet
-    assert not scheduler._cut_deep
+    assert not scheduler._step.cut_deep
     assert cut(100_000, 8448, 2048) == 1056
-    assert scheduler._cut_deep
+    assert scheduler._step.cut_deep
     assert cut(30_000, 0, 992, waiting) == 0  # would not finish: not admitted
     assert cut(900, 0, 900, waiting) == 900  # finishes in this step
     assert cut(30_000, 0, 992, RequestStatus.PREEMPTED) == 0

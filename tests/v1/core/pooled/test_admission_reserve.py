@@ -2,30 +2,24 @@
 
 The scheduler keeps a growth reserve of token blocks free for the running
 requests (upstream's watermark, ``PooledSchedulerMixin.growth_reserve``).
-Upstream checks it against the token pool's free blocks after the
-coordinator has secured the request's own blocks, so a coordinator that moved
-the boundary only for those would refuse the request while the state pool
-holds free blocks the token pool could take. The plan is ``test_eviction``'s
-with ``max_num_seqs`` 2: a 24-block arena, token pool ids 1..19, state pool
-ids 20..23.
+A waiting request is admitted only with the reserve free beyond its own
+blocks; the arena's admission plans for both, so the boundary moves for the
+reserve too where the state pool holds free blocks the token pool could
+take. The plan is ``test_eviction``'s with ``max_num_seqs`` 2: a 24-block
+arena, token pool ids 1..19, state pool ids 20..23.
 """
 
 from __future__ import annotations
 
 import pytest
-from test_eviction import BLOCK, Driver, _one_off
-from vllm.v1.core import kv_cache_manager
-
-from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
+from test_eviction import BLOCK, Driver, _one_off, use_pooled_manager
 
 RESERVE = 6
 
 
 @pytest.fixture
 def driver(monkeypatch):
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver(arena_blocks=24, max_num_seqs=2)
     assert driver.arena.token_pool.owned_ids == range(1, 20)
     assert driver.arena.state_pool.owned_ids == range(20, 24)
@@ -42,7 +36,6 @@ def test_a_waiting_request_is_admitted_with_the_reserve_from_the_state_pool(driv
     """5 blocks of its own plus the reserve of 6 are 2 more than the token
     pool's 9 free: the boundary moves by 2 free state blocks and the request
     runs, leaving the reserve free."""
-    driver.coordinator.admission_reserve = RESERVE
     waiting = driver.request("waiting", _one_off(5 * BLOCK, 2))
     assert driver.admit(waiting) == 0
     token = driver.arena.token_pool
@@ -52,21 +45,18 @@ def test_a_waiting_request_is_admitted_with_the_reserve_from_the_state_pool(driv
     assert driver.arena.state_pool.get_num_free_blocks() == 0
 
 
-def test_without_the_reserve_in_admission_the_watermark_refuses_it(driver):
-    """The coordinator not told the reserve secures the 5 blocks only (no
-    move), and upstream's watermark check then refuses the request."""
-    driver.coordinator.admission_reserve = 0
+def test_without_a_reserve_nothing_moves(driver):
+    """No reserve: the 5 blocks fit in the token pool's 9 free ones."""
+    driver.manager.watermark_blocks = 0
     waiting = driver.request("waiting", _one_off(5 * BLOCK, 2))
-    assert driver.admit(waiting) is None
+    assert driver.admit(waiting) == 0
     assert driver.arena.token_pool.owned_ids == range(1, 20)
-    assert driver.arena.token_pool.get_num_free_blocks() == 9
+    assert driver.arena.token_pool.get_num_free_blocks() == 4
 
 
 def test_the_reserve_never_takes_state_blocks_the_request_needs(driver):
     """With the state pool's free blocks all needed (a reserve that would
-    take them), admission falls back to the request's own blocks and the
-    watermark refuses: nothing moves."""
-    driver.coordinator.admission_reserve = RESERVE + 3
+    take them), the request is refused and nothing moves."""
     driver.manager.watermark_blocks = RESERVE + 3
     waiting = driver.request("waiting", _one_off(5 * BLOCK, 2))
     assert driver.admit(waiting) is None

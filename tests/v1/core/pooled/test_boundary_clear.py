@@ -13,10 +13,8 @@ import random
 
 import pytest
 from test_arena import cache, make_arena
-from test_eviction import Driver
-from vllm.v1.core import kv_cache_manager
+from test_eviction import Driver, use_pooled_manager
 
-from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled import arena as arena_module
 from vllm_hybrid.v1.core.pooled.policy import BOUNDARY_CLEAR_STATE_BLOCKS
 
@@ -83,9 +81,7 @@ def test_the_coordinator_clears_while_the_arena_refuses_new_requests(monkeypatch
     """A 16-block arena serves one 150-token prompt; a second is refused
     while the first runs (the token pool clears its boundary) and served
     once it is freed (it stops)."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver(arena_blocks=16, max_num_seqs=1)
     rng = random.Random(7)
     queue = driver.arena.token_pool.free_block_queue

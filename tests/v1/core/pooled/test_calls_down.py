@@ -123,6 +123,123 @@ def test_no_module_keeps_a_one_shot_field():
     assert found == set()
 
 
+#: Lifecycle methods that drop what an object kept about one request or
+#: block, when it ends or moves: a pop there ends a record, it hands nothing
+#: to another call.
+LIFECYCLE = frozenset({"__init__", "free", "pop_blocks_for_free", "forget", "rekey"})
+
+#: The hand-offs that remain, with why each is not a value left for another
+#: call to pick up; the test fails when one is gone, so the list only shrinks.
+ALLOWED_HANDOFFS: dict[tuple[str, str], str] = {
+    ("moves", "reset TokenMoves._known_as"): (
+        "the step's moves are collected during its allocations and handed to "
+        "the workers once per step (take), as upstream collects the new block "
+        "ids it zeroes"
+    ),
+    ("moves", "reset TokenMoves.pending"): "the same collection (take)",
+    ("moves", "pop TokenMoves._known_as"): (
+        "moves of one block within a step compose into one (record)"
+    ),
+    ("scheduler", "setattr output"): (
+        "the step's moves travel to the workers on the SchedulerOutput "
+        "(registry: ADDED_ATTRIBUTES)"
+    ),
+    ("retention", "setattr kv_cache_config"): (
+        "hybrid_kv.retain_turn_ends on a single-pool plan, for the factory "
+        "that builds its coordinator (registry: ADDED_ATTRIBUTES)"
+    ),
+    ("coupling", "setattr self.pool"): (
+        "a pool's handle sets what is set on it on the pool it stands for"
+    ),
+}
+
+
+def handoffs(name: str, tree: ast.Module) -> set[tuple[str, str]]:
+    """Where a module hands a value from one call to another instead of
+    returning it: a field reset to an empty container outside the
+    constructor, a popped value used outside a lifecycle method, ``setattr``
+    on another object, a ``hasattr`` check (an attribute pushed where it may
+    be missing)."""
+    found: set[tuple[str, str]] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+            found |= _handoffs_in(cls.name, fn)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "hasattr":
+                found.add((name, f"hasattr {ast.unparse(node.args[0])}"))
+            elif node.func.id == "setattr":
+                found.add((name, f"setattr {ast.unparse(node.args[0])}"))
+    return {(name, what) for _, what in found}
+
+
+def _handoffs_in(cls: str, fn: ast.FunctionDef) -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    empty = (ast.Dict, ast.List, ast.Set)
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and fn.name != "__init__":
+            values = (
+                node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            )
+            targets = [
+                t
+                for target in node.targets
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+            ]
+            for t, v in zip(targets, values * len(targets), strict=False):
+                field = _self_attribute(t, ast.Store)
+                if field and isinstance(v, empty) and not getattr(v, "elts", v.keys):
+                    found.add((cls, f"reset {cls}.{field}"))
+        if fn.name in LIFECYCLE or not isinstance(node, ast.Assign):
+            continue
+        call = node.value
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "pop"
+            and _self_attribute(call.func.value, ast.Load)
+        ):
+            found.add((cls, f"pop {cls}.{call.func.value.attr}"))
+    return found
+
+
+def test_no_module_hands_values_between_calls():
+    """Admission returns what allocation consumes; nothing in ``v1/core`` is
+    left in a field, pushed onto another object or popped by a later call,
+    but the hand-offs listed (with why) in :data:`ALLOWED_HANDOFFS`."""
+    found = set()
+    for path in sorted((PACKAGE / "v1" / "core").rglob("*.py")):
+        found |= handoffs(path.stem, ast.parse(path.read_text()))
+    assert found - set(ALLOWED_HANDOFFS) == set()
+    assert set(ALLOWED_HANDOFFS) - found == set(), "a listed hand-off is gone"
+
+
+def test_the_handoff_check_catches_each_pattern():
+    """The shapes the widened check exists for, each caught: a reservation
+    popped by the next call, a per-call scratch dict, a value pushed onto
+    another object through ``hasattr``, ``setattr`` of a step's result."""
+    tree = ast.parse(
+        "class Coordinator:\n"
+        "    def count(self, rid):\n"
+        "        self._reserved[rid] = 1\n"
+        "    def allocate(self, rid):\n"
+        "        reserved = self._reserved.pop(rid, None)\n"
+        "    def schedule(self):\n"
+        "        self._room = {}\n"
+        "        if hasattr(coordinator, 'reserve'):\n"
+        "            coordinator.reserve = 3\n"
+        "        setattr(output, 'moves', {})\n"
+        "    def free(self, rid):\n"
+        "        self._reserved.pop(rid, None)\n"
+    )
+    assert handoffs("m", tree) == {
+        ("m", "pop Coordinator._reserved"),
+        ("m", "reset Coordinator._room"),
+        ("m", "hasattr coordinator"),
+        ("m", "setattr output"),
+    }
+
+
 def test_the_checks_catch_what_they_name():
     """Both checks flag the shapes they exist for: a pool asking the boundary
     for room through its own Protocol, and a lent block picked up by the

@@ -20,10 +20,8 @@ import random
 import pytest
 from test_arena import SMALL, cache
 from test_arena_split import _cache_free, _cached
-from test_eviction import BLOCK, Driver
-from vllm.v1.core import kv_cache_manager
+from test_eviction import BLOCK, Driver, use_pooled_manager
 
-from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.policy import (
     Entry,
@@ -47,9 +45,7 @@ def test_the_break_even_is_the_attention_tokens_a_state_block_holds(monkeypatch)
     """``test_eviction``'s plan: 8,192 B state blocks and token blocks of 16
     tokens in 8,192 B, so a state block's bytes hold 16 tokens of attention
     KV; the coordinator hands that to its arena."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver()
     assert state_block_attention_tokens(driver.coordinator.kv_cache_config) == 16
     assert driver.arena.state_pool.free_block_queue.policy.break_even == 16
@@ -115,9 +111,7 @@ def test_a_checkpoint_saves_the_tokens_past_the_previous_one(monkeypatch):
     150-token prompt that shares the first 70 tokens hits the state at 64
     and computes to 144 in one chunk: its prompt's own checkpoint saves
     the 80 tokens past its hit."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver(arena_blocks=40, max_num_seqs=2, prefill_interval=2 * BLOCK)
     rng = random.Random(3)
     tokens = [rng.randrange(200, 900) for _ in range(100)]

@@ -231,6 +231,19 @@ def _plan(arena_blocks: int, max_num_seqs: int):
     return plan_pooled_kv_cache(split, budget)
 
 
+def use_pooled_manager(monkeypatch) -> None:
+    """Upstream's ``KVCacheManager`` builds pooled coordinators and runs the
+    overlay's allocation over them, as the registry has it."""
+    from vllm_hybrid.v1.core.kv_cache_manager import allocate_slots
+
+    monkeypatch.setattr(
+        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
+    )
+    monkeypatch.setattr(
+        kv_cache_manager.KVCacheManager, "allocate_slots", allocate_slots
+    )
+
+
 class Driver:
     """Upstream's ``KVCacheManager`` over a pooled plan, driven the way the
     scheduler drives it."""
@@ -314,9 +327,7 @@ def _one_off(length: int, seed: int) -> list[int]:
 @pytest.fixture
 def driver(monkeypatch):
     # the pooled coordinators, as the overlay's registry installs them
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     return Driver()
 
 
@@ -329,9 +340,7 @@ def test_a_shared_prefix_outlives_a_burst_of_one_off_prompts(
     requests' states leaves the state pool 4 blocks). Protected after its two
     hits, the prefix still hits 64 tokens; in one LRU with the one-offs it is
     the oldest entry and the first one-off evicts it."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     monkeypatch.setattr(eviction, "PROTECT_AFTER_HITS", protect_after)
     driver = Driver(max_num_seqs=2)
     assert driver.arena.token_capacity == 11
@@ -358,9 +367,7 @@ def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
     The boundary moves on demand only here: by recency the state pool would
     have grown into a clean token block while the prefix was shared
     (``test_arena_split.py``), and the arena would differ from the start."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver()
     # no recency moves: the boundary moves only where a pool is short
     monkeypatch.setattr(driver.arena.boundary, "_recency_target", lambda *a: None)
@@ -373,6 +380,7 @@ def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
     assert driver.coordinator.short_memory_counts == {
         "state_in_place": 1,
         "edges_in_place": 0,
+        "relocations": 0,
     }
     assert driver.arena.state_capacity == 2  # the boundary did not move
     driver.manager.free(long)
@@ -394,6 +402,7 @@ def test_a_new_request_evicts_a_protected_entry_when_nothing_else_serves(driver)
     assert driver.coordinator.short_memory_counts == {
         "state_in_place": 0,
         "edges_in_place": 0,
+        "relocations": 0,
     }
     assert driver.arena.state_pool.free_block_queue.protected_ids() == []
     for request in (first, second):
@@ -432,7 +441,7 @@ def _state_blocks(driver: Driver, request: Request) -> list[int]:
         m
         for m, kind in zip(
             driver.coordinator.single_type_managers,
-            driver.coordinator._group_kind,
+            driver.coordinator.admitter.kinds,
             strict=True,
         )
         if kind is PoolKind.STATE
@@ -449,22 +458,20 @@ def test_a_state_next_to_the_boundary_moves_while_new_requests_are_refused(
     RELOCATE_NEAR_BOUNDARY of the lowest) takes a fresh block, one copy, so
     the old one can free and the boundary move. Once a new request is
     admitted again, edges go back in place."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     assert eviction.RELOCATE_NEAR_BOUNDARY >= 4
     driver = Driver(max_num_seqs=2)
     counts = driver.coordinator.short_memory_counts
     running = driver.request("running", _one_off(2 * BLOCK + 1, 1))
     assert driver.admit(running) == 0
     _decode_to(driver, running, 3 * BLOCK + 1)
-    assert counts["edges_in_place"] == 1 and driver.coordinator.relocations == 0
+    assert counts["edges_in_place"] == 1 and counts["relocations"] == 0
     held = _state_blocks(driver, running)[-1]
 
     too_long = driver.request("too_long", _one_off(11 * BLOCK, 2))
     assert driver.admit(too_long) is None
     _decode_to(driver, running, 4 * BLOCK + 1)
-    assert driver.coordinator.relocations == 1
+    assert counts["relocations"] == 1
     assert counts["edges_in_place"] == 1
     moved = _state_blocks(driver, running)[-1]
     assert moved != held
@@ -472,6 +479,6 @@ def test_a_state_next_to_the_boundary_moves_while_new_requests_are_refused(
     short = driver.request("short", _one_off(BLOCK, 3))
     assert driver.admit(short) == 0
     _decode_to(driver, running, 5 * BLOCK + 1)
-    assert counts["edges_in_place"] == 2 and driver.coordinator.relocations == 1
+    assert counts["edges_in_place"] == 2 and counts["relocations"] == 1
     assert _state_blocks(driver, running)[-1] == moved
     driver.arena.check_invariants()

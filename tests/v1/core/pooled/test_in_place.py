@@ -2,7 +2,7 @@
 
 Short of state blocks, the pooled coordinator lets a running request cross a
 state block edge in place instead of taking a fresh block (see
-``PooledCoordinatorMixin._in_place_blocks``). That is safe only while no one
+``Admitter._in_place_blocks``). That is safe only while no one
 else reads the block. With async scheduling the slot the request advanced
 from at its previous crossing still names the same block until upstream
 retires it two steps later, so the block has two references, both the
@@ -17,10 +17,9 @@ from types import SimpleNamespace
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_hybrid.v1.core.pooled.coordinator import (
-    PooledCoordinatorMixin,
-    Reservation,
-)
+from vllm_hybrid.v1.core.pooled.admission import Admission, Admitter, Way
+from vllm_hybrid.v1.core.pooled.boundary import BoundaryPlan
+from vllm_hybrid.v1.core.pooled.coordinator import PooledCoordinatorMixin
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 NULL = KVCacheBlock(block_id=0)
@@ -33,7 +32,7 @@ def _block(block_id: int, ref_cnt: int) -> KVCacheBlock:
     return block
 
 
-def _coordinator(blocks: list[KVCacheBlock], retiring: int | None) -> SimpleNamespace:
+def _admitter(blocks: list[KVCacheBlock], retiring: int | None) -> SimpleNamespace:
     """One attention and one state group; request "r" owns ``blocks`` in the
     state group, ``retiring`` is the slot upstream retires next."""
     state = SimpleNamespace(
@@ -44,18 +43,18 @@ def _coordinator(blocks: list[KVCacheBlock], retiring: int | None) -> SimpleName
         last_state_block_idx={} if retiring is None else {"r": retiring},
     )
     return SimpleNamespace(
-        single_type_managers=(SimpleNamespace(), state),
-        _group_kind=[PoolKind.TOKEN, PoolKind.STATE],
+        managers=(SimpleNamespace(), state),
+        kinds=(PoolKind.TOKEN, PoolKind.STATE),
     )
 
 
-def _in_place(coordinator: SimpleNamespace, needs: list[int]) -> dict:
-    return PooledCoordinatorMixin._in_place_blocks(coordinator, "r", needs)
+def _in_place(admitter: SimpleNamespace, needs: list[int]) -> dict:
+    return Admitter._in_place_blocks(admitter, "r", needs)
 
 
 def test_a_lone_running_block_advances_in_place() -> None:
     running = _block(7, ref_cnt=1)
-    found = _in_place(_coordinator([NULL, NULL, running], retiring=None), [3, 1])
+    found = _in_place(_admitter([NULL, NULL, running], retiring=None), [3, 1])
     assert found == {1: running}
 
 
@@ -63,24 +62,24 @@ def test_the_slot_awaiting_retirement_is_the_requests_own_reference() -> None:
     # advanced in place one step ago: slots 1 and 4 both name block 7
     running = _block(7, ref_cnt=2)
     blocks = [NULL, running, NULL, NULL, running]
-    assert _in_place(_coordinator(blocks, retiring=1), [8, 1]) == {1: running}
+    assert _in_place(_admitter(blocks, retiring=1), [8, 1]) == {1: running}
 
 
 def test_a_block_another_request_holds_is_not_advanced() -> None:
     # a prefix hit shared with another request: one reference is not ours
     shared = _block(7, ref_cnt=2)
     older = _block(9, ref_cnt=1)
-    assert _in_place(_coordinator([NULL, older, shared], retiring=1), [1, 1]) == {}
-    assert _in_place(_coordinator([NULL, NULL, shared], retiring=None), [1, 1]) == {}
+    assert _in_place(_admitter([NULL, older, shared], retiring=1), [1, 1]) == {}
+    assert _in_place(_admitter([NULL, NULL, shared], retiring=None), [1, 1]) == {}
     # both slots ours and a third reader
     read = _block(7, ref_cnt=3)
-    assert _in_place(_coordinator([NULL, read, NULL, read], retiring=1), [1, 1]) == {}
+    assert _in_place(_admitter([NULL, read, NULL, read], retiring=1), [1, 1]) == {}
 
 
 def test_only_a_one_block_edge_advances_in_place() -> None:
     running = _block(7, ref_cnt=1)
-    assert _in_place(_coordinator([NULL, running], retiring=None), [1, 2]) == {}
-    assert _in_place(_coordinator([NULL, running], retiring=None), [1, 0]) == {}
+    assert _in_place(_admitter([NULL, running], retiring=None), [1, 2]) == {}
+    assert _in_place(_admitter([NULL, running], retiring=None), [1, 0]) == {}
 
 
 class _Manager:
@@ -105,55 +104,23 @@ class _Pool:
         return [block]
 
 
-def test_the_allocation_consumes_what_admission_reserved() -> None:
-    """A reserved running block travels down to the state group's manager
-    as a value; the token group and the pools keep no note of it."""
+def test_the_allocation_carries_out_what_admission_decided() -> None:
+    """The running block of the admission travels down to the state group's
+    manager as a value; the token group and the pools keep no note of it,
+    and the way it was served is counted."""
     running, fresh_token = _block(7, ref_cnt=1), _block(3, ref_cnt=0)
     token_pool, state_pool = _Pool(fresh_token), _Pool(_block(9, ref_cnt=0))
+    carried = []
     coordinator = SimpleNamespace(
         single_type_managers=(_Manager(token_pool), _Manager(state_pool)),
-        _reserved={
-            "r": Reservation(token_blocks=1, state_blocks=0, in_place={1: running})
-        },
+        arena=SimpleNamespace(boundary=SimpleNamespace(carry_out=carried.append)),
+        short_memory_counts={"state_in_place": 0, "edges_in_place": 0},
     )
-    out = PooledCoordinatorMixin.allocate_new_blocks(coordinator, "r", 16, 16)
+    plan = BoundaryPlan(target=5)
+    admission = Admission(1, 0, plan, {1: running}, Way.EDGE_IN_PLACE)
+    out = PooledCoordinatorMixin.allocate(coordinator, admission, "r", 16, 16)
     assert out == ([fresh_token], [running])
-    assert coordinator._reserved == {}
+    assert carried == [plan]
+    assert coordinator.short_memory_counts["edges_in_place"] == 1
     managers = coordinator.single_type_managers
     assert (managers[0].block_pool, managers[1].block_pool) == (token_pool, state_pool)
-
-
-class _Freeing:
-    """What the mixin's ``free`` and ``pop_blocks_for_free`` hand on to."""
-
-    def __init__(self) -> None:
-        self.freed: list[str] = []
-
-    def free(self, request_id: str) -> None:
-        self.freed.append(request_id)
-
-    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
-        self.freed.append(request_id)
-        return []
-
-
-class _FreeingCoordinator(PooledCoordinatorMixin, _Freeing):
-    def __init__(self, reserved: dict[str, Reservation]) -> None:
-        super().__init__()
-        self._reserved = reserved
-
-
-def test_freeing_a_request_drops_a_reservation_no_allocation_came_for() -> None:
-    """Upstream may refuse the allocation after admission reserved a running
-    block (its watermark); the request may then finish without another
-    admission, and its reservation goes with it."""
-    running = _block(7, ref_cnt=1)
-    reserved = {
-        rid: Reservation(token_blocks=0, state_blocks=0, in_place={1: running})
-        for rid in ("a", "b", "c")
-    }
-    coordinator = _FreeingCoordinator(reserved)
-    coordinator.free("a")
-    assert coordinator.pop_blocks_for_free("b") == []
-    assert list(coordinator._reserved) == ["c"]
-    assert coordinator.freed == ["a", "b"]

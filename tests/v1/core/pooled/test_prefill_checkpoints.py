@@ -12,15 +12,14 @@ import random
 
 import pytest
 import torch
-from test_eviction import BLOCK, Driver
-from vllm.v1.core import kv_cache_manager
+from test_eviction import BLOCK, Driver, use_pooled_manager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
-from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
 from vllm_hybrid.v1.core.pooled.policy import (
+    StepPlan,
     CheckpointPolicy,
     Entry,
     is_prefill_anchor,
@@ -178,9 +177,9 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
         self.prefill_checkpoint_interval = interval
         self.prefill_checkpoint_cuts = 0
         self.cache_config = type("C", (), {"block_size": 32})()
-        self._paced_step = False  # pacing: test_pooled_scheduler.py
-        self._decode_room = {}  # no decodes: test_decode_room.py
-        self._deep_step = False  # deep chunks: test_pooled_scheduler.py
+        # not paced, no decodes, no deep chunks (test_pooled_scheduler.py,
+        # test_decode_room.py)
+        self._step = StepPlan()
 
 
 def _request(computed: int, prompt: int):
@@ -220,9 +219,7 @@ def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval, ancho
     order, 64 (the prompt's last prefill checkpoint, or an anchor with anchors
     every 64 tokens) in LRU order, and a request sharing its first 70 tokens
     hits 64; without them it hits nothing."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver(
         arena_blocks=40,
         max_num_seqs=2,
@@ -291,9 +288,7 @@ def test_a_junction_seen_twice_is_kept(monkeypatch):
     64 of them but no state there: it hits nothing, and upstream names 64
     the junction its prefix shares, where its first chunk ends. The state
     there stays cached, so a third prompt of that prefix hits 64 tokens."""
-    monkeypatch.setattr(
-        kv_cache_manager, "get_kv_cache_coordinator", get_kv_cache_coordinator
-    )
+    use_pooled_manager(monkeypatch)
     driver = Driver(arena_blocks=40, max_num_seqs=2)
     rng = random.Random(5)
     shared = [rng.randrange(200, 900) for _ in range(70)]

@@ -41,7 +41,7 @@ def _force_moves(sched, counts: dict, hide: bool = False) -> None:
     """Before each step, move every live token block to a free one (the
     boundary stays where it is). ``hide``: drop the moves from the output,
     as if the workers never heard of them."""
-    from vllm_hybrid.v1.core.pooled.moves import move_live_blocks
+    from vllm_hybrid.v1.core.pooled.moves import move_live_blocks, pair_with_free
 
     arena = sched.kv_cache_manager.coordinator.arena
     boundary = arena.boundary
@@ -51,9 +51,9 @@ def _force_moves(sched, counts: dict, hide: bool = False) -> None:
 
     def moving_schedule(*args, **kwargs):
         live = [b for b in pool.blocks if b.ref_cnt and not b.is_null]
-        if live and move_live_blocks(
-            pool, live, range(0), set(), boundary.moves, boundary.coupling
-        ):
+        planned = pair_with_free(pool, live, range(0), set()) if live else None
+        if planned:
+            move_live_blocks(pool, planned, boundary.moves, boundary.coupling)
             counts["steps"] += 1
             counts["blocks"] += len(live)
         output = schedule(*args, **kwargs)

@@ -19,6 +19,7 @@ Layers, bottom to top (a module imports only from the layers below it):
                 record of the moves the workers must apply
 ``boundary``    the boundary: initial split, floors, moves, admission
 ``arena``       the two pools and their boundary, built and checked together
+``admission``   how the arena serves one allocation, decided as a value
 ``capacity``    every capacity figure: one request, concurrency, states held
                 (both plan kinds: the arena and the single shared pool)
 ``planner``     pure planning: a byte budget and layer specs -> a config

@@ -75,6 +75,11 @@ class KVArena:
         self.token_pool = PoolHandle(token_pool)
         self.boundary = ArenaBoundary(layout, token_pool, state_pool)
         state_pool.weigh_entries(break_even)
+        #: whether the arena refused the latest request that held no blocks
+        #: (:meth:`note_new_request`); while it does, the token pool hands
+        #: out its clean blocks next to the boundary last, and running state
+        #: blocks next to it move away at edges nobody keeps
+        self.refusing_new = False
         token_pool.keep_boundary_clear(
             BOUNDARY_CLEAR_STATE_BLOCKS
             * layout.state_block_bytes
@@ -127,6 +132,12 @@ class KVArena:
         if self.coupling is None:
             return None
         return sum(self.coupling.evictions.values())
+
+    def note_new_request(self, admitted: bool) -> None:
+        """A request that held no blocks was ``admitted`` or refused: the
+        arena refuses new requests from now on until one is admitted."""
+        self.refusing_new = not admitted
+        self.token_pool.clear_boundary(self.refusing_new)
 
     # -- prefix-cache coupling ----------------------------------------------
 

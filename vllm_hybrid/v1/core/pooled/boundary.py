@@ -44,8 +44,8 @@ Worst case
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from enum import Enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -56,7 +56,7 @@ from vllm_hybrid.v1.core.pooled.coupling import (
     resize_settled,
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
-from vllm_hybrid.v1.core.pooled.moves import TokenMoves, clear_way
+from vllm_hybrid.v1.core.pooled.moves import TokenMoves, move_live_blocks, plan_moves
 from vllm_hybrid.v1.core.pooled.policy import ADMISSION, SPLIT_TOKEN_RESERVE, Reach
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -115,13 +115,20 @@ def max_token_blocks(layout: ArenaLayout) -> int:
     return layout.token_capacity_at(layout.max_state_floor)
 
 
-class Admission(Enum):
-    """How :meth:`ArenaBoundary.admit` served a request, if it did."""
+@dataclass(frozen=True)
+class BoundaryPlan:
+    """How the arena serves one allocation, decided without changing
+    anything (:meth:`ArenaBoundary.plan`) and carried out later, once
+    (:meth:`ArenaBoundary.carry_out`)."""
 
-    SERVED = "served"
-    #: Served with a running request advancing its state in place.
-    IN_PLACE = "in_place"
-    REFUSED = "refused"
+    #: the state floor after the allocation (the current one: no move)
+    target: int
+    #: token blocks the token pool gains (negative: loses) by the move
+    token_gain: int = 0
+    #: live token blocks that move to free ones first, (live, free) pairs
+    moves: tuple[tuple[KVCacheBlock, KVCacheBlock], ...] = ()
+    #: served by the attempt that lets a running request advance in place
+    in_place: bool = False
 
 
 class ArenaBoundary:
@@ -179,53 +186,59 @@ class ArenaBoundary:
         one boundary move. Changes nothing."""
         return self._plan(need_token, need_state, keep, Reach.ANY) is not None
 
+    def plan(
+        self,
+        need_token: int,
+        need_state: int,
+        keep: Sequence[KVCacheBlock] = (),
+        in_place: int = 0,
+    ) -> BoundaryPlan | None:
+        """How both pools can hand out a request's new blocks, trying the ways
+        of :data:`~.policy.eviction.ADMISSION` in order; None when none can.
+        Changes nothing.
+
+        ``keep`` are free cached blocks about to be reused (prefix hits not
+        yet touched): a move must not evict them or hand their bytes over.
+        ``in_place`` state blocks of the request may be advanced in place
+        instead (0: it may not). A need beyond the state pool's id space is
+        upstream's way of deferring a prefix hit: refused.
+        """
+        if need_state > self.layout.num_state_ids:
+            return None
+        for attempt in ADMISSION:
+            if attempt.in_place and not in_place:
+                continue
+            state = need_state - in_place if attempt.in_place else need_state
+            found = self._plan(need_token, state, keep, attempt.reach)
+            if found is not None:
+                return replace(found, in_place=attempt.in_place)
+        return None
+
     # -- moves ------------------------------------------------------------
+
+    def carry_out(self, plan: BoundaryPlan) -> None:
+        """Move the live token blocks of ``plan``, then the boundary."""
+        if plan.moves:
+            assert self.moves is not None, "token moves planned while not allowed"
+            move_live_blocks(self.token_pool, plan.moves, self.moves, self.coupling)
+        if plan.target != self._state_floor:
+            self._move_to(plan.target)
 
     def ensure(
         self,
         need_token: int,
         need_state: int,
-        keep: Iterable[KVCacheBlock] = (),
+        keep: Sequence[KVCacheBlock] = (),
         reach: Reach = Reach.ANY,
     ) -> bool:
         """Make both pools have at least that many free blocks within
         ``reach``, moving the boundary if needed; all-or-nothing, returns
-        whether it succeeded.
-
-        ``keep`` are free cached blocks about to be reused (prefix hits not
-        yet touched): a move must not evict them or hand their bytes over.
-        """
-        target = self._plan(need_token, need_state, keep, reach, self.moves)
-        if target is None:
+        whether it succeeded (:meth:`plan` and :meth:`carry_out` of one way)."""
+        found = self._plan(need_token, need_state, keep, reach)
+        if found is None:
             return False
-        if target != self._state_floor:
-            self._move_to(target)
+        self.carry_out(found)
         return True
-
-    def admit(
-        self,
-        need_token: int,
-        need_state: int,
-        keep: Iterable[KVCacheBlock] = (),
-        in_place: int = 0,
-    ) -> Admission:
-        """Secure a request's new blocks in both pools, trying the ways of
-        :data:`~.policy.eviction.ADMISSION` in order.
-
-        ``in_place`` state blocks of the request may be advanced in place
-        instead (0: it may not). A need beyond the state pool's id space is
-        upstream's way of deferring a prefix hit: refused, nothing moves.
-        """
-        if need_state > self.layout.num_state_ids:
-            return Admission.REFUSED
-        keep = list(keep)
-        for attempt in ADMISSION:
-            if attempt.in_place and not in_place:
-                continue
-            state = need_state - in_place if attempt.in_place else need_state
-            if self.ensure(need_token, state, keep, attempt.reach):
-                return Admission.IN_PLACE if attempt.in_place else Admission.SERVED
-        return Admission.REFUSED
 
     # -- the move rule ------------------------------------------------------
 
@@ -233,15 +246,13 @@ class ArenaBoundary:
         self,
         need_token: int,
         need_state: int,
-        keep: Iterable[KVCacheBlock],
+        keep: Sequence[KVCacheBlock],
         reach: Reach,
-        moves: TokenMoves | None = None,
-    ) -> int | None:
-        """State floor that satisfies both needs, or None if none does.
-        Blocks ``reach`` spares count as neither free nor movable. With
-        ``moves``, live token blocks alone in the state pool's way move
-        elsewhere (:func:`~.moves.clear_way`, recorded there), the one thing
-        planning changes."""
+    ) -> BoundaryPlan | None:
+        """A plan that satisfies both needs, or None if none does. Blocks
+        ``reach`` spares count as neither free nor movable. Where token moves
+        are allowed, live token blocks alone in the state pool's way are
+        planned to move elsewhere (:func:`~.moves.plan_moves`)."""
         token, state = self.token_pool, self.state_pool
         free_token = token.get_num_free_within(reach)
         free_state = state.get_num_free_within(reach)
@@ -251,7 +262,7 @@ class ArenaBoundary:
             target = self._recency_target(
                 need_token, need_state, free_token, free_state, keep
             )
-            return self._state_floor if target is None else target
+            return self._to(self._state_floor if target is None else target)
         if short_token and short_state:
             return None  # a move only ever helps one side
         layout = self.layout
@@ -263,7 +274,8 @@ class ArenaBoundary:
             lost = range(self._state_floor, target)
             if free_state - len(lost) < need_state:
                 return None
-            return target if _all_free(state, lost, self._kept(keep, reach)) else None
+            kept = self._kept(keep, reach)
+            return self._to(target) if _all_free(state, lost, kept) else None
         target = self._state_floor - (need_state - free_state)
         if target < layout.min_state_floor:
             return None
@@ -272,10 +284,23 @@ class ArenaBoundary:
             return None
         kept = self._kept(keep, reach)
         if _all_free(token, lost, kept):
-            return target
-        if moves is not None and clear_way(token, lost, kept, moves, self.coupling):
-            return target
-        return None
+            return self._to(target)
+        if self.moves is None:
+            return None
+        moves = plan_moves(token, lost, kept)
+        return None if moves is None else self._to(target, moves)
+
+    def _to(
+        self,
+        target: int,
+        moves: tuple[tuple[KVCacheBlock, KVCacheBlock], ...] = (),
+    ) -> BoundaryPlan:
+        """The plan of a move to ``target`` (none when it is the floor)."""
+        layout = self.layout
+        gain = layout.token_capacity_at(target) - layout.token_capacity_at(
+            self._state_floor
+        )
+        return BoundaryPlan(target, gain, moves)
 
     def _recency_target(
         self,

@@ -76,71 +76,61 @@ class TokenMoves:
         return pending
 
 
-def destinations(
-    pool: ArenaBlockPool, count: int, avoid: range, kept: set[tuple[int, int]]
-) -> list[KVCacheBlock] | None:
-    """``count`` free blocks of ``pool`` outside ``avoid`` and not ``kept``,
-    in the order the pool hands blocks out (clean ones first, so that moves
-    evict as few cached entries as an allocation would); None when fewer are
-    free there."""
+def plan_moves(
+    pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]
+) -> tuple[tuple[KVCacheBlock, KVCacheBlock], ...] | None:
+    """(live block, free destination) for every live block of ``pool`` at
+    ``ids``, so that all of them would be free; None when some are ``kept``,
+    none is live (a move would not help) or they cannot all move
+    (:func:`pair_with_free`). Changes nothing; the caller has checked that
+    the pool's free blocks outside ``ids`` cover its own need after the
+    moves."""
+    blocks = pool.blocks
+    if any((id(pool), i) in kept for i in ids):
+        return None
+    live = [blocks[i] for i in ids if blocks[i].ref_cnt]
+    return pair_with_free(pool, live, ids, kept) if live else None
+
+
+def pair_with_free(
+    pool: ArenaBlockPool,
+    live: list[KVCacheBlock],
+    avoid: range,
+    kept: set[tuple[int, int]],
+) -> tuple[tuple[KVCacheBlock, KVCacheBlock], ...] | None:
+    """Each of ``live`` paired with a free block of ``pool`` outside
+    ``avoid`` and not ``kept``, in the order the pool hands blocks out (clean
+    ones first, so that moves evict as few cached entries as an allocation
+    would); None when one may not move (``ArenaBlockPool.can_move``) or too
+    few are free there."""
+    if not all(pool.can_move(block) for block in live):
+        return None
     found: list[KVCacheBlock] = []
-    if not count:
-        return found
     for block in pool.free_block_queue.get_all_free_blocks():
         if block.block_id in avoid or (id(pool), block.block_id) in kept:
             continue
         found.append(block)
-        if len(found) == count:
-            return found
+        if len(found) == len(live):
+            return tuple(zip(live, found, strict=True))
     return None
 
 
 def move_live_blocks(
     pool: ArenaBlockPool,
-    live: list[KVCacheBlock],
-    avoid: range,
-    kept: set[tuple[int, int]],
+    planned: tuple[tuple[KVCacheBlock, KVCacheBlock], ...],
     moves: TokenMoves,
     coupling: PrefixCacheCoupling | None = None,
-) -> bool:
-    """Move every block of ``live`` to a free block outside ``avoid``;
-    all-or-nothing: False, nothing moved, when too few are free or one of
-    them may not move (``ArenaBlockPool.can_move``). The ``coupling``, if
-    any, handles what each destination's eviction made dead before the next
-    move."""
-    if not all(pool.can_move(block) for block in live):
-        return False
-    targets = destinations(pool, len(live), avoid, kept)
-    if targets is None:
-        return False
-    for block, target in zip(live, targets, strict=True):
+) -> None:
+    """Carry out :func:`plan_moves`: each live block takes its destination's
+    id (``ArenaBlockPool.swap_ids``), recorded in ``moves``; the
+    ``coupling``, if any, handles what each destination's eviction made dead
+    before the next move."""
+    for block, target in planned:
         old = block.block_id
         pool.swap_ids(block, target)
         if coupling is not None:
             coupling.settle()
         moves.record(old, block.block_id)
-    return True
-
-
-def clear_way(
-    pool: ArenaBlockPool,
-    ids: range,
-    kept: set[tuple[int, int]],
-    moves: TokenMoves,
-    coupling: PrefixCacheCoupling | None = None,
-) -> bool:
-    """Make every block of ``pool`` at ``ids`` free by moving the live ones
-    among them elsewhere; False, nothing moved, when some are ``kept`` or
-    not movable, none is live (a move would not help) or too few are free
-    elsewhere. The caller has checked that the pool's free blocks outside
-    ``ids`` cover its own need after the moves."""
-    blocks = pool.blocks
-    if any((id(pool), i) in kept for i in ids):
-        return False
-    live = [blocks[i] for i in ids if blocks[i].ref_cnt]
-    if not live:
-        return False
-    return move_live_blocks(pool, live, ids, kept, moves, coupling)
 
 
 def new_block_ids_follow(

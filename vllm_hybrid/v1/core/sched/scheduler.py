@@ -40,6 +40,7 @@ from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE, new_block_ids_follow
 from vllm_hybrid.v1.core.pooled.policy import (
     DECODE_ROOM,
+    StepPlan,
     admits_after_deep_cut,
     budget_chunk,
     checkpoint_chunk,
@@ -103,22 +104,17 @@ class PooledSchedulerMixin:
         #: of admission's growth reserve; None: no reserve
         self._growth = growth_reserve_geometry(self.kv_cache_config)
         #: the page paced chunks end on, the token budget of steps that fill
-        #: it and of paced steps (None: never paced), and whether this step is
+        #: it and of paced steps (None: never paced)
         self._pace_page = pacing_page(
             self.kv_cache_config, self.cache_config.mamba_cache_mode
         )
         self._full_budget = self.max_num_scheduled_tokens
         self._paced_budget = paced_step_budget(self._full_budget, self._pace_page)
-        self._paced_step = False
-        #: decode tokens of the running requests after each prefilling one,
-        #: this step (empty: no room kept)
-        self._decode_room: dict[str, int] = {}
         #: the prompt position from which unfinished chunks end on the next
-        #: page (0: never), whether this step cuts them (decided once, at its
-        #: start) and whether it cut one
+        #: page (0: never)
         self._deep_chunk = deep_chunk_start(self._pace_page, self._full_budget)
-        self._deep_step = False
-        self._cut_deep = False
+        #: what this step's chunks follow (a new one at each step's start)
+        self._step = StepPlan()
         self._allow_token_moves()
         #: prefill checkpoints lie on page multiples, where paced chunks end
         self._checkpoints_on_pace = checkpoints_on_pace(
@@ -162,16 +158,17 @@ class PooledSchedulerMixin:
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
+        step = self._step
         chunk = budget_chunk(
             request,
             start,
             num_new_tokens,
-            self._decode_room.get(request.request_id, 0),
-            self._pace_page if self._paced_step else None,
+            step.decode_room.get(request.request_id, 0),
+            self._pace_page if step.paced else None,
         )
         if chunk is None:
             return 0
-        if self._deep_step:
+        if step.deep:
             chunk = self._deep_cut(request, start, chunk)
             if chunk == 0:
                 return 0
@@ -187,7 +184,7 @@ class PooledSchedulerMixin:
             aligned,
             self.prefill_checkpoint_interval,
             self.cache_config.block_size,
-            self._paced_step and self._checkpoints_on_pace,
+            step.paced and self._checkpoints_on_pace,
         )
         if cut != aligned:
             self.prefill_checkpoint_cuts += 1
@@ -199,7 +196,7 @@ class PooledSchedulerMixin:
         not admit (:func:`admits_after_deep_cut`)."""
         page = self._pace_page
         assert page is not None
-        if self._cut_deep and request.status != RequestStatus.RUNNING:
+        if self._step.cut_deep and request.status != RequestStatus.RUNNING:
             budget = self._full_budget
             return (
                 chunk
@@ -208,26 +205,24 @@ class PooledSchedulerMixin:
             )
         cut = deep_chunk(request, start, chunk, page, self._deep_chunk)
         if cut < chunk:
-            self._cut_deep = True
+            self._step.cut_deep = True
         return cut
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        self._cut_deep = False
-        self._paced_step = self.paces_next_step()
-        self._deep_step = bool(self._deep_chunk) and cuts_deep_chunks(len(self.waiting))
-        self.max_num_scheduled_tokens = (
-            self._paced_budget if self._paced_step else self._full_budget
+        paced = self.paces_next_step()
+        self._step = StepPlan(
+            paced=paced,
+            deep=bool(self._deep_chunk) and cuts_deep_chunks(len(self.waiting)),
+            decode_room=decode_room(self.running) if DECODE_ROOM else {},
         )
-        self._decode_room = decode_room(self.running) if DECODE_ROOM else {}
+        self.max_num_scheduled_tokens = (
+            self._paced_budget if paced else self._full_budget
+        )
         if self._growth is not None:
             # upstream's watermark: free token blocks a waiting or preempted
-            # request must leave after its own, while others run
-            reserve = self.growth_reserve()
-            self.kv_cache_manager.watermark_blocks = reserve
-            coordinator = self.kv_cache_manager.coordinator
-            if hasattr(coordinator, "admission_reserve"):
-                # so that admission moves the arena's boundary for it too
-                coordinator.admission_reserve = reserve
+            # request must leave after its own, while others run (the
+            # arena's admission moves the boundary for them too)
+            self.kv_cache_manager.watermark_blocks = self.growth_reserve()
         output = super().schedule(*args, **kwargs)
         arena = arena_of(self.kv_cache_manager)
         moves = arena.take_token_moves() if arena is not None else None

@@ -13,6 +13,8 @@ waiting request is admitted only while the running ones keep room to grow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.utils.math_utils import cdiv
@@ -77,6 +79,23 @@ DEEP_CHUNK_TOKENS = 4096
 #: budget, if nearer), as upstream's large block does implicitly (see
 #: ``PooledSchedulerMixin``).
 ADMISSION_GROWTH_STATE_PAGES = 1.0
+
+
+@dataclass
+class StepPlan:
+    """What one scheduler step's prefill chunks follow, decided at its start
+    (:meth:`~vllm_hybrid.v1.core.sched.scheduler.PooledSchedulerMixin.schedule`
+    makes a new one each step), and whether the step cut a deep chunk yet."""
+
+    #: the step's token budget is paced (:func:`paces`)
+    paced: bool = False
+    #: the step cuts chunks deep in a prompt (:func:`cuts_deep_chunks`)
+    deep: bool = False
+    #: decode tokens of the running requests after each prefilling one
+    #: (:func:`decode_room`; empty: no room kept)
+    decode_room: Mapping[str, int] = field(default_factory=dict)
+    #: a chunk of this step was cut deep in its prompt
+    cut_deep: bool = False
 
 
 # -- the chunk cut ---------------------------------------------------------------

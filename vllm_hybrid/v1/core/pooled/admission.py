@@ -1,0 +1,218 @@
+"""Admission: how the arena serves one allocation, decided as a value.
+
+A request's next allocation needs new blocks in each KV cache group
+(upstream's managers count them). Pooled mode serves them from two pools
+whose boundary can move, and short of memory a running request may cross a
+state block edge in the block it already owns. :class:`Admitter` decides,
+without changing anything, which of these serves the request and returns the
+decision as an :class:`Admission`; the allocation carries it out
+(:meth:`~.coordinator.PooledCoordinatorMixin.allocate`). Counting the blocks
+an allocation takes (upstream's ``get_num_blocks_to_allocate``) asks the same
+question and changes nothing either.
+
+The ways, in order:
+
+1. A request that holds no blocks yet (waiting or preempted) is admitted
+   only with the growth reserve free beyond its own blocks (``reserve``,
+   upstream's watermark), the boundary moving for both if needed.
+2. A running request at a state block edge nobody keeps
+   (``keeps_edge`` says which are kept) advances its state in the block it
+   owns: no copy, one state block fewer. Next to the boundary while the
+   arena refuses new requests, it takes a fresh block farther away instead,
+   so that the boundary can move (one copy).
+3. Otherwise the boundary's ways (:meth:`~.boundary.ArenaBoundary.plan`):
+   sparing protected entries, then advancing in place at a kept edge (the
+   checkpoint is lost), then reaching every free block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
+from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.boundary import BoundaryPlan
+from vllm_hybrid.v1.core.pooled.policy import RELOCATE_NEAR_BOUNDARY
+from vllm_hybrid.v1.core.pooled.spec import PoolKind
+
+
+class Way(Enum):
+    """How an admission served a request when memory was short."""
+
+    #: crossed a state block edge nobody keeps in the block it owns
+    EDGE_IN_PLACE = "edges_in_place"
+    #: crossed a kept edge in place: the arena had no room for a fresh block
+    STATE_IN_PLACE = "state_in_place"
+    #: took a fresh state block away from the boundary instead of advancing
+    #: next to it while the arena refuses new requests
+    RELOCATED = "relocations"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the arena does for one allocation: the new blocks of each pool,
+    where the boundary goes, and the running state block of each state group
+    (by group index) that advances in place instead of taking a fresh one."""
+
+    token_blocks: int
+    state_blocks: int
+    boundary: BoundaryPlan
+    in_place: Mapping[int, KVCacheBlock] = field(default_factory=dict)
+    way: Way | None = None
+
+    @property
+    def token_blocks_taken(self) -> int:
+        """Token blocks the allocation takes from those free now, the
+        boundary's move counted (upstream's ``get_num_blocks_to_allocate``;
+        negative when the move gives the token pool more than it takes)."""
+        return self.token_blocks - self.boundary.token_gain
+
+
+#: Whether a request crossing a state block edge (tokens computed, state
+#: block) must keep the state there in a block of its own.
+KeepsEdge = Callable[[str, int, int], bool]
+
+
+class Admitter:
+    """Admission for one coordinator's managers over its arena (module
+    docstring). Reads the managers and the arena; changes neither."""
+
+    def __init__(
+        self,
+        arena: KVArena,
+        managers: Sequence[SingleTypeKVCacheManager],
+        kinds: Sequence[PoolKind],
+        keeps_edge: KeepsEdge | None,
+    ) -> None:
+        self.arena = arena
+        self.managers = tuple(managers)
+        self.kinds = tuple(kinds)
+        #: None: no checkpoint policy (prefix caching off), no edge is kept
+        self.keeps_edge = keeps_edge
+        states = [
+            m for m, k in zip(managers, kinds, strict=True) if k is PoolKind.STATE
+        ]
+        self._state_block = states[0].block_size if states else None
+
+    def admit(
+        self,
+        request_id: str,
+        needs: Sequence[int],
+        hits: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        reserve: int = 0,
+    ) -> Admission | None:
+        """How the arena serves ``needs`` (new blocks per group) for the
+        request; None when it cannot. ``hits`` are the prefix hits the
+        allocation will take (free ones must stay cached); ``reserve`` token
+        blocks must stay free beyond the request's own when it holds none."""
+        need_token = need_state = 0
+        for kind, n in zip(self.kinds, needs, strict=True):
+            if kind is PoolKind.TOKEN:
+                need_token += n
+            else:
+                need_state += n
+        boundary = self.arena.boundary
+        if reserve:
+            plan = boundary.plan(need_token + reserve, need_state, hits)
+            return None if plan is None else Admission(need_token, need_state, plan)
+        in_place = self._in_place_blocks(request_id, needs)
+        unkept = bool(in_place) and self._unkept_edge(request_id, total_computed_tokens)
+        relocated = unkept and self._pins_boundary(in_place)
+        if unkept and not relocated:
+            advanced = need_state - len(in_place)
+            plan = boundary.plan(need_token, advanced, hits)
+            if plan is None:
+                return None
+            return Admission(need_token, advanced, plan, in_place, Way.EDGE_IN_PLACE)
+        plan = boundary.plan(need_token, need_state, hits, in_place=len(in_place))
+        if plan is None:
+            return None
+        if plan.in_place:
+            advanced = need_state - len(in_place)
+            return Admission(need_token, advanced, plan, in_place, Way.STATE_IN_PLACE)
+        way = Way.RELOCATED if relocated else None
+        return Admission(need_token, need_state, plan, way=way)
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """Whether the request holds blocks (a running one)."""
+        return any(m.req_to_blocks.get(request_id) for m in self.managers)
+
+    def _pins_boundary(self, in_place: Mapping[int, KVCacheBlock]) -> bool:
+        """Whether a running state block the request would advance in place
+        lies next to the boundary while new requests are refused
+        (:data:`~.policy.eviction.RELOCATE_NEAR_BOUNDARY`): it then takes a
+        fresh block, which the state pool hands out away from the boundary."""
+        if not (self.arena.refusing_new and RELOCATE_NEAR_BOUNDARY):
+            return False
+        near = self.arena.boundary.state_floor + RELOCATE_NEAR_BOUNDARY
+        return any(block.block_id < near for block in in_place.values())
+
+    def _unkept_edge(self, request_id: str, total_computed_tokens: int) -> bool:
+        """Whether the request is crossing a state block edge that no
+        checkpoint policy keeps.
+
+        The request has computed exactly ``total_computed_tokens``, an edge:
+        its running block holds the state there. A fresh block would receive
+        a copy of it and the block left behind would hold a state nobody
+        caches: a decode edge before the turn end, or a prefill chunk that
+        ended on no checkpoint.
+        """
+        block = self._state_block
+        if self.keeps_edge is None or block is None or total_computed_tokens % block:
+            return False
+        return not self.keeps_edge(request_id, total_computed_tokens, block)
+
+    def _in_place_blocks(
+        self, request_id: str, needs: Sequence[int]
+    ) -> dict[int, KVCacheBlock]:
+        """Running state block per state group, if the request may advance its
+        state in place: every state group needs exactly one new block (a
+        state block edge) and owns its running block alone (every reference
+        to it is one of the request's own slots, :func:`_own_slots`).
+
+        At a state block edge align mode hands a running request a fresh
+        state block, copies the running state into it and keeps the old block
+        (a prefix-cache checkpoint) until the next step: two state blocks per
+        request. Advanced in place, that block leaves the prefix cache and
+        its content moves on; only a checkpoint is lost.
+        """
+        found: dict[int, KVCacheBlock] = {}
+        for i, manager in enumerate(self.managers):
+            if self.kinds[i] is not PoolKind.STATE:
+                continue
+            if (
+                getattr(manager, "mamba_cache_mode", None) != "align"
+                or manager.num_speculative_blocks
+                or request_id not in manager._allocated_block_reqs
+                or needs[i] != 1
+            ):
+                return {}
+            blocks = manager.req_to_blocks.get(request_id) or []
+            if not blocks or blocks[-1].is_null:
+                return {}
+            if blocks[-1].ref_cnt != _own_slots(blocks, manager, request_id):
+                return {}
+            found[i] = blocks[-1]
+        return found
+
+
+def _own_slots(
+    blocks: list[KVCacheBlock], manager: SingleTypeKVCacheManager, request_id: str
+) -> int:
+    """Slots of the request's block table that name its running state block.
+
+    Usually one. After the request advanced in place, the slot it advanced
+    from names the same block until upstream retires it, which happens two
+    steps later (the previous step may still be in flight); the block is
+    then still the request's alone, with one reference per slot.
+    """
+    last = blocks[-1]
+    retiring = getattr(manager, "last_state_block_idx", {}).get(request_id)
+    if retiring is not None and retiring < len(blocks) - 1:
+        return 2 if blocks[retiring] is last else 1
+    return 1
