@@ -19,9 +19,9 @@ from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
 from vllm_hybrid.v1.core.pooled.policy import (
-    StepPlan,
     CheckpointPolicy,
     Entry,
+    StepPlan,
     is_prefill_anchor,
     next_prefill_checkpoint,
     prefill_checkpoint_anchor,
