@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +27,11 @@ from vllm_hybrid.tools.plan.config import (
     resolve_layout,
     upstream_align,
 )
+from vllm_hybrid.tools.plan.errors import PlanError, unwrapped
 from vllm_hybrid.tools.plan.geometry import planned_config
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.precheck import check_before_vllm
-from vllm_hybrid.tools.plan.request import PlanError, PlanRequest, model_dir
+from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +63,15 @@ class ModePlan:
     #: Full CUDA graphs against the states (CUDA hybrids with full graphs):
     #: {"graph_rows", "states", "cap", "refused"}; None where not planned.
     cuda_graphs: dict[str, Any] | None = None
+    #: Where one request of max_model_len does not fit: the longest
+    #: max_model_len this mode's engine holds in the budget (its own
+    #: ``--max-model-len -1`` fit; 0 if not one token). None: it fits.
+    fits_max_model_len: int | None = None
+    #: vLLM's own message where upstream would refuse to start (its full
+    #: CUDA graphs need more states than it holds).
+    refusal: str | None = None
+    #: The pooled column repeats upstream's plan (pooled mode does not apply).
+    same_as_upstream: bool = False
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Plan:
     kv_cache_memory: int
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int
     prefix_caching: bool
     mamba_cache_mode: str
     hybrid: bool
@@ -86,6 +97,8 @@ class Plan:
     notes: list[str]
     upstream: ModePlan
     pooled: ModePlan
+    #: The ``vllm serve`` line planned for (when the request came from one).
+    serve_command: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -180,9 +193,15 @@ def plan_upstream(
             )
         except ValueError as exc:
             plan.error = error_text(exc, request)
+            fit = _upstream_fit(config, specs, request.kv_cache_memory)
+            if fit < config.model_config.max_model_len:
+                plan.fits_max_model_len = fit
             return plan
         scheduler = kvu.generate_scheduler_kv_cache_config(worker)
         tokens, concurrency = kvu.get_kv_cache_capacity(config, scheduler)
+        plan.cuda_graphs = _graph_figures(config, worker[0], upstream=True)
+        if plan.cuda_graphs and plan.cuda_graphs["refused"]:
+            plan.refusal = _graph_refusal(config, worker[0])
     _fill_state_padding(plan, specs)
     plan.groups = _group_rows(scheduler)
     plan.num_blocks = scheduler.num_blocks
@@ -195,7 +214,6 @@ def plan_upstream(
         }
     ]
     plan.token_capacity = tokens
-    plan.cuda_graphs = _graph_figures(config, worker[0], upstream=True)
     plan.max_tokens_one_request = kv_cache_token_capacity(config, scheduler)
     plan.max_concurrency = concurrency
     for length in prompt_lens:
@@ -254,6 +272,8 @@ def plan_pooled(
             configs = plan_pooled_configs(config, [specs], [request.kv_cache_memory])
     except PooledPlanError as exc:
         plan.error = error_text(exc, request)
+        if exc.shortfall is not None:
+            plan.fits_max_model_len = exc.shortfall.fitting_max_model_len
         return plan
     if configs is None:
         layout = config.cache_config.kv_cache_layout
@@ -284,6 +304,42 @@ def plan_pooled(
             "bytes_per_request": at.bytes_per_request,
         }
     return plan
+
+
+def _upstream_fit(vllm_config: VllmConfig, specs: dict[str, Any], budget: int) -> int:
+    """The longest max_model_len vLLM's own planning holds in ``budget``:
+    what its engine picks with ``--max-model-len -1`` (0: not one token).
+    Runs where upstream's functions are in place (:func:`overlay_off`)."""
+    import vllm.v1.core.kv_cache_utils as kvu
+
+    probe = copy.deepcopy(vllm_config)
+    probe.model_config.original_max_model_len = -1
+    try:
+        kvu.get_kv_cache_configs(probe, [specs], [budget])
+    except ValueError:
+        return 0
+    return probe.model_config.max_model_len
+
+
+def _graph_refusal(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> str | None:
+    """vLLM's own message refusing full CUDA graphs for more sequences than
+    the states it holds (its check when the runner resolves graph modes,
+    asked of a copy of the compilation config)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    compilation = copy.deepcopy(vllm_config.compilation_config)
+    try:
+        compilation.resolve_cudagraph_mode_and_sizes(
+            AttentionCGSupport.ALWAYS,
+            None,
+            kv_cache_config=kv_cache_config,
+            max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
+        )
+    except ValueError as exc:
+        return unwrapped(exc)
+    return None
 
 
 def _graph_figures(
@@ -328,9 +384,56 @@ def _graph_figures(
 
 
 def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
-    same = dataclasses.replace(upstream_plan, mode="pooled")
+    same = dataclasses.replace(upstream_plan, mode="pooled", same_as_upstream=True)
     same.note = f"pooled mode does not apply ({reason}): upstream plan"
     return same
+
+
+#: How messages name each mode's engine.
+MODE_NAMES = {"upstream": "upstream vLLM 0.32", "pooled": "pooled mode"}
+
+
+def length_shortfall(
+    request: PlanRequest, max_model_len: int, modes: Mapping[str, ModePlan]
+) -> str | None:
+    """One message for the modes of ``modes`` that cannot hold one request
+    of ``max_model_len``, or None: each engine's own limit and one number to
+    lower ``--max-model-len`` to, the longest every one of them holds."""
+    limits = {
+        name: mode.fits_max_model_len
+        for name, mode in modes.items()
+        if mode.fits_max_model_len is not None and not mode.same_as_upstream
+    }
+    if not limits:
+        return None
+    held = [f"{MODE_NAMES[n]} {v:,}" for n, v in limits.items()]
+    each = " and ".join(held)
+    whose = "each engine's" if len(held) > 1 else "the engine's"
+    fits = min(limits.values())
+    advice = (
+        f"or lower --max-model-len to {fits:,}"
+        if fits > 0
+        else "(no --max-model-len fits: one request's state and one attention "
+        "block do not)"
+    )
+    return (
+        f"The KV cache budget of {request.kv_cache_memory / 2**20:,.2f} MiB per GPU "
+        f"cannot hold one request of max_model_len {max_model_len:,} tokens; the "
+        f"longest that fit, by {whose} own planning: {each}. Raise "
+        f"{request.budget_options}, {advice}."
+    )
+
+
+def _length_errors(plan: Plan) -> None:
+    """A mode that cannot hold one request says so in the same figures as
+    :func:`length_shortfall`; the advice, with its one number, is a note."""
+    modes = {"upstream": plan.upstream, "pooled": plan.pooled}
+    for mode in modes.values():
+        if mode.fits_max_model_len is not None:
+            mode.error = (
+                f"holds at most {mode.fits_max_model_len:,} tokens per request, "
+                f"not max_model_len {plan.max_model_len:,}"
+            )
 
 
 def build_plan(request: PlanRequest) -> Plan:
@@ -350,9 +453,16 @@ def build_plan(request: PlanRequest) -> Plan:
         lens = sorted({*request.prompt_lens, max_len})
         upstream_plan = plan_upstream(request, config, lens)
         pooled_plan = plan_pooled(request, config, lens, upstream_plan)
+    modes = {"upstream": upstream_plan, "pooled": pooled_plan}
+    shortfall = length_shortfall(request, max_len, modes)
     if upstream_plan.error and pooled_plan.error:
-        raise PlanError(pooled_plan.error)
-    return Plan(
+        raise PlanError(shortfall or pooled_plan.error)
+    if shortfall is not None:
+        notes.append(shortfall)
+    if request.ignored_serve_flags:
+        flags = ", ".join(request.ignored_serve_flags)
+        notes.append(f"vllm serve flags that change nothing planned: {flags}")
+    plan = Plan(
         model=request.model,
         architecture=str(architecture),
         preset=preset,
@@ -362,6 +472,7 @@ def build_plan(request: PlanRequest) -> Plan:
         kv_cache_memory=request.kv_cache_memory,
         max_model_len=max_len,
         max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         prefix_caching=bool(config.cache_config.enable_prefix_caching),
         mamba_cache_mode=str(config.cache_config.mamba_cache_mode),
         hybrid=kinds.state > 0,
@@ -371,4 +482,7 @@ def build_plan(request: PlanRequest) -> Plan:
         notes=notes,
         upstream=upstream_plan,
         pooled=pooled_plan,
+        serve_command=request.serve_command,
     )
+    _length_errors(plan)
+    return plan
