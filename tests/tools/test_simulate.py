@@ -222,6 +222,21 @@ def test_token_blocks_moved_are_counted_and_charged_as_block_copies() -> None:
     assert _copy_bytes(step, clock, (500, 64)) == 3 * 1000 + 500 + 2 * 64
 
 
+def test_prefill_tokens_are_counted_per_request_too() -> None:
+    """Per-request prefill tokens (``--per-request``) add up to the run's,
+    recomputation after a preemption included."""
+    observer = StepObserver(state_block=None, state_group=None)
+    observer.observe(_output({"r": 10}, new=[_new("r", 10, 0, [1])]))
+    observer.observe(
+        _output({"r": 1, "s": 4}, cached=[("r", 10, None)], new=[_new("s", 4, 0, [2])])
+    )
+    observer.observe(_output({}, preempted=["r"]))
+    observer.observe(_output({"r": 11}, cached=[("r", 0, None)], resumed=["r"]))
+    # r: its 10 prompt tokens, then 11 recomputed (the decode's too); s: 4
+    assert observer.prefill_by_request == {"r": 10 + 11, "s": 4}
+    assert sum(observer.prefill_by_request.values()) == observer.total.prefill_tokens
+
+
 def test_records_add_up() -> None:
     total = StepRecord()
     total.add(StepRecord(steps=1, prefill_tokens=3, state_copies=1))

@@ -375,11 +375,11 @@ def render_sweeps(engines: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_timeline(engines: Mapping[str, Any], path: Path, title: str = "") -> None:
+def timeline_figure(engines: Mapping[str, Any], title: str = "") -> Any:
     """Running requests (counted) and prefix hit rate so far (counted) over
     modeled time, one line per engine's best run; ``title`` says what ran
     (:func:`.header.plot_title`). Running requests are a count: whole-number
-    ticks."""
+    ticks. The caller saves and closes the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -402,5 +402,13 @@ def plot_timeline(engines: Mapping[str, Any], path: Path, title: str = "") -> No
     bottom.set_xlabel("time, s (modeled)")
     top.legend(fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot_timeline(engines: Mapping[str, Any], path: Path, title: str = "") -> None:
+    """:func:`timeline_figure` as a PNG."""
+    fig = timeline_figure(engines, title)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)
