@@ -180,6 +180,16 @@ def test_a_budget_too_small_gives_plans_one_number(no_worker, capsys):
     assert plan(argv) == 2
     plan_err = capsys.readouterr().err.strip()
     assert plan_err.split("error: ")[1] == err.split("error: ")[1]
+    # the overlay's single pool is checked by its own planning too, and only
+    # the engines asked for are named
+    err = _refused([*argv, "--engines", "upstream,single-pool"], capsys)
+    assert (
+        "own planning: upstream vLLM 0.32 129,888 and the overlay's single pool "
+        "129,888. Raise"
+    ) in err
+    err = _refused([*argv, "--engines", "pooled"], capsys)
+    assert "by the engine's own planning: pooled mode 130,464. Raise" in err
+    assert err.endswith("lower --max-model-len to 130,464.")
     assert no_worker == []
 
 
@@ -191,7 +201,7 @@ def test_upstream_refusing_to_start_stops_with_vllms_reason(
     every check and goes on to run."""
     argv = ["qwen3.5-9b", "--gpu-memory", "24", "--max-model-len", "32768"]
     err = _refused(argv, capsys)
-    assert "vLLM 0.32 refuses to start here (upstream), in vLLM's words: " in err
+    assert "0.32 refuses to start here (engines upstream), in vLLM's words: " in err
     assert "--max-num-seqs (256) exceeds available Mamba cache blocks (253)" in err
     assert no_worker == []
     ran: list[list[str]] = []

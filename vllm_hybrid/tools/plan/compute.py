@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +27,14 @@ from vllm_hybrid.tools.plan.config import (
     resolve_layout,
     upstream_align,
 )
-from vllm_hybrid.tools.plan.errors import PlanError, unwrapped
+from vllm_hybrid.tools.plan.errors import PlanError
 from vllm_hybrid.tools.plan.geometry import planned_config
+from vllm_hybrid.tools.plan.limits import (
+    graph_refusal,
+    length_errors,
+    length_shortfall,
+    shared_pool_fit,
+)
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.precheck import check_before_vllm
 from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
@@ -99,6 +105,8 @@ class Plan:
     pooled: ModePlan
     #: The ``vllm serve`` line planned for (when the request came from one).
     serve_command: str | None = None
+    #: The overlay's single pool, where asked for (:func:`plan_single_pool`).
+    single_pool: ModePlan | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -193,7 +201,7 @@ def plan_upstream(
             )
         except ValueError as exc:
             plan.error = error_text(exc, request)
-            fit = _upstream_fit(config, specs, request.kv_cache_memory)
+            fit = shared_pool_fit(config, specs, request.kv_cache_memory)
             if fit < config.model_config.max_model_len:
                 plan.fits_max_model_len = fit
             return plan
@@ -201,7 +209,7 @@ def plan_upstream(
         tokens, concurrency = kvu.get_kv_cache_capacity(config, scheduler)
         plan.cuda_graphs = _graph_figures(config, worker[0], upstream=True)
         if plan.cuda_graphs and plan.cuda_graphs["refused"]:
-            plan.refusal = _graph_refusal(config, worker[0])
+            plan.refusal = graph_refusal(config, worker[0])
     _fill_state_padding(plan, specs)
     plan.groups = _group_rows(scheduler)
     plan.num_blocks = scheduler.num_blocks
@@ -225,6 +233,39 @@ def plan_upstream(
             ),
             "bytes_per_request": blocks * block_bytes,
         }
+    return plan
+
+
+def plan_single_pool(request: PlanRequest, vllm_config: VllmConfig) -> ModePlan:
+    """The overlay's single shared pool (``hybrid_kv.pooled`` false), as far
+    as its engine's start-up planning goes: whether one request of
+    max_model_len fits, and the longest that does. The simulator checks it
+    before starting a ``single-pool`` engine; plans do not show it."""
+    import vllm.v1.core.kv_cache_utils as kvu
+
+    from vllm_hybrid.platforms.hybrid_block_size import align_hybrid_block_size
+
+    plan = ModePlan("single_pool")
+    config = copy.deepcopy(vllm_config)
+    additional = dict(config.additional_config or {})
+    additional["hybrid_kv"] = {**(additional.get("hybrid_kv") or {}), "pooled": False}
+    config.additional_config = additional
+    backend = attention_backend(request, pooled=True)
+    platform = platform_class(request.device, backend, align_hybrid_block_size)
+    platform.update_block_size_for_backend(config)
+    specs = layer_specs(config, backend)
+    resolve_layout(config, backend, specs)
+    budget = request.kv_cache_memory
+    with current_platform_as(platform()):
+        try:
+            worker = kvu.get_kv_cache_configs(config, [specs], [budget])
+        except ValueError as exc:
+            plan.error = error_text(exc, request)
+            fit = shared_pool_fit(config, specs, budget)
+            if fit < config.model_config.max_model_len:
+                plan.fits_max_model_len = fit
+            return plan
+    plan.num_blocks = worker[0].num_blocks
     return plan
 
 
@@ -306,42 +347,6 @@ def plan_pooled(
     return plan
 
 
-def _upstream_fit(vllm_config: VllmConfig, specs: dict[str, Any], budget: int) -> int:
-    """The longest max_model_len vLLM's own planning holds in ``budget``:
-    what its engine picks with ``--max-model-len -1`` (0: not one token).
-    Runs where upstream's functions are in place (:func:`overlay_off`)."""
-    import vllm.v1.core.kv_cache_utils as kvu
-
-    probe = copy.deepcopy(vllm_config)
-    probe.model_config.original_max_model_len = -1
-    try:
-        kvu.get_kv_cache_configs(probe, [specs], [budget])
-    except ValueError:
-        return 0
-    return probe.model_config.max_model_len
-
-
-def _graph_refusal(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> str | None:
-    """vLLM's own message refusing full CUDA graphs for more sequences than
-    the states it holds (its check when the runner resolves graph modes,
-    asked of a copy of the compilation config)."""
-    from vllm.v1.attention.backend import AttentionCGSupport
-
-    compilation = copy.deepcopy(vllm_config.compilation_config)
-    try:
-        compilation.resolve_cudagraph_mode_and_sizes(
-            AttentionCGSupport.ALWAYS,
-            None,
-            kv_cache_config=kv_cache_config,
-            max_num_reqs=vllm_config.scheduler_config.max_num_seqs,
-        )
-    except ValueError as exc:
-        return unwrapped(exc)
-    return None
-
-
 def _graph_figures(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, upstream: bool
 ) -> dict[str, Any] | None:
@@ -389,57 +394,16 @@ def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
     return same
 
 
-#: How messages name each mode's engine.
-MODE_NAMES = {"upstream": "upstream vLLM 0.32", "pooled": "pooled mode"}
+def build_plan(
+    request: PlanRequest, single_pool: bool = False, strict: bool = True
+) -> Plan:
+    """Compute both plans; raises :class:`PlanError` for bad input, and, if
+    ``strict``, where neither mode can run.
 
-
-def length_shortfall(
-    request: PlanRequest, max_model_len: int, modes: Mapping[str, ModePlan]
-) -> str | None:
-    """One message for the modes of ``modes`` that cannot hold one request
-    of ``max_model_len``, or None: each engine's own limit and one number to
-    lower ``--max-model-len`` to, the longest every one of them holds."""
-    limits = {
-        name: mode.fits_max_model_len
-        for name, mode in modes.items()
-        if mode.fits_max_model_len is not None and not mode.same_as_upstream
-    }
-    if not limits:
-        return None
-    held = [f"{MODE_NAMES[n]} {v:,}" for n, v in limits.items()]
-    each = " and ".join(held)
-    whose = "each engine's" if len(held) > 1 else "the engine's"
-    fits = min(limits.values())
-    advice = (
-        f"or lower --max-model-len to {fits:,}"
-        if fits > 0
-        else "(no --max-model-len fits: one request's state and one attention "
-        "block do not)"
-    )
-    return (
-        f"The KV cache budget of {request.kv_cache_memory / 2**20:,.2f} MiB per GPU "
-        f"cannot hold one request of max_model_len {max_model_len:,} tokens; the "
-        f"longest that fit, by {whose} own planning: {each}. Raise "
-        f"{request.budget_options}, {advice}."
-    )
-
-
-def _length_errors(plan: Plan) -> None:
-    """A mode that cannot hold one request says so in the same figures as
-    :func:`length_shortfall`; the advice, with its one number, is a note."""
-    modes = {"upstream": plan.upstream, "pooled": plan.pooled}
-    for mode in modes.values():
-        if mode.fits_max_model_len is not None:
-            mode.error = (
-                f"holds at most {mode.fits_max_model_len:,} tokens per request, "
-                f"not max_model_len {plan.max_model_len:,}"
-            )
-
-
-def build_plan(request: PlanRequest) -> Plan:
-    """Compute both plans; raises :class:`PlanError` for bad input.
-
-    What ``config.json`` settles is checked before vLLM is imported.
+    What ``config.json`` settles is checked before vLLM is imported. With
+    ``single_pool`` the overlay's single pool is planned too
+    (:func:`plan_single_pool`). The simulator plans with ``strict`` off and
+    judges the modes of the engines it starts itself.
     """
     if request.device not in ("cuda", "cpu"):
         raise PlanError(f"--device must be cuda or cpu, got {request.device!r}")
@@ -453,9 +417,10 @@ def build_plan(request: PlanRequest) -> Plan:
         lens = sorted({*request.prompt_lens, max_len})
         upstream_plan = plan_upstream(request, config, lens)
         pooled_plan = plan_pooled(request, config, lens, upstream_plan)
+        single = plan_single_pool(request, config) if single_pool else None
     modes = {"upstream": upstream_plan, "pooled": pooled_plan}
     shortfall = length_shortfall(request, max_len, modes)
-    if upstream_plan.error and pooled_plan.error:
+    if strict and upstream_plan.error and pooled_plan.error:
         raise PlanError(shortfall or pooled_plan.error)
     if shortfall is not None:
         notes.append(shortfall)
@@ -483,6 +448,7 @@ def build_plan(request: PlanRequest) -> Plan:
         upstream=upstream_plan,
         pooled=pooled_plan,
         serve_command=request.serve_command,
+        single_pool=single,
     )
-    _length_errors(plan)
+    length_errors(plan)
     return plan

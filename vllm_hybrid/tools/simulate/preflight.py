@@ -18,13 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_hybrid.tools.plan.compute import (
-    MODE_NAMES,
-    Plan,
-    build_plan,
-    length_shortfall,
-)
+from vllm_hybrid.tools.plan.compute import Plan, build_plan
 from vllm_hybrid.tools.plan.errors import PlanError
+from vllm_hybrid.tools.plan.limits import MODE_NAMES, length_shortfall
 from vllm_hybrid.tools.plan.messages import with_flag_names
 from vllm_hybrid.tools.simulate.followups import (
     FOLLOWUPS,
@@ -98,7 +94,8 @@ def workload_facts(workload: WorkloadSpec) -> WorkloadFacts:
 
 def engine_modes(variants: Mapping[str, Sequence[Variant]]) -> dict[str, list[str]]:
     """Planner mode -> the engines that run in it (upstream: overlay off;
-    pooled: overlay on with pooled mode; the single pool has no column)."""
+    pooled: overlay on with pooled mode; single_pool: overlay on, pooled
+    mode off)."""
     modes: dict[str, list[str]] = {}
     for engine, runs in variants.items():
         for variant in runs:
@@ -107,7 +104,7 @@ def engine_modes(variants: Mapping[str, Sequence[Variant]]) -> dict[str, list[st
             elif variant.hybrid_kv.get("pooled", True) is not False:
                 mode = "pooled"
             else:
-                continue
+                mode = "single_pool"
             if engine not in modes.setdefault(mode, []):
                 modes[mode].append(engine)
     return modes
@@ -131,9 +128,9 @@ def check_plan(
             )
         if figures.refusal:
             raise PlanError(
-                f"{MODE_NAMES[mode]} refuses to start here ({engines}), in vLLM's "
-                f"words: {with_flag_names(figures.refusal)} (--engines pooled "
-                "runs pooled mode alone)"
+                f"{MODE_NAMES[mode]} refuses to start here (engines {engines}), in "
+                f"vLLM's words: {with_flag_names(figures.refusal)} (--engines "
+                "pooled runs pooled mode alone)"
             )
 
 
@@ -142,6 +139,7 @@ def preflight(
 ) -> tuple[Plan, WorkloadFacts]:
     """The plan and the workload's facts, once every check has passed."""
     facts = workload_facts(spec.workload)
-    plan = build_plan(spec.request)
-    check_plan(plan, spec, engine_modes(variants))
+    modes = engine_modes(variants)
+    plan = build_plan(spec.request, single_pool="single_pool" in modes, strict=False)
+    check_plan(plan, spec, modes)
     return plan, facts
