@@ -42,7 +42,7 @@ from vllm_hybrid.tools.tracegen.common import Line, reply
 BLOCK_TOKENS = 16
 #: Characters a token is counted as without a tokenizer.
 CHARS_PER_TOKEN = 4
-#: Roles of the two conversation forms that the model answers, and that ask.
+#: The roles, in either conversation form, of the turns the model answered.
 ASSISTANT = frozenset({"gpt", "assistant", "chatgpt", "bard", "model"})
 
 
@@ -65,7 +65,8 @@ Tokenize = Callable[[str], list[int] | None]
 
 
 def estimate_tokens(text: str) -> None:
-    """No tokenizer: :func:`text_segments` counts characters instead."""
+    """The :data:`Tokenize` of no tokenizer: None tells :func:`text_segments`
+    and :func:`token_count` to count characters instead."""
     return None
 
 
