@@ -50,8 +50,8 @@ def run(out: Path, workload: str, case: str, engine: str, args) -> dict:
     if not path.is_file():
         argv = [MODEL, *CASES[case], "--workload", workload, "--json", str(path)]
         argv += ["--engines", engine, "--jobs", "1", "--no-progress"]
-        if workload == "mooncake" and args.requests:
-            argv += ["--requests", str(args.requests)]
+        if workload == "mooncake":
+            argv += ["--requests", str(args.requests or "all")]
         if workload == "chat_server":
             argv += ["--shape", json.dumps(CHAT_SHAPE)]
         print(

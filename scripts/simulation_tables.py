@@ -33,6 +33,7 @@ from vllm_hybrid.tools.simulate.report import (
     render_floor_summary,
     render_summary,
 )
+from vllm_hybrid.tools.simulate.runner import ENGINES
 from vllm_hybrid.tools.tracegen.cli import main as make_trace
 
 MODEL = "qwen3.6-35b-a3b-fp8"
@@ -107,10 +108,13 @@ def run_case(
             source = ["--trace", str(_trace(out, workload))]
         argv = [MODEL, *CASES[case], *source, "--json", str(path)]
         argv += ["--jobs", str(args.jobs), "--no-progress"]
-        if args.engines:
-            argv += ["--engines", args.engines]
-        if workload == "mooncake" and args.requests:
-            argv += ["--requests", str(args.requests)]
+        # every engine and every request unless asked otherwise (the command's
+        # own defaults are a short run)
+        argv += ["--engines", args.engines or ",".join(ENGINES)]
+        if workload == "mooncake":
+            argv += ["--requests", str(args.requests or "all")]
+        if workload in TRACE_SHAPES:
+            argv += ["--requests", "all"]
         if workload == "chat_server":
             argv += ["--shape", json.dumps(CHAT_SHAPE)]
         print(f"[simulation] {workload} {case}", file=sys.stderr, flush=True)

@@ -31,7 +31,10 @@ def _plan(model: str, **kwargs) -> planmod.Plan:
     [
         ("48MiB", 48 * MiB),
         ("10GiB", 10 * GiB),
-        ("1.5G", 1_500_000_000),
+        # one-letter suffixes as vLLM's --kv-cache-memory-bytes reads them
+        ("30G", 30 * GiB),
+        ("25.6g", 25_600_000_000),
+        ("1.5GB", 1_500_000_000),
         ("123", 123),
         ("2 kib", 2048),
     ],
@@ -114,7 +117,7 @@ def test_preset_bad_input_is_answered_without_transformers_or_vllm():
     code = (
         "import sys\n"
         "from vllm_hybrid.tools.plan.cli import main\n"
-        "rc = main(['qwen3.5-35b-a3b', '--kv-cache-memory', '1KiB'])\n"
+        "rc = main(['qwen3.5-35b-a3b', '--kv-cache-memory-bytes', '1G', '-tp', '3'])\n"
         "print(rc, sorted(m for m in ('transformers', 'vllm', 'torch') "
         "if m in sys.modules))\n"
     )
@@ -122,7 +125,7 @@ def test_preset_bad_input_is_answered_without_transformers_or_vllm():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert proc.stdout.strip().splitlines()[-1] == "2 []"
-    assert "cannot hold one request" in proc.stderr
+    assert "--tensor-parallel-size 3 does not divide" in proc.stderr
 
 
 # --------------------------------------------------------------------------
@@ -371,15 +374,24 @@ def test_help_documents_every_option():
     for option in (
         "--kv-cache-dtype",
         "--tensor-parallel-size",
+        "-tp",
+        "--kv-cache-memory-bytes",
         "--kv-cache-memory",
         "--gpu-memory",
         "--gpu-memory-utilization",
         "--weights-memory",
         "--max-model-len",
         "--max-num-seqs",
+        "--max-num-batched-tokens",
         "--block-size",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
         "--prefix-caching",
         "--no-prefix-caching",
+        "--mamba-cache-mode",
+        "--mamba-block-size",
+        "--mamba-ssm-cache-dtype",
+        "--additional-config",
         "--device",
         "--prompt-lens",
         "--json",
@@ -399,9 +411,9 @@ def test_list_presets(capsys):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["no-such-preset", "--kv-cache-memory", "1GiB"], "neither a built-in preset"),
+        (["no-such-preset", "--kv-cache-memory", "1GiB"], "is not a built-in preset"),
         (["llama-2-7b", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
-        (["llama-2-7b"], "--kv-cache-memory SIZE or --gpu-memory"),
+        (["llama-2-7b"], "--kv-cache-memory-bytes SIZE or --gpu-memory"),
         (["llama-2-7b", "--gpu-memory", "8"], "--weights-memory"),
         (
             ["qwen3.5-35b-a3b", "--kv-cache-memory", "1GiB", "-tp", "3"],

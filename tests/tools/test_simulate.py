@@ -222,6 +222,21 @@ def test_token_blocks_moved_are_counted_and_charged_as_block_copies() -> None:
     assert _copy_bytes(step, clock, (500, 64)) == 3 * 1000 + 500 + 2 * 64
 
 
+def test_prefill_tokens_are_counted_per_request_too() -> None:
+    """Per-request prefill tokens (``--per-request``) add up to the run's,
+    recomputation after a preemption included."""
+    observer = StepObserver(state_block=None, state_group=None)
+    observer.observe(_output({"r": 10}, new=[_new("r", 10, 0, [1])]))
+    observer.observe(
+        _output({"r": 1, "s": 4}, cached=[("r", 10, None)], new=[_new("s", 4, 0, [2])])
+    )
+    observer.observe(_output({}, preempted=["r"]))
+    observer.observe(_output({"r": 11}, cached=[("r", 0, None)], resumed=["r"]))
+    # r: its 10 prompt tokens, then 11 recomputed (the decode's too); s: 4
+    assert observer.prefill_by_request == {"r": 10 + 11, "s": 4}
+    assert sum(observer.prefill_by_request.values()) == observer.total.prefill_tokens
+
+
 def test_records_add_up() -> None:
     total = StepRecord()
     total.add(StepRecord(steps=1, prefill_tokens=3, state_copies=1))
@@ -536,10 +551,13 @@ def test_table_gives_ratios_to_upstream_best() -> None:
         "pooled": {"best": "pooled", "runs": {"pooled": _summary(50, 150)}},
     }
     table = render_table(engines)
-    assert "| prefill tokens computed (counted) | 100 | 50 (0.50x) |" in table
-    assert "| prefix hit rate, tokens (counted) | 0.500 | 0.750 (1.50x) |" in table
-    assert "TTFT p50, s (modeled)" in table
-    assert table.endswith("Ratios to upstream-best.")
+    assert "| prefill tokens computed (counted) ↓ | 100 | 50 (0.50x) |" in table
+    assert "| prefix hit rate, tokens (counted) ↑ | 0.500 | 0.750 (1.50x) |" in table
+    assert "| peak running (counted) | 10 | 10 (1.00x) |" in table
+    assert "TTFT p50, s (modeled) ↓" in table
+    assert table.endswith(
+        "↓ lower is better, ↑ higher is better; ratios to upstream-best."
+    )
     engines["upstream-best"]["runs"]["ub2"] = _summary(120, 80)
     assert "ub (best): prefill tokens 100" in render_sweeps(engines)
 
@@ -569,9 +587,20 @@ def test_summary_rows_give_prefill_ratio_to_upstream_best() -> None:
     assert SUMMARY_HEADER.count("|") == 2 * (rows[0].count("|"))
 
 
-def test_percentiles_are_nearest_rank() -> None:
+def test_percentiles_are_numpys_as_vllm_bench_serve_takes_them() -> None:
+    """Linear interpolation between ranks (numpy's default, what ``vllm
+    bench serve`` reports), and the count they rest on."""
     values = list(range(1, 101))
-    assert percentiles(values) == {"mean": 50.5, "p50": 50, "p90": 90, "p99": 99}
+    assert percentiles(values) == pytest.approx(
+        {"mean": 50.5, "n": 100, "p50": 50.5, "p90": 90.1, "p99": 99.01}
+    )
+    assert percentiles([3.0]) == {
+        "mean": 3.0,
+        "n": 1,
+        "p50": 3.0,
+        "p90": 3.0,
+        "p99": 3.0,
+    }
     assert percentiles([]) == {}
 
 

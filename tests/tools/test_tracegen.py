@@ -116,3 +116,9 @@ def test_bad_shapes_name_the_option(capsys) -> None:
         shape_from_json(ReasoningChatShape, {"reasoning_max": 1.0})
     assert main(["agent", "/dev/null", "--shape", '{"tasks": 0}']) == 2
     assert "tasks must be at least 1" in capsys.readouterr().err
+    # an output that cannot be written is answered before the trace is made
+    assert main(["agent", "/missing/dir/x.jsonl"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "vllm-hybrid make-trace: error: OUT.jsonl /missing/dir/x.jsonl: directory "
+        "/missing/dir does not exist"
+    )

@@ -14,13 +14,19 @@ the backend's ``customize_spec`` (TurboQuant packing) and
 pooled planner produces the pooled plan from the same layer specs at natural
 sizes. No model is instantiated, so no GPU, no weights, seconds.
 
-Modules: :mod:`.request` (inputs), :mod:`.precheck` (what ``config.json``
-settles before vLLM is imported), :mod:`.config` (vLLM config, stand-in
-platform, layer specs), :mod:`.geometry` (the config a plan request gives,
-shared with the simulator; KV bytes per token and per request),
-:mod:`.compute` (the two plans), :mod:`.messages`
-(errors in the planner's option names), :mod:`.render` (table, PNG),
-:mod:`.cli` (options, :func:`main`), :mod:`.presets`.
+Modules: :mod:`.request` (the request, option values, model files),
+:mod:`.models` (MODEL as ``vllm serve`` takes it), :mod:`.options` (the
+options in vLLM's names, read back into a request), :mod:`.serve_flags`
+(a pasted ``vllm serve`` line's flags, the line a plan stands for),
+:mod:`.errors` (one-line errors), :mod:`.outputs` (output paths checked
+first), :mod:`.precheck` (what ``config.json`` settles before vLLM is
+imported), :mod:`.config` (vLLM config, stand-in platform, layer specs),
+:mod:`.geometry` (the config a plan request gives, shared with the
+simulator; KV bytes per token and per request), :mod:`.compute` (the two
+plans), :mod:`.limits` (the longest max_model_len each engine holds,
+upstream's graph refusal), :mod:`.messages` (vLLM's errors in the tools'
+option names), :mod:`.render` (table, PNG), :mod:`.cli` (:func:`main`),
+:mod:`.presets`.
 """
 
 from vllm_hybrid.tools.plan.cli import EXIT_BAD_INPUT, build_parser, main

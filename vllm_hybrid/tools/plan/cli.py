@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -13,39 +12,44 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from vllm_hybrid.tools.plan.compute import build_plan
+from vllm_hybrid.tools.plan.errors import PlanError
+from vllm_hybrid.tools.plan.options import add_model_arguments, request_from_args
+from vllm_hybrid.tools.plan.outputs import check_plot
 from vllm_hybrid.tools.plan.pays import render_pays_table
 from vllm_hybrid.tools.plan.presets import describe_presets
 from vllm_hybrid.tools.plan.render import plot_concurrency, render_table
-from vllm_hybrid.tools.plan.request import (
-    KV_CACHE_DTYPES,
-    VLLM_GPU_MEMORY_UTILIZATION,
-    PlanError,
-    parse_fraction,
-    parse_positive_float,
-    parse_positive_int,
-    parse_prompt_lens,
-    parse_size,
-    request_from_args,
-)
+from vllm_hybrid.tools.plan.request import parse_prompt_lens
 
 EXIT_BAD_INPUT = 2
 
 
 class BadInputParser(argparse.ArgumentParser):
     """argparse with one-line errors, named by ``prog``, and exit code 2
-    (the plan, simulate and make-trace commands)."""
+    (the plan, simulate and make-trace commands). Options are never
+    abbreviated: a flag that is not the tool's goes to ``vllm serve``'s
+    parser (:mod:`.serve_flags`) as it is."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
 
 
 EPILOG = """\
-Memory: --kv-cache-memory is the exact KV budget per GPU (vLLM's
---kv-cache-memory-bytes). Otherwise the budget is estimated as
---gpu-memory x --gpu-memory-utilization - --weights-memory / TP (activations,
-CUDA graphs and the CUDA context are not subtracted); presets carry their
-weights. --gpu-memory also picks vllm serve's CUDA defaults for that GPU.
-SIZE accepts 48MiB, 10GiB, 1.5G (decimal), 1048576 (bytes).
+Options: vllm serve's names (the earlier --kv-cache-memory and
+--prefix-caching still work); the flags of a vllm serve line may be pasted
+after MODEL: those that change nothing planned (--port, --host,
+--trust-remote-code, ...) are accepted and named, others are refused by name.
+The plan prints the vllm serve line it stands for.
+
+Memory: --kv-cache-memory-bytes is the exact KV budget per GPU. Otherwise the
+budget is estimated as --gpu-memory x --gpu-memory-utilization -
+--weights-memory / TP (activations, CUDA graphs and the CUDA context are not
+subtracted); presets carry their weights. --gpu-memory also picks vllm
+serve's CUDA defaults for that GPU. SIZE accepts 48MiB, 10GiB, 30G (GiB, as
+vLLM reads it), 25.6g (decimal), 1048576 (bytes).
 
 Models: hybrid models (attention + Mamba/Mamba2/gated DeltaNet layers) get
 both plans; dense attention models are planned as controls (pooled mode does
@@ -101,113 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options that say what to plan: model, device, GPU and KV budget,
-    engine limits. Shared by every command that takes a model the way
-    ``plan`` does; :func:`request_from_args` reads them back."""
-    parser.add_argument(
-        "model",
-        nargs="?",
-        metavar="MODEL",
-        help="local directory or file with a Hugging Face config.json, or a "
-        "built-in preset (see --list-presets)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=KV_CACHE_DTYPES,
-        metavar="DTYPE",
-        help="KV cache dtype as for vllm serve: auto, fp8, turboquant_k8v4, ... "
-        "(vLLM 0.32's values; default auto)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=parse_positive_int,
-        default=1,
-        metavar="N",
-        help="tensor parallel size; figures are per GPU (default 1)",
-    )
-    memory = parser.add_argument_group("KV cache memory")
-    memory.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        metavar="SIZE",
-        help="exact KV cache budget per GPU (vLLM's --kv-cache-memory-bytes)",
-    )
-    memory.add_argument(
-        "--gpu-memory",
-        type=parse_positive_float,
-        metavar="GiB",
-        help="memory of one GPU in GiB: picks vLLM's CUDA defaults "
-        "(max_num_seqs, batch tokens, CUDA graph sizes) and, without "
-        "--kv-cache-memory, the budget with --gpu-memory-utilization and "
-        "--weights-memory",
-    )
-    memory.add_argument(
-        "--gpu-memory-utilization",
-        type=parse_fraction,
-        default=VLLM_GPU_MEMORY_UTILIZATION,
-        metavar="F",
-        help="fraction of --gpu-memory vLLM may use "
-        f"(default {VLLM_GPU_MEMORY_UTILIZATION}, vLLM's)",
-    )
-    memory.add_argument(
-        "--weights-memory",
-        type=parse_size,
-        default=None,
-        metavar="SIZE",
-        help="weights of the whole model, split evenly over TP ranks "
-        "(default: the preset's; required with --gpu-memory otherwise)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=parse_positive_int,
-        metavar="N",
-        help="maximum sequence length (default: the model's)",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=parse_positive_int,
-        metavar="N",
-        help="maximum concurrent sequences (default: vllm serve's for the "
-        "device and --gpu-memory)",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=parse_positive_int,
-        metavar="N",
-        help="tokens per engine step (default: vllm serve's for the device "
-        "and --gpu-memory)",
-    )
-    parser.add_argument(
-        "--block-size",
-        type=parse_positive_int,
-        metavar="N",
-        help="attention block size as for vllm serve (upstream may still "
-        "inflate it for hybrid models; pooled mode keeps it)",
-    )
-    parser.add_argument(
-        "--mamba-ssm-cache-dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="SSM state dtype as for vllm serve (default auto: the model's "
-        "choice; vLLM's CPU platform forces float32 on AVX512-BF16 hosts)",
-    )
-    parser.add_argument(
-        "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="prefix caching on/off (default: vLLM's, on)",
-    )
-    parser.add_argument(
-        "--device",
-        choices=("cuda", "cpu"),
-        default="cuda",
-        help="device to plan for (default cuda)",
-    )
-
-
 #: The planner prints a plan, not an engine's start-up: vLLM's (and the
 #: transformers' it drives) warnings about kernels, Triton and runners that
 #: never run here are noise. Errors still show. Levels a user sets in these
@@ -221,7 +118,7 @@ _VLLM_STREAM = ("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 @contextlib.contextmanager
-def _quiet_vllm_logs() -> Iterator[None]:
+def quiet_vllm_logs() -> Iterator[None]:
     """vLLM's warnings off, its log lines off stdout, for the duration.
 
     Both libraries read the variables when they configure logging (during
@@ -254,29 +151,19 @@ def _quiet_vllm_logs() -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _check_plot_target(path: Path | None) -> None:
-    """``--plot`` problems, before the seconds of planning."""
-    if path is None:
-        return
-    if importlib.util.find_spec("matplotlib") is None:
-        raise PlanError("--plot needs matplotlib: pip install vllm-hybrid[plot]")
-    if not path.parent.is_dir():
-        raise PlanError(f"--plot {path}: directory {path.parent} does not exist")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     if args.list_presets:
         print(describe_presets())
         return 0
     if args.where_it_pays:
-        with _quiet_vllm_logs():
+        with quiet_vllm_logs():
             print(render_pays_table())
         return 0
     try:
-        request = request_from_args(args)
-        _check_plot_target(args.plot)
-        with _quiet_vllm_logs():
+        with quiet_vllm_logs():
+            request = request_from_args(args, extra)
+            check_plot(args.plot)
             plan = build_plan(request)
         if args.plot is not None:
             plot_concurrency(plan, args.plot)

@@ -27,10 +27,17 @@ from vllm_hybrid.tools.plan.config import (
     resolve_layout,
     upstream_align,
 )
+from vllm_hybrid.tools.plan.errors import PlanError
 from vllm_hybrid.tools.plan.geometry import planned_config
+from vllm_hybrid.tools.plan.limits import (
+    graph_refusal,
+    length_errors,
+    length_shortfall,
+    shared_pool_fit,
+)
 from vllm_hybrid.tools.plan.messages import error_text
 from vllm_hybrid.tools.plan.precheck import check_before_vllm
-from vllm_hybrid.tools.plan.request import PlanError, PlanRequest, model_dir
+from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +69,15 @@ class ModePlan:
     #: Full CUDA graphs against the states (CUDA hybrids with full graphs):
     #: {"graph_rows", "states", "cap", "refused"}; None where not planned.
     cuda_graphs: dict[str, Any] | None = None
+    #: Where one request of max_model_len does not fit: the longest
+    #: max_model_len this mode's engine holds in the budget (its own
+    #: ``--max-model-len -1`` fit; 0 if not one token). None: it fits.
+    fits_max_model_len: int | None = None
+    #: vLLM's own message where upstream would refuse to start (its full
+    #: CUDA graphs need more states than it holds).
+    refusal: str | None = None
+    #: The pooled column repeats upstream's plan (pooled mode does not apply).
+    same_as_upstream: bool = False
 
 
 @dataclass
@@ -77,6 +93,7 @@ class Plan:
     kv_cache_memory: int
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int
     prefix_caching: bool
     mamba_cache_mode: str
     hybrid: bool
@@ -86,6 +103,10 @@ class Plan:
     notes: list[str]
     upstream: ModePlan
     pooled: ModePlan
+    #: The ``vllm serve`` line planned for (when the request came from one).
+    serve_command: str | None = None
+    #: The overlay's single pool, where asked for (:func:`plan_single_pool`).
+    single_pool: ModePlan | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -180,9 +201,15 @@ def plan_upstream(
             )
         except ValueError as exc:
             plan.error = error_text(exc, request)
+            fit = shared_pool_fit(config, specs, request.kv_cache_memory)
+            if fit < config.model_config.max_model_len:
+                plan.fits_max_model_len = fit
             return plan
         scheduler = kvu.generate_scheduler_kv_cache_config(worker)
         tokens, concurrency = kvu.get_kv_cache_capacity(config, scheduler)
+        plan.cuda_graphs = _graph_figures(config, worker[0], upstream=True)
+        if plan.cuda_graphs and plan.cuda_graphs["refused"]:
+            plan.refusal = graph_refusal(config, worker[0])
     _fill_state_padding(plan, specs)
     plan.groups = _group_rows(scheduler)
     plan.num_blocks = scheduler.num_blocks
@@ -195,7 +222,6 @@ def plan_upstream(
         }
     ]
     plan.token_capacity = tokens
-    plan.cuda_graphs = _graph_figures(config, worker[0], upstream=True)
     plan.max_tokens_one_request = kv_cache_token_capacity(config, scheduler)
     plan.max_concurrency = concurrency
     for length in prompt_lens:
@@ -207,6 +233,39 @@ def plan_upstream(
             ),
             "bytes_per_request": blocks * block_bytes,
         }
+    return plan
+
+
+def plan_single_pool(request: PlanRequest, vllm_config: VllmConfig) -> ModePlan:
+    """The overlay's single shared pool (``hybrid_kv.pooled`` false), as far
+    as its engine's start-up planning goes: whether one request of
+    max_model_len fits, and the longest that does. The simulator checks it
+    before starting a ``single-pool`` engine; plans do not show it."""
+    import vllm.v1.core.kv_cache_utils as kvu
+
+    from vllm_hybrid.platforms.hybrid_block_size import align_hybrid_block_size
+
+    plan = ModePlan("single_pool")
+    config = copy.deepcopy(vllm_config)
+    additional = dict(config.additional_config or {})
+    additional["hybrid_kv"] = {**(additional.get("hybrid_kv") or {}), "pooled": False}
+    config.additional_config = additional
+    backend = attention_backend(request, pooled=True)
+    platform = platform_class(request.device, backend, align_hybrid_block_size)
+    platform.update_block_size_for_backend(config)
+    specs = layer_specs(config, backend)
+    resolve_layout(config, backend, specs)
+    budget = request.kv_cache_memory
+    with current_platform_as(platform()):
+        try:
+            worker = kvu.get_kv_cache_configs(config, [specs], [budget])
+        except ValueError as exc:
+            plan.error = error_text(exc, request)
+            fit = shared_pool_fit(config, specs, budget)
+            if fit < config.model_config.max_model_len:
+                plan.fits_max_model_len = fit
+            return plan
+    plan.num_blocks = worker[0].num_blocks
     return plan
 
 
@@ -254,6 +313,8 @@ def plan_pooled(
             configs = plan_pooled_configs(config, [specs], [request.kv_cache_memory])
     except PooledPlanError as exc:
         plan.error = error_text(exc, request)
+        if exc.shortfall is not None:
+            plan.fits_max_model_len = exc.shortfall.fitting_max_model_len
         return plan
     if configs is None:
         layout = config.cache_config.kv_cache_layout
@@ -328,15 +389,21 @@ def _graph_figures(
 
 
 def _as_upstream(upstream_plan: ModePlan, reason: str) -> ModePlan:
-    same = dataclasses.replace(upstream_plan, mode="pooled")
+    same = dataclasses.replace(upstream_plan, mode="pooled", same_as_upstream=True)
     same.note = f"pooled mode does not apply ({reason}): upstream plan"
     return same
 
 
-def build_plan(request: PlanRequest) -> Plan:
-    """Compute both plans; raises :class:`PlanError` for bad input.
+def build_plan(
+    request: PlanRequest, single_pool: bool = False, strict: bool = True
+) -> Plan:
+    """Compute both plans; raises :class:`PlanError` for bad input, and, if
+    ``strict``, where neither mode can run.
 
-    What ``config.json`` settles is checked before vLLM is imported.
+    What ``config.json`` settles is checked before vLLM is imported. With
+    ``single_pool`` the overlay's single pool is planned too
+    (:func:`plan_single_pool`). The simulator plans with ``strict`` off and
+    judges the modes of the engines it starts itself.
     """
     if request.device not in ("cuda", "cpu"):
         raise PlanError(f"--device must be cuda or cpu, got {request.device!r}")
@@ -350,9 +417,17 @@ def build_plan(request: PlanRequest) -> Plan:
         lens = sorted({*request.prompt_lens, max_len})
         upstream_plan = plan_upstream(request, config, lens)
         pooled_plan = plan_pooled(request, config, lens, upstream_plan)
-    if upstream_plan.error and pooled_plan.error:
-        raise PlanError(pooled_plan.error)
-    return Plan(
+        single = plan_single_pool(request, config) if single_pool else None
+    modes = {"upstream": upstream_plan, "pooled": pooled_plan}
+    shortfall = length_shortfall(request, max_len, modes)
+    if strict and upstream_plan.error and pooled_plan.error:
+        raise PlanError(shortfall or pooled_plan.error)
+    if shortfall is not None:
+        notes.append(shortfall)
+    if request.ignored_serve_flags:
+        flags = ", ".join(request.ignored_serve_flags)
+        notes.append(f"vllm serve flags that change nothing planned: {flags}")
+    plan = Plan(
         model=request.model,
         architecture=str(architecture),
         preset=preset,
@@ -362,6 +437,7 @@ def build_plan(request: PlanRequest) -> Plan:
         kv_cache_memory=request.kv_cache_memory,
         max_model_len=max_len,
         max_num_seqs=config.scheduler_config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         prefix_caching=bool(config.cache_config.enable_prefix_caching),
         mamba_cache_mode=str(config.cache_config.mamba_cache_mode),
         hybrid=kinds.state > 0,
@@ -371,4 +447,8 @@ def build_plan(request: PlanRequest) -> Plan:
         notes=notes,
         upstream=upstream_plan,
         pooled=pooled_plan,
+        serve_command=request.serve_command,
+        single_pool=single,
     )
+    length_errors(plan)
+    return plan

@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm_hybrid.tools.plan.errors import PlanError
 from vllm_hybrid.tools.plan.messages import error_text
-from vllm_hybrid.tools.plan.request import (
-    PlanError,
-    PlanRequest,
-    checkpoint_architecture,
-)
+from vllm_hybrid.tools.plan.request import PlanRequest, checkpoint_architecture
 
 if TYPE_CHECKING:
     import torch
@@ -114,6 +111,9 @@ def engine_config(
         "max_num_batched_tokens": request.max_num_batched_tokens,
         "block_size": request.block_size,
         "enable_prefix_caching": request.prefix_caching,
+        "mamba_cache_mode": request.mamba_cache_mode,
+        "mamba_block_size": request.mamba_block_size,
+        "additional_config": request.additional_config,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     try:
@@ -147,7 +147,7 @@ def as_cuda_config(
     cache = config.cache_config
     cache.block_size = request.block_size or CacheConfig.DEFAULT_BLOCK_SIZE
     cache.mamba_ssm_cache_dtype = request.mamba_ssm_cache_dtype
-    cache.mamba_block_size = None
+    cache.mamba_block_size = request.mamba_block_size
     cache.mamba_page_size_padded = None
     level = OPTIMIZATION_LEVEL_TO_CONFIG[config.optimization_level]
     compilation = config.compilation_config

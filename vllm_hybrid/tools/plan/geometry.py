@@ -130,8 +130,27 @@ class EngineGeometry:
         if self.vllm_config.device_config.device_type == "cpu":
             yield
             return
+        import_with_host_platform()
         with current_platform_as(self.platform()):
             yield
+
+
+#: vLLM modules that answer a device question when first imported by
+#: calling a compiled op of the current platform's build (``w8a8_utils``
+#: asks whether CUTLASS supports block FP8, through ``vllm.v1.worker.utils``,
+#: which an executor imports). This host's vLLM build has no CUDA ops, so
+#: they must be first imported while this host's platform is current, as the
+#: overlay's own start-up does in every engine it is active in.
+HOST_IMPORTED_MODULES = ("vllm.v1.worker.utils",)
+
+
+def import_with_host_platform() -> None:
+    """Import :data:`HOST_IMPORTED_MODULES` before a planned CUDA platform
+    becomes current, so an engine starts alike with the overlay on or off."""
+    import importlib
+
+    for name in HOST_IMPORTED_MODULES:
+        importlib.import_module(name)
 
 
 #: Layer type names of the two kinds in configs' layer lists.
@@ -198,8 +217,11 @@ def apply_options(vllm_config: VllmConfig, options: EngineOptions) -> None:
     for name, value in options.scheduler.items():
         setattr(scheduler, name, value)
     if options.hybrid_kv:
+        # over the request's own --additional-config, as vLLM merges nothing:
+        # the engine's options win key by key
         additional = dict(vllm_config.additional_config or {})
-        additional["hybrid_kv"] = dict(options.hybrid_kv)
+        given = dict(additional.get("hybrid_kv") or {})
+        additional["hybrid_kv"] = {**given, **options.hybrid_kv}
         vllm_config.additional_config = additional
 
 

@@ -1,8 +1,8 @@
 """Errors from vLLM and the engine core, in the planner's own terms.
 
-The engine's messages advise vLLM's options (``--kv-cache-memory-bytes``,
-``gpu_memory_utilization``); a planner user sets the budget with
-``--kv-cache-memory`` or ``--gpu-memory``. The facts of a message stay its
+The engine's messages advise vLLM's options by their config names
+(``gpu_memory_utilization``); a planner user sets the budget with
+``--kv-cache-memory-bytes`` or ``--gpu-memory``. The facts of a message stay its
 author's (one source of the text); only the advice is phrased here: the
 pooled core's error carries its numbers and takes the option names, and in
 vLLM's own messages the sentences that advise vLLM's options are replaced.
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 
-from vllm_hybrid.tools.plan.request import MAX_ERROR_CHARS, PlanRequest, unwrapped
+from vllm_hybrid.tools.plan.errors import shortened, unwrapped
+from vllm_hybrid.tools.plan.request import PlanRequest
 
 #: Names in vLLM's messages that mean "the KV budget".
 _VLLM_BUDGET_NAMES = (
@@ -43,10 +44,30 @@ def in_planner_terms(text: str, request: PlanRequest) -> str:
     return " ".join(sentences)
 
 
+#: vLLM's config field names in its messages, and the flags that set them.
+_FIELD_FLAGS = (
+    "max_num_seqs",
+    "max_model_len",
+    "max_num_batched_tokens",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+)
+
+
+def with_flag_names(text: str) -> str:
+    """One of vLLM's messages with its config field names written as the
+    flags that set them (``max_num_seqs`` -> ``--max-num-seqs``), the rest
+    as vLLM wrote it."""
+    for name in _FIELD_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        text = re.sub(rf"`?(?<![-\w]){name}`?", flag, text)
+    return text
+
+
 def error_text(exc: BaseException, request: PlanRequest) -> str:
     """The one-line message of an error met while planning ``request``."""
     shortfall = getattr(exc, "shortfall", None)
     if shortfall is not None:
         return shortfall.message(request.budget_options)
     text = in_planner_terms(unwrapped(exc), request)
-    return text[:MAX_ERROR_CHARS] or type(exc).__name__
+    return shortened(text) or type(exc).__name__

@@ -113,7 +113,10 @@ def render_table(plan: Plan) -> str:
     )
     rows = [("", "upstream vLLM 0.32", "vllm-hybrid pooled"), *_rows(plan)]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [head, ""]
+    lines = [head]
+    if plan.serve_command:
+        lines.append(f"planned for: {plan.serve_command}")
+    lines.append("")
     for i, row in enumerate(rows):
         lines.append(
             "  ".join(

@@ -20,23 +20,33 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hybrid.ops.tq_dtypes import TQ_CACHE_DTYPES
+from vllm_hybrid.tools.plan.errors import PlanError
 from vllm_hybrid.tools.plan.presets import PRESETS
 
+#: Size suffixes of two letters or more, in any case.
 _SIZE_UNITS = {
     "": 1,
     "b": 1,
-    "k": 10**3,
     "kb": 10**3,
     "kib": 2**10,
-    "m": 10**6,
     "mb": 10**6,
     "mib": 2**20,
-    "g": 10**9,
     "gb": 10**9,
     "gib": 2**30,
-    "t": 10**12,
     "tb": 10**12,
     "tib": 2**40,
+}
+#: One-letter suffixes as vLLM reads them (``human_readable_int``, e.g. its
+#: ``--kv-cache-memory-bytes``): lower case decimal, upper case binary.
+_LETTER_UNITS = {
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
 }
 
 
@@ -65,27 +75,15 @@ KV_CACHE_DTYPES = (
 #: checks it against the installed vLLM, which is not imported here).
 VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
-#: How errors name the planner's options that set the KV budget.
-KV_BUDGET_OPTIONS = "--kv-cache-memory"
+#: How errors name the options that set the KV budget (vLLM's names).
+KV_BUDGET_OPTIONS = "--kv-cache-memory-bytes"
 GPU_BUDGET_OPTIONS = "--gpu-memory or --gpu-memory-utilization"
 
-
-class PlanError(ValueError):
-    """Bad input or a plan that cannot exist; one line, exit code 2."""
-
-
-#: Longest error line printed (vLLM's messages can run to paragraphs).
-MAX_ERROR_CHARS = 400
-
-
-def unwrapped(exc: BaseException) -> str:
-    """The message of ``exc`` on one line, without pydantic's wrapping."""
-    text = str(exc).strip()
-    # pydantic wraps the interesting line: "Value error, <message> [type=...".
-    match = re.search(r"Value error, (.*?)(?: \[type=|$)", text, re.S)
-    if match:
-        text = match.group(1)
-    return " ".join(text.split())
+#: vLLM 0.32's ``--mamba-cache-mode`` values (``MambaCacheMode``; a test
+#: checks them against the installed vLLM).
+MAMBA_CACHE_MODES = ("align", "none")
+#: vLLM 0.32's ``--mamba-ssm-cache-dtype`` values (``MambaDType``).
+MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 # ---------------------------------------------------------------------------
@@ -94,14 +92,16 @@ def unwrapped(exc: BaseException) -> str:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``48MiB``, ``10GiB``, ``1.5G`` (decimal), ``123`` (bytes)."""
+    """Bytes from ``48MiB``, ``10GiB``, ``30G`` (GiB, as vLLM reads it),
+    ``25.6g`` (decimal), ``123`` (bytes)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
+    suffix = match.group(2) if match else ""
+    unit = _LETTER_UNITS.get(suffix) or _SIZE_UNITS.get(suffix.lower())
+    if match is None or unit is None:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size (examples: 48MiB, 10GiB, 1.5G, 1048576)"
+            f"{text!r} is not a size (examples: 48MiB, 10GiB, 30G, 1048576)"
         )
-    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    value = int(float(match.group(1)) * unit)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
     return value
@@ -198,6 +198,21 @@ class PlanRequest:
     #: The GPU's memory (GiB), which picks vLLM's CUDA defaults; None: a GPU
     #: vLLM cannot read the size of (its small defaults).
     gpu_memory_gib: float | None = None
+    #: vLLM's ``--mamba-cache-mode`` and ``--mamba-block-size`` (None: the
+    #: model's and vLLM's choice).
+    mamba_cache_mode: str | None = None
+    mamba_block_size: int | None = None
+    #: vLLM's ``--additional-config`` (the overlay reads ``hybrid_kv``).
+    additional_config: dict[str, Any] | None = None
+    #: The ``vllm serve`` command line this request stands for, when it came
+    #: from a command line (:mod:`.serve_flags`), and the pasted flags of it
+    #: that change nothing planned.
+    serve_command: str | None = None
+    ignored_serve_flags: tuple[str, ...] = ()
+    #: Weights of the whole model (the preset's or ``--weights-memory``) and
+    #: the utilization the budget was computed with, where known.
+    weights_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
 
 
 def kv_budget_from_gpu(
@@ -206,8 +221,8 @@ def kv_budget_from_gpu(
     """Per-GPU KV bytes: ``gpu x utilization - weights / TP``.
 
     An estimate: activation peaks, CUDA graphs and the CUDA context, which
-    vLLM measures at start-up, are not subtracted; ``--kv-cache-memory``
-    (vLLM's ``--kv-cache-memory-bytes``) is exact.
+    vLLM measures at start-up, are not subtracted;
+    ``--kv-cache-memory-bytes`` is exact.
     """
     budget = int(gpu_memory_gib * 2**30 * utilization) - weights_bytes // tp
     if budget <= 0:
@@ -217,45 +232,6 @@ def kv_budget_from_gpu(
             f"{weights_bytes / 2**30:.2f} GiB / TP {tp}"
         )
     return budget
-
-
-def request_from_args(args: argparse.Namespace) -> PlanRequest:
-    """The request of parsed ``vllm-hybrid plan`` arguments."""
-    if args.model is None:
-        raise PlanError("MODEL is required (a directory, config.json or preset)")
-    if args.kv_cache_memory is not None:
-        budget, options = args.kv_cache_memory, KV_BUDGET_OPTIONS
-    elif args.gpu_memory is not None:
-        weights = args.weights_memory
-        if weights is None and args.model in PRESETS:
-            weights = PRESETS[args.model].weights_bytes
-        if weights is None:
-            raise PlanError("--gpu-memory needs --weights-memory SIZE")
-        budget = kv_budget_from_gpu(
-            args.gpu_memory,
-            args.gpu_memory_utilization,
-            weights,
-            args.tensor_parallel_size,
-        )
-        options = GPU_BUDGET_OPTIONS
-    else:
-        raise PlanError("give --kv-cache-memory SIZE or --gpu-memory GiB")
-    return PlanRequest(
-        model=args.model,
-        kv_cache_memory=budget,
-        device=args.device,
-        kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        prefix_caching=args.prefix_caching,
-        prompt_lens=tuple(args.prompt_lens),
-        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-        budget_options=options,
-        gpu_memory_gib=args.gpu_memory,
-    )
 
 
 # ---------------------------------------------------------------------------

@@ -46,9 +46,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vllm_hybrid.tools.simulate.steps import StepRecord
+if TYPE_CHECKING:
+    from vllm_hybrid.tools.simulate.steps import StepRecord
 
 
 @dataclass(frozen=True)

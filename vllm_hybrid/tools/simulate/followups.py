@@ -25,7 +25,6 @@ naming the file, the line and the fix.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from dataclasses import dataclass
@@ -33,13 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_hybrid.tools.plan.request import load_json_object
+from vllm_hybrid.tools.simulate.trace import TRACE_KEYS, TraceError, open_text
 
 #: The format names :func:`trace_format` tells apart.
 MOONCAKE, FOLLOWUPS = "mooncake", "followups"
-
-
-class TraceError(ValueError):
-    """A trace line that cannot be read; the message names file and line."""
 
 
 @dataclass(frozen=True)
@@ -85,13 +81,9 @@ class FollowupRecord:
         return ids
 
 
-def _open(path: Path):
-    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
-
-
 def trace_format(path: Path) -> str:
     """:data:`MOONCAKE` or :data:`FOLLOWUPS`, from the first non-empty line."""
-    with _open(path) as lines:
+    with open_text(path) as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -104,10 +96,10 @@ def trace_format(path: Path) -> str:
             if isinstance(data, dict) and "hash_ids" in data:
                 return MOONCAKE
             raise TraceError(
-                f"--trace {path} line {number}: neither a Mooncake line "
-                "(timestamp, input_length, output_length, hash_ids) nor a request "
-                "with follow-ups (id, segments, output_length, timestamp or "
-                "after); give a JSONL trace of one of the two forms"
+                f"--trace {path} line {number}: neither a timed-trace line "
+                f"({', '.join(TRACE_KEYS)}) nor a request with follow-ups (id, "
+                "segments, output_length, timestamp or after); give a JSONL "
+                "trace of one of the two forms"
             )
     raise TraceError(f"--trace {path}: no requests; give a JSONL trace")
 
@@ -163,6 +155,11 @@ def _parse(path: Path, number: int, text: str) -> FollowupRecord:
         data = load_json_object(text)
     except ValueError as exc:
         raise check.fail(str(exc)) from None
+    if "hash_ids" in data and "segments" not in data:
+        raise check.fail(
+            "a timed-trace line (hash_ids) in a trace with follow-ups (its "
+            "first line has segments); one file holds one form"
+        )
     known = {"id", "segments", "output_length", "timestamp", "after", "delay_ms"}
     extra = sorted(set(data) - known)
     if extra:
@@ -235,7 +232,7 @@ def read_followup_trace(
     """The records of ``path`` in line order (the first ``max_requests``);
     :class:`TraceError` on the first bad line."""
     records: list[FollowupRecord] = []
-    with _open(path) as lines:
+    with open_text(path) as lines:
         for number, text in enumerate(lines, 1):
             if text.strip():
                 records.append(_parse(path, number, text))

@@ -8,41 +8,126 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-#: The reference every ratio is taken to (falls back to upstream).
+from vllm_hybrid.tools.simulate.metrics import SMALL_SAMPLE
+
+#: The reference the summary rows' ratios are taken to (falls back to
+#: upstream).
 REFERENCE = ("upstream-best", "upstream")
 
-#: (label, section, key, format, ratio?) of every table row.
-ROWS: tuple[tuple[str, str, str, str, bool], ...] = (
-    ("peak running (counted)", "counted", "peak_running", "{:,}", True),
-    ("mean running per step (counted)", "counted", "mean_running", "{:,.1f}", True),
-    ("preemptions (counted)", "counted", "preemptions", "{:,}", False),
-    ("prefix hit rate, tokens (counted)", "counted", "hit_rate", "{:.3f}", True),
-    ("prefill tokens computed (counted)", "counted", "prefill_tokens", "{:,}", True),
-    ("floor: tokens no cache could serve", "counted", "floor_tokens", "{:,}", False),
-    ("prefill tokens above the floor", "counted", "above_floor", "{:,}", True),
-    ("state copies (counted)", "counted", "copies_moved", "{:,}", True),
-    ("edges crossed in place (counted)", "counted", "state_self_copies", "{:,}", False),
-    (
+
+class Row(NamedTuple):
+    """One row of the table: a figure of every engine's best run."""
+
+    label: str
+    #: where the figure lives in :func:`flat_figures`
+    section: str
+    key: str
+    fmt: str
+    #: whether the cell shows its ratio to the reference engine
+    ratio: bool
+    #: LOWER or HIGHER where one way is better; None for a plain count
+    better: str | None = None
+
+
+LOWER, HIGHER = "lower", "higher"
+#: The mark of each direction in the table's first column.
+MARKS = {LOWER: "↓", HIGHER: "↑"}
+
+#: Every table row, in order.
+ROWS: tuple[Row, ...] = (
+    Row("peak running (counted)", "counted", "peak_running", "{:,}", True),
+    Row("mean running per step (counted)", "counted", "mean_running", "{:,.1f}", True),
+    Row("preemptions (counted)", "counted", "preemptions", "{:,}", False, LOWER),
+    Row(
+        "prefix hit rate, tokens (counted)",
+        "counted",
+        "hit_rate",
+        "{:.3f}",
+        True,
+        HIGHER,
+    ),
+    Row(
+        "prefill tokens computed (counted)",
+        "counted",
+        "prefill_tokens",
+        "{:,}",
+        True,
+        LOWER,
+    ),
+    Row("floor: tokens no cache could serve", "counted", "floor_tokens", "{:,}", False),
+    Row(
+        "prefill tokens above the floor",
+        "counted",
+        "above_floor",
+        "{:,}",
+        True,
+        LOWER,
+    ),
+    Row("state copies (counted)", "counted", "copies_moved", "{:,}", True, LOWER),
+    Row(
+        "edges crossed in place (counted)",
+        "counted",
+        "state_self_copies",
+        "{:,}",
+        False,
+    ),
+    Row(
         "chunks read out of place (counted)",
         "counted",
         "state_reads_elsewhere",
         "{:,}",
         False,
     ),
-    ("copy-on-write block copies (counted)", "counted", "cow_copies", "{:,}", False),
-    ("token blocks moved (counted)", "counted", "token_moves", "{:,}", False),
-    ("bytes copied, GB (counted)", "counted", "copy_gb", "{:,.1f}", True),
-    ("checkpoints cached (counted)", "counted", "checkpoints_cached", "{:,.0f}", True),
-    ("TTFT p50, s (modeled)", "modeled", "ttft_p50", "{:.2f}", True),
-    ("TTFT p99, s (modeled)", "modeled", "ttft_p99", "{:.2f}", True),
-    ("TPOT p50, ms (modeled)", "modeled", "tpot_p50_ms", "{:.1f}", True),
-    ("TPOT p99, ms (modeled)", "modeled", "tpot_p99_ms", "{:.1f}", True),
-    ("output tokens/s (modeled)", "modeled", "output_tok_per_s", "{:,.0f}", True),
-    ("scheduler CPU per step, ms, this host", "host", "cpu_mean_ms", "{:.2f}", True),
-    ("scheduler CPU per step p99, ms, this host", "host", "cpu_p99_ms", "{:.2f}", True),
+    Row("copy-on-write block copies (counted)", "counted", "cow_copies", "{:,}", False),
+    Row("token blocks moved (counted)", "counted", "token_moves", "{:,}", False),
+    Row("bytes copied, GB (counted)", "counted", "copy_gb", "{:,.1f}", True, LOWER),
+    Row(
+        "checkpoints cached (counted)",
+        "counted",
+        "checkpoints_cached",
+        "{:,.0f}",
+        True,
+    ),
+    Row("TTFT p50, s (modeled)", "modeled", "ttft_p50", "{:.2f}", True, LOWER),
+    Row("TTFT p99, s (modeled)", "modeled", "ttft_p99", "{:.2f}", True, LOWER),
+    Row("TPOT p50, ms (modeled)", "modeled", "tpot_p50_ms", "{:.1f}", True, LOWER),
+    Row("TPOT p99, ms (modeled)", "modeled", "tpot_p99_ms", "{:.1f}", True, LOWER),
+    Row(
+        "output tokens/s (modeled)",
+        "modeled",
+        "output_tok_per_s",
+        "{:,.0f}",
+        True,
+        HIGHER,
+    ),
+    Row(
+        "scheduler CPU per step, ms, this host",
+        "host",
+        "cpu_mean_ms",
+        "{:.2f}",
+        True,
+        LOWER,
+    ),
+    Row(
+        "scheduler CPU per step p99, ms, this host",
+        "host",
+        "cpu_p99_ms",
+        "{:.2f}",
+        True,
+        LOWER,
+    ),
 )
+
+#: Percentile cells and the requests each rests on (``n`` of the run's
+#: summary): below :data:`~.metrics.SMALL_SAMPLE` they are marked.
+SAMPLED = {
+    "ttft_p50": "ttft_n",
+    "ttft_p99": "ttft_n",
+    "tpot_p50_ms": "tpot_n",
+    "tpot_p99_ms": "tpot_n",
+}
 
 #: Rows shown only when some run has the figure (traces with follow-ups;
 #: token moves and the scheduler's CPU, which older runs did not record).
@@ -70,6 +155,7 @@ def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     modeled["ttft_p50"], modeled["ttft_p99"] = ttft.get("p50"), ttft.get("p99")
     modeled["tpot_p50_ms"] = tpot["p50"] * 1e3 if "p50" in tpot else None
     modeled["tpot_p99_ms"] = tpot["p99"] * 1e3 if "p99" in tpot else None
+    modeled["ttft_n"], modeled["tpot_n"] = ttft.get("n"), tpot.get("n")
     per_step = (summary.get("host") or {}).get("scheduler_cpu_ms_per_step") or {}
     host = {"cpu_mean_ms": per_step.get("mean"), "cpu_p99_ms": per_step.get("p99")}
     return {"counted": counted, "modeled": modeled, "host": host}
@@ -78,6 +164,23 @@ def flat_figures(summary: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def best_runs(engines: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
     """Engine name -> the summary of its best run."""
     return {name: e["runs"][e["best"]] for name, e in engines.items()}
+
+
+def best_key(summary: Mapping[str, Any]) -> tuple:
+    """Sort key of a sweep's runs: fewest prefill tokens, then most hits;
+    failed runs last."""
+    counted = summary.get("counted")
+    if not counted or counted.get("outcome") != "finished":
+        return (1, 0, 0)
+    return (0, counted["prefill_tokens"], -counted["hit_tokens"])
+
+
+def better_upstream(engines: Mapping[str, Any]) -> str | None:
+    """Of the upstream engines that ran, the one that computed the fewest
+    prefill tokens (then the most hits: :func:`best_key`)."""
+    runs = best_runs(engines)
+    upstream = [n for n in runs if n.startswith("upstream") and "error" not in runs[n]]
+    return min(upstream, key=lambda n: best_key(runs[n]), default=None)
 
 
 def _cell(value: Any, fmt: str, reference: Any, ratio: bool) -> str:
@@ -98,36 +201,65 @@ def engine_ratio_defined(reference: Any) -> bool:
     return isinstance(reference, (int, float)) and reference != 0
 
 
+def _label(row: Row) -> str:
+    """A row's label with its better direction's mark."""
+    return f"{row.label} {MARKS[row.better]}" if row.better else row.label
+
+
+def _small_sample(figures: Mapping[str, Any], row: Row) -> int | None:
+    """The request count a percentile cell rests on, when it is small."""
+    count_key = SAMPLED.get(row.key)
+    count = figures[row.section].get(count_key) if count_key else None
+    return count if count is not None and count < SMALL_SAMPLE else None
+
+
 def render_table(engines: Mapping[str, Any]) -> str:
     """A Markdown table: one column per engine (its best run), ratios to
-    the reference engine in parentheses."""
+    the reference engine in parentheses, the better direction of each row
+    marked, percentiles over fewer than 100 requests starred. The
+    reference is the better upstream engine (:func:`better_upstream`)."""
     runs = best_runs(engines)
     names = list(runs)
     figures = {n: flat_figures(runs[n]) for n in names}
-    reference = next((r for r in REFERENCE if r in runs), None)
+    reference = better_upstream(engines)
     header = [
         "",
         *(engine_label(engines, n) for n in names),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, section, key, fmt, ratio in ROWS:
-        if key in OPTIONAL_KEYS and all(
-            figures[n][section].get(key) is None for n in names
+    small: dict[str, int] = {}
+    for row in ROWS:
+        if row.key in OPTIONAL_KEYS and all(
+            figures[n][row.section].get(row.key) is None for n in names
         ):
             continue
-        ref = figures[reference][section].get(key) if reference else None
+        ref = figures[reference][row.section].get(row.key) if reference else None
         cells = []
         for n in names:
             if "error" in runs[n]:
                 cells.append("failed")
                 continue
-            value = figures[n][section].get(key)
-            cells.append(_cell(value, fmt, ref, ratio and n != reference))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            value = figures[n][row.section].get(row.key)
+            compare = row.ratio and n != reference
+            cell = _cell(value, row.fmt, ref, compare)
+            count = _small_sample(figures[n], row)
+            if count is not None and value is not None:
+                cell += " *"
+                small[n] = count
+            cells.append(cell)
+        lines.append(f"| {_label(row)} | " + " | ".join(cells) + " |")
     errors = [f"{n}: {runs[n]['error']}" for n in names if "error" in runs[n]]
-    if reference:
-        lines.append("")
-        lines.append(f"Ratios to {reference}.")
+    lines.append("")
+    lines.append(
+        "↓ lower is better, ↑ higher is better"
+        + (f"; ratios to {reference}." if reference else ".")
+    )
+    if small:
+        counts = ", ".join(f"{n} {c:,}" for n, c in small.items())
+        lines.append(
+            f"* a percentile of fewer than {SMALL_SAMPLE} requests ({counts}): "
+            "a p99 of them is close to their largest value."
+        )
     return "\n".join(lines + [f"error: {e}" for e in errors])
 
 
@@ -243,13 +375,16 @@ def render_sweeps(engines: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_timeline(engines: Mapping[str, Any], path: Path) -> None:
+def timeline_figure(engines: Mapping[str, Any], title: str = "") -> Any:
     """Running requests (counted) and prefix hit rate so far (counted) over
-    modeled time, one line per engine's best run."""
+    modeled time, one line per engine's best run; ``title`` says what ran
+    (:func:`.header.plot_title`). Running requests are a count: whole-number
+    ticks. The caller saves and closes the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for name, summary in best_runs(engines).items():
@@ -259,10 +394,21 @@ def plot_timeline(engines: Mapping[str, Any], path: Path) -> None:
         times = [p[0] for p in points]
         top.plot(times, [p[1] for p in points], label=name, linewidth=0.8)
         bottom.plot(times, [p[3] for p in points], label=name, linewidth=0.8)
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_ylabel("running requests (counted)")
+    if title:
+        fig.suptitle(title, fontsize="medium")
     bottom.set_ylabel("prefix hit rate so far (counted)")
     bottom.set_xlabel("time, s (modeled)")
     top.legend(fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot_timeline(engines: Mapping[str, Any], path: Path, title: str = "") -> None:
+    """:func:`timeline_figure` as a PNG."""
+    fig = timeline_figure(engines, title)
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -35,7 +35,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from vllm_hybrid.tools.simulate.session import SimulationSpec, Variant
+from vllm_hybrid.tools.simulate.report import best_key
+from vllm_hybrid.tools.simulate.spec import SimulationSpec, Variant
 
 ENGINES: tuple[str, ...] = (
     "upstream",
@@ -113,15 +114,6 @@ def engine_variants(
         else:
             raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     return out
-
-
-def best_key(summary: Mapping[str, Any]) -> tuple:
-    """Sort key of a sweep's runs: fewest prefill tokens, then most hits;
-    failed runs last."""
-    counted = summary.get("counted")
-    if not counted or counted.get("outcome") != "finished":
-        return (1, 0, 0)
-    return (0, counted["prefill_tokens"], -counted["hit_tokens"])
 
 
 def worker_env(overlay: bool, log_level: str | None = "ERROR") -> dict[str, str]:

@@ -1,9 +1,9 @@
 """One engine variant on one workload, in this process: the figures.
 
-:class:`SimulationSpec` is everything the variants of one comparison share
-(model, device, budget, workload, clock); :class:`Variant` is what one
-engine sets on top (the overlay on or off, cache options, ``hybrid_kv``
-options). :func:`run_variant` opens the engine, drives the workload and
+:class:`~.spec.SimulationSpec` is everything the variants of one comparison
+share (model, device, budget, workload, clock); :class:`~.spec.Variant` is
+what one engine sets on top (the overlay on or off, cache options,
+``hybrid_kv`` options). :func:`run_variant` opens the engine, drives the workload and
 returns a JSON-ready summary: counted figures, modeled times, the engine's
 geometry and a timeline. Which mode runs is this process's choice
 (``VLLM_HYBRID_KV``); :mod:`.runner` starts one process per variant.
@@ -12,15 +12,12 @@ geometry and a timeline. Which mode runs is this process's choice
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vllm_hybrid.tools.plan.geometry import EngineOptions, kv_geometry
-from vllm_hybrid.tools.plan.request import PlanRequest, model_dir
+from vllm_hybrid.tools.plan.geometry import kv_geometry
+from vllm_hybrid.tools.plan.request import model_dir
 from vllm_hybrid.tools.simulate.clock import (
     GPU_PROFILES,
     CostModel,
@@ -36,20 +33,23 @@ from vllm_hybrid.tools.simulate.followups import (
     trace_format,
 )
 from vllm_hybrid.tools.simulate.host import SchedulerCpu
+from vllm_hybrid.tools.simulate.metrics import (
+    bench_serve_metrics,
+    latencies,
+    per_request,
+    percentiles,
+)
 from vllm_hybrid.tools.simulate.probes import count_state_checkpoints
 from vllm_hybrid.tools.simulate.sources import (
-    ChatServerShape,
-    ChatServerWorkload,
+    CLOSED_LOOP,
     FollowupWorkload,
-    ManyShortShape,
-    ManyShortWorkload,
-    MultiTurnShape,
-    MultiTurnWorkload,
     TraceWorkload,
     Workload,
 )
+from vllm_hybrid.tools.simulate.spec import SimulationSpec, Variant, WorkloadSpec
 from vllm_hybrid.tools.simulate.steps import StepRecord
-from vllm_hybrid.tools.simulate.trace import MOONCAKE_TRACE, read_trace
+from vllm_hybrid.tools.simulate.trace import read_trace
+from vllm_hybrid.tools.tracegen.common import shape_from_json
 from vllm_hybrid.tools.workloads import allowed_token_ids
 
 if TYPE_CHECKING:
@@ -61,62 +61,6 @@ if TYPE_CHECKING:
 SPECIAL_IDS = range(3)
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """Which workload, with its sizes (the shape of the chosen kind)."""
-
-    kind: str = "mooncake"
-    #: mooncake: window start and end (seconds), request cap, trace file
-    start_s: float = 0.0
-    end_s: float | None = None
-    requests: int | None = None
-    trace: str = str(MOONCAKE_TRACE)
-    #: the project's workloads: field values of their shape dataclass
-    shape: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SimulationSpec:
-    """What every variant of one comparison shares."""
-
-    request: PlanRequest
-    workload: WorkloadSpec
-    gpu_profile: str | None = None
-    weights_bytes: int | None = None
-    async_scheduling: bool = False
-    #: timeline resolution in modeled seconds (0: every step)
-    sample_every_s: float = 0.0
-    progress: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SimulationSpec:
-        request = dict(data["request"])
-        request["prompt_lens"] = tuple(request.get("prompt_lens", ()))
-        return cls(
-            **{
-                **data,
-                "request": PlanRequest(**request),
-                "workload": WorkloadSpec(**data["workload"]),
-            }
-        )
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One engine: overlay on or off and the options it sets."""
-
-    name: str
-    overlay: bool
-    cache: dict[str, Any] = field(default_factory=dict)
-    hybrid_kv: dict[str, Any] = field(default_factory=dict)
-
-    def options(self) -> EngineOptions:
-        return EngineOptions(cache=self.cache, hybrid_kv=self.hybrid_kv)
-
-
 def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
     """The workload of ``spec`` over a vocabulary of ``vocab_size``."""
     if spec.kind == "mooncake" and trace_format(Path(spec.trace)) == FOLLOWUPS:
@@ -124,30 +68,16 @@ def make_workload(spec: WorkloadSpec, vocab_size: int) -> Workload:
         followups = read_followup_trace(Path(spec.trace), spec.requests)
         return FollowupWorkload(followups, vocab_size)
     if spec.kind == "mooncake":
-        records = read_trace(Path(spec.trace), spec.start_s, spec.end_s, spec.requests)
-        return TraceWorkload(records, vocab_size)
+        fmt = spec.trace_format()
+        records = read_trace(
+            Path(spec.trace), spec.start_s, spec.end_s, spec.requests, fmt
+        )
+        return TraceWorkload(records, vocab_size, fmt.block_tokens)
     vocab = allowed_token_ids(vocab_size, SPECIAL_IDS)
-    kinds = {
-        "chat_server": (ChatServerShape, ChatServerWorkload),
-        "multi_turn": (MultiTurnShape, MultiTurnWorkload),
-        "many_short": (ManyShortShape, ManyShortWorkload),
-    }
-    if spec.kind not in kinds:
+    if spec.kind not in CLOSED_LOOP:
         raise ValueError(f"unknown workload {spec.kind!r}")
-    shape_class, workload_class = kinds[spec.kind]
-    return workload_class(shape_class(**spec.shape), vocab)
-
-
-def percentiles(values: Sequence[float], points=(50, 90, 99)) -> dict[str, float]:
-    """Nearest-rank percentiles and the mean (empty: no keys)."""
-    if not values:
-        return {}
-    ordered = sorted(values)
-    out = {"mean": sum(ordered) / len(ordered)}
-    for p in points:
-        rank = max(1, math.ceil(p / 100 * len(ordered)))
-        out[f"p{p}"] = ordered[rank - 1]
-    return out
+    shape_class, workload_class = CLOSED_LOOP[spec.kind]
+    return workload_class(shape_from_json(shape_class, spec.shape), vocab)
 
 
 def cost_model(engine: SimEngine, spec: SimulationSpec) -> CostModel:
@@ -266,23 +196,21 @@ def summarize(
         "engine_steps": result.engine_steps,
     }
     makespan = result.makespan_s
-    ttft = [t.first_token - t.arrival for t in done if t.first_token is not None]
-    tpot = [
-        (t.finished - t.first_token) / (t.output_tokens - 1)
-        for t in done
-        if t.first_token is not None and t.output_tokens > 1
-    ]
-    e2e = [t.finished - t.arrival for t in done]
+    seconds = latencies(timings)
     modeled = {
         "makespan_s": makespan,
-        "ttft_s": percentiles(ttft),
-        "tpot_s": percentiles(tpot),
-        "e2e_s": percentiles(e2e),
+        "ttft_s": percentiles(seconds["ttft"]),
+        "tpot_s": percentiles(seconds["tpot"]),
+        "e2e_s": percentiles(seconds["e2el"]),
         "output_tok_per_s": output / makespan if makespan else None,
         "prefill_tok_per_s": steps.prefill_tokens / makespan if makespan else None,
         "mean_running": result.running_time / makespan if makespan else None,
     }
-    return {"counted": counted, "modeled": modeled}
+    return {
+        "counted": counted,
+        "modeled": modeled,
+        "bench_serve": bench_serve_metrics(result.timings, makespan),
+    }
 
 
 def run_variant(
@@ -341,6 +269,9 @@ def run_variant(
             checkpoints.checkpoints,
         )
         summary["geometry"] = geometry_summary(engine.scheduler, engine.vllm_config)
+        if spec.per_request:
+            prefill = engine.executor.observer.prefill_by_request
+            summary["requests"] = per_request(result.timings, prefill)
         summary["host"] = scheduler_cpu.summary()
     summary["variant"] = dataclasses.asdict(variant)
     summary["gpu"] = clock.gpu.name

@@ -20,7 +20,12 @@ from vllm_hybrid.tools.simulate.followups import (
     ReplySegment,
     prompt_of,
 )
-from vllm_hybrid.tools.simulate.trace import TraceRecord, prompt_tokens
+from vllm_hybrid.tools.simulate.trace import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceRecord,
+    prompt_tokens,
+)
+from vllm_hybrid.tools.tracegen.common import require
 
 
 @dataclass
@@ -60,9 +65,16 @@ class TraceWorkload(Workload):
 
     name = "mooncake"
 
-    def __init__(self, records: list[TraceRecord], vocab_size: int) -> None:
+    def __init__(
+        self,
+        records: list[TraceRecord],
+        vocab_size: int,
+        block: int = MOONCAKE_BLOCK_TOKENS,
+    ) -> None:
         self.records = records
         self.vocab_size = vocab_size
+        #: tokens per hash id
+        self.block = block
         self.position = 0
         self.total = len(records)
 
@@ -77,7 +89,7 @@ class TraceWorkload(Workload):
             out.append(
                 SimRequest(
                     f"trace-{record.index}",
-                    prompt_tokens(record, self.vocab_size),
+                    prompt_tokens(record, self.vocab_size, self.block),
                     max(1, record.output_length),
                     record.arrival_s,
                 )
@@ -173,6 +185,12 @@ class ChatServerShape:
     concurrency: int = 8
     seed: int = 0
 
+    def check(self) -> None:
+        for name in ("conversations", "turns", "output", "concurrency"):
+            require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        require(self.user_min >= 1, "user_min must be at least 1")
+        require(self.user_min <= self.user_max, "user_min must be <= user_max")
+
 
 class ChatServerWorkload(Workload):
     """Interleaved conversations: turns in a seeded order over all
@@ -233,6 +251,10 @@ class MultiTurnShape:
     output: int = 32
     seed: int = 0
 
+    def check(self) -> None:
+        for name in ("conversations", "turns", "user_len", "output"):
+            require(getattr(self, name) >= 1, f"{name} must be at least 1")
+
 
 class MultiTurnWorkload(Workload):
     """Conversations sharing a system prompt, turn by turn: every
@@ -280,6 +302,11 @@ class ManyShortShape:
     output: int = 32
     seed: int = 0
 
+    def check(self) -> None:
+        for name in ("requests", "min_len", "output"):
+            require(getattr(self, name) >= 1, f"{name} must be at least 1")
+        require(self.min_len <= self.max_len, "min_len must be <= max_len")
+
 
 class ManyShortWorkload(Workload):
     """Independent short prompts, all at time 0."""
@@ -302,3 +329,11 @@ class ManyShortWorkload(Workload):
             SimRequest(f"short{i}", prompt, self.output, now)
             for i, prompt in enumerate(self.prompts)
         ]
+
+
+#: The project's workloads by name: their shape (``--shape``) and class.
+CLOSED_LOOP: dict[str, tuple[type, type[Workload]]] = {
+    "chat_server": (ChatServerShape, ChatServerWorkload),
+    "multi_turn": (MultiTurnShape, MultiTurnWorkload),
+    "many_short": (ManyShortShape, ManyShortWorkload),
+}

@@ -121,6 +121,8 @@ class StepObserver:
         #: running-state column of each request, as ``mamba_state_idx``
         self.state_index: dict[str, int] = {}
         self.total = StepRecord()
+        #: prefill tokens computed per request, recomputation included
+        self.prefill_by_request: dict[str, int] = {}
 
     def observe(self, output: Any) -> StepRecord:
         """Count one ``SchedulerOutput``; the totals are kept in ``total``."""
@@ -196,6 +198,10 @@ class StepObserver:
         decode = max(0, end - first_new)
         record.decode_tokens += decode
         record.prefill_tokens += n - decode
+        if n > decode:
+            self.prefill_by_request[req_id] = (
+                self.prefill_by_request.get(req_id, 0) + n - decode
+            )
         record.decode_context += decode * end
         # positions computed+0 .. end-1, less the decode ones
         prefill_end = end - decode
