@@ -83,10 +83,12 @@ def allocate_slots(
     total = min(computed, self.max_model_len)
     # upstream keeps its watermark free for running requests when it admits
     # a waiting or preempted one, and ``reserved_blocks`` for others' loads
-    new_request = has_scheduled_reqs and request.status in _NEW
-    reserve = reserved_blocks + (self.watermark_blocks if new_request else 0)
+    # a waiting or preempted request that computed nothing holds no blocks
+    new = request.status in _NEW and not request.num_computed_tokens
+    reserve = reserved_blocks + (
+        self.watermark_blocks if new and has_scheduled_reqs else 0
+    )
     prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-    holds_blocks = coordinator.admitter.holds_blocks(request.request_id)
     if full_sequence_must_fit:
         full = min(request.num_tokens, self.max_model_len)
         fits = coordinator.admit(
@@ -102,7 +104,8 @@ def allocate_slots(
             reserve=reserve,
         )
         if fits is None:
-            _note_new(coordinator, holds_blocks, admitted=False)
+            if new:
+                coordinator.arena.note_new_request(admitted=False)
             return None
     main_model = total + num_new_tokens
     need_slot = min(main_model + num_lookahead_tokens, self.max_model_len)
@@ -122,9 +125,15 @@ def allocate_slots(
         prefill_end=prefill_end,
         reserve=reserve,
     )
-    _note_new(coordinator, holds_blocks, admitted=admission is not None)
+    if new:
+        coordinator.arena.note_new_request(admitted=admission is not None)
     if admission is None:
         return None
+    if new:
+        # the requests admitted after this one in the step keep room for
+        # its growth too (the scheduler sets the watermark at the step's
+        # start from the requests running then)
+        self.watermark_blocks += coordinator.admitter.growth_of(request, main_model)
     if hits is not self.empty_kv_cache_blocks.blocks or num_external_computed_tokens:
         coordinator.allocate_new_computed_blocks(
             request_id=request.request_id,
@@ -161,11 +170,3 @@ def _hits(
         size = manager.coordinator.single_type_managers[group_id].block_size
         groups[group_id] = groups[group_id][: -(-reused_tokens // size)]
     return tuple(groups)
-
-
-def _note_new(
-    coordinator: PooledCoordinatorMixin, holds_blocks: bool, admitted: bool
-) -> None:
-    """Tell the arena whether a request that held no blocks was admitted."""
-    if not holds_blocks:
-        coordinator.arena.note_new_request(admitted)

@@ -45,6 +45,7 @@ def _admitter(blocks: list[KVCacheBlock], retiring: int | None) -> SimpleNamespa
     return SimpleNamespace(
         managers=(SimpleNamespace(), state),
         kinds=(PoolKind.TOKEN, PoolKind.STATE),
+        _state_groups=(1,),
     )
 
 

@@ -13,30 +13,44 @@ question and changes nothing either.
 The ways, in order:
 
 1. A request that holds no blocks yet (waiting or preempted) is admitted
-   only with the growth reserve free beyond its own blocks (``reserve``,
-   upstream's watermark), the boundary moving for both if needed.
+   only with the growth reserve free beyond its own blocks (``reserve``:
+   upstream's watermark, which the pooled scheduler sets to the running
+   requests' growth and each admission of the step raises by its own,
+   :func:`~.policy.steps.growth_blocks`), the boundary moving for both if
+   needed.
 2. A running request at a state block edge nobody keeps
    (``keeps_edge`` says which are kept) advances its state in the block it
    owns: no copy, one state block fewer. Next to the boundary while the
-   arena refuses new requests, it takes a fresh block farther away instead,
-   so that the boundary can move (one copy).
-3. Otherwise the boundary's ways (:meth:`~.boundary.ArenaBoundary.plan`):
-   sparing protected entries, then advancing in place at a kept edge (the
-   checkpoint is lost), then reaching every free block.
+   arena refuses new requests, it takes a fresh block farther away instead
+   where the state pool has one as it stands, so that the boundary can move
+   (one copy).
+3. At an edge a policy keeps, the request takes a fresh block (the block it
+   leaves holds the checkpoint) only where the state pool has one as it
+   stands: a block held for one step is not worth a boundary move; else it
+   advances in place and the checkpoint is lost.
+4. Otherwise the boundary's ways (:meth:`~.boundary.ArenaBoundary.plan`):
+   sparing protected entries, then advancing in place (the checkpoint is
+   lost), then reaching every free block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import Enum
+from types import MappingProxyType
+from typing import NamedTuple
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from vllm.v1.request import Request
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.boundary import BoundaryPlan
-from vllm_hybrid.v1.core.pooled.policy import RELOCATE_NEAR_BOUNDARY
+from vllm_hybrid.v1.core.pooled.policy import (
+    RELOCATE_NEAR_BOUNDARY,
+    Reach,
+    growth_blocks,
+)
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 
@@ -52,16 +66,16 @@ class Way(Enum):
     RELOCATED = "relocations"
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(NamedTuple):
     """What the arena does for one allocation: the new blocks of each pool,
     where the boundary goes, and the running state block of each state group
-    (by group index) that advances in place instead of taking a fresh one."""
+    (by group index) that advances in place instead of taking a fresh one.
+    A tuple: one is made per allocation."""
 
     token_blocks: int
     state_blocks: int
     boundary: BoundaryPlan
-    in_place: Mapping[int, KVCacheBlock] = field(default_factory=dict)
+    in_place: Mapping[int, KVCacheBlock] = MappingProxyType({})
     way: Way | None = None
 
     @property
@@ -87,16 +101,25 @@ class Admitter:
         managers: Sequence[SingleTypeKVCacheManager],
         kinds: Sequence[PoolKind],
         keeps_edge: KeepsEdge | None,
+        growth: tuple[int, int, int] | None = None,
     ) -> None:
         self.arena = arena
+        #: (horizon, token block, token groups) of the growth reserve; None:
+        #: none (:func:`~.policy.steps.growth_reserve_geometry`)
+        self.growth = growth
         self.managers = tuple(managers)
         self.kinds = tuple(kinds)
         #: None: no checkpoint policy (prefix caching off), no edge is kept
         self.keeps_edge = keeps_edge
-        states = [
-            m for m, k in zip(managers, kinds, strict=True) if k is PoolKind.STATE
-        ]
-        self._state_block = states[0].block_size if states else None
+        #: group indices of each pool
+        self._token_groups = tuple(
+            i for i, k in enumerate(kinds) if k is PoolKind.TOKEN
+        )
+        self._state_groups = tuple(
+            i for i, k in enumerate(kinds) if k is PoolKind.STATE
+        )
+        state = self._state_groups
+        self._state_block = managers[state[0]].block_size if state else None
 
     def admit(
         self,
@@ -110,25 +133,28 @@ class Admitter:
         request; None when it cannot. ``hits`` are the prefix hits the
         allocation will take (free ones must stay cached); ``reserve`` token
         blocks must stay free beyond the request's own when it holds none."""
-        need_token = need_state = 0
-        for kind, n in zip(self.kinds, needs, strict=True):
-            if kind is PoolKind.TOKEN:
-                need_token += n
-            else:
-                need_state += n
+        need_token = sum(needs[i] for i in self._token_groups)
+        need_state = sum(needs[i] for i in self._state_groups)
         boundary = self.arena.boundary
         if reserve:
             plan = boundary.plan(need_token + reserve, need_state, hits)
             return None if plan is None else Admission(need_token, need_state, plan)
         in_place = self._in_place_blocks(request_id, needs)
         unkept = bool(in_place) and self._unkept_edge(request_id, total_computed_tokens)
-        relocated = unkept and self._pins_boundary(in_place)
+        relocated = (
+            unkept and self._pins_boundary(in_place) and self._fits_as_is(0, need_state)
+        )
+        advanced = need_state - len(in_place)
         if unkept and not relocated:
-            advanced = need_state - len(in_place)
             plan = boundary.plan(need_token, advanced, hits)
             if plan is None:
                 return None
             return Admission(need_token, advanced, plan, in_place, Way.EDGE_IN_PLACE)
+        if in_place and not unkept and not self._fits_as_is(need_token, need_state):
+            plan = boundary.plan(need_token, advanced, hits)
+            if plan is not None:
+                way = Way.STATE_IN_PLACE
+                return Admission(need_token, advanced, plan, in_place, way)
         plan = boundary.plan(need_token, need_state, hits, in_place=len(in_place))
         if plan is None:
             return None
@@ -138,9 +164,21 @@ class Admitter:
         way = Way.RELOCATED if relocated else None
         return Admission(need_token, need_state, plan, way=way)
 
-    def holds_blocks(self, request_id: str) -> bool:
-        """Whether the request holds blocks (a running one)."""
-        return any(m.req_to_blocks.get(request_id) for m in self.managers)
+    def growth_of(self, request: Request, num_tokens: int) -> int:
+        """Token blocks ``request`` still grows into once it holds
+        ``num_tokens`` tokens' blocks (0 without a growth reserve)."""
+        if self.growth is None:
+            return 0
+        return growth_blocks(request, num_tokens, self.growth)
+
+    def _fits_as_is(self, need_token: int, need_state: int) -> bool:
+        """Whether both pools serve the needs where the boundary stands,
+        sparing protected entries."""
+        reach = Reach.SPARE_PROTECTED
+        return (
+            self.arena.token_pool.get_num_free_within(reach) >= need_token
+            and self.arena.state_pool.get_num_free_within(reach) >= need_state
+        )
 
     def _pins_boundary(self, in_place: Mapping[int, KVCacheBlock]) -> bool:
         """Whether a running state block the request would advance in place
@@ -181,15 +219,16 @@ class Admitter:
         request. Advanced in place, that block leaves the prefix cache and
         its content moves on; only a checkpoint is lost.
         """
+        state = self._state_groups
+        if not state or any(needs[i] != 1 for i in state):
+            return {}
         found: dict[int, KVCacheBlock] = {}
-        for i, manager in enumerate(self.managers):
-            if self.kinds[i] is not PoolKind.STATE:
-                continue
+        for i in state:
+            manager = self.managers[i]
             if (
                 getattr(manager, "mamba_cache_mode", None) != "align"
                 or manager.num_speculative_blocks
                 or request_id not in manager._allocated_block_reqs
-                or needs[i] != 1
             ):
                 return {}
             blocks = manager.req_to_blocks.get(request_id) or []

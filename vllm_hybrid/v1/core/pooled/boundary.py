@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -115,11 +115,10 @@ def max_token_blocks(layout: ArenaLayout) -> int:
     return layout.token_capacity_at(layout.max_state_floor)
 
 
-@dataclass(frozen=True)
-class BoundaryPlan:
+class BoundaryPlan(NamedTuple):
     """How the arena serves one allocation, decided without changing
     anything (:meth:`ArenaBoundary.plan`) and carried out later, once
-    (:meth:`ArenaBoundary.carry_out`)."""
+    (:meth:`ArenaBoundary.carry_out`). A tuple: one is made per allocation."""
 
     #: the state floor after the allocation (the current one: no move)
     target: int
@@ -203,6 +202,13 @@ class ArenaBoundary:
         instead (0: it may not). A need beyond the state pool's id space is
         upstream's way of deferring a prefix hit: refused.
         """
+        if (
+            need_token <= self.token_pool.free_block_queue.num_clean_first()
+            and need_state <= self.state_pool.free_block_queue.num_clean_first()
+        ):
+            # clean blocks serve both needs: no pool is short and none would
+            # evict an entry, so there is nothing to move (the common case)
+            return BoundaryPlan(self._state_floor)
         if need_state > self.layout.num_state_ids:
             return None
         for attempt in ADMISSION:
@@ -211,7 +217,7 @@ class ArenaBoundary:
             state = need_state - in_place if attempt.in_place else need_state
             found = self._plan(need_token, state, keep, attempt.reach)
             if found is not None:
-                return replace(found, in_place=attempt.in_place)
+                return found._replace(in_place=attempt.in_place)
         return None
 
     # -- moves ------------------------------------------------------------

@@ -137,6 +137,14 @@ class ArenaFreeBlockQueue:
         """Ids of the protected segment, in hand-out order."""
         return self._ids_of(Segment.PROTECTED)
 
+    def num_clean_first(self) -> int:
+        """Clean free blocks handed out before any cached one: an allocation
+        of at most this many evicts nothing. O(1)."""
+        clean = self._clean
+        if self.clearing:
+            return len(clean[Segment.CLEAN])
+        return len(clean[Segment.CLEAN]) + len(clean[Segment.CLEAN_AT_BOUNDARY])
+
     def num_free_before_lru(self, need: int) -> int:
         """Free blocks handed out before any cached block filed in LRU
         order (clean ones, but those next to the boundary while

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
 )
@@ -137,6 +139,19 @@ class TurnEndRetentionMixin:
         self._kept_at: dict[str, dict[int, int]] = {}
         self.turn_end_counts = TurnEndCounts()
 
+    @cached_property
+    def _caching(
+        self,
+    ) -> tuple[tuple[int, SingleTypeKVCacheManager, bool, bool], ...]:
+        """(group id, manager, whether caching it does anything when it
+        filled no block, whether it is an align-mode state group) of each
+        caching group (the managers are fixed once built)."""
+        return tuple(
+            (group_id, manager, _works_unfilled(manager), _align_mode(manager))
+            for group_id, manager in enumerate(self.single_type_managers)
+            if manager.enable_caching
+        )
+
     def allocate_new_computed_blocks(
         self,
         request_id: str,
@@ -178,25 +193,30 @@ class TurnEndRetentionMixin:
                     _drop_in_place_key(manager, request.request_id)
             return
         managers = self.single_type_managers
-        cacheable = [
-            self.get_num_cacheable_tokens(num_computed_tokens, group_id)
-            for group_id in range(len(managers))
-        ]
-        if not _fills_a_block(managers, request.request_id, cacheable):
+        rid = request.request_id
+        if self.eagle_group_ids:
+            cacheable = [
+                self.get_num_cacheable_tokens(num_computed_tokens, group_id)
+                for group_id in range(len(managers))
+            ]
+        else:  # every group caches the same prefix
+            cacheable = [self.get_num_cacheable_tokens(num_computed_tokens, 0)] * len(
+                managers
+            )
+        if not _fills_a_block(managers, rid, cacheable):
             # Most steps: no group filled a block since the last call, so
             # upstream caches nothing new and no position the policy keeps
             # was reached; only upstream's per-step work remains.
-            for manager, num_tokens in zip(managers, cacheable, strict=True):
-                if not manager.enable_caching:
-                    continue
-                manager.cache_blocks(
-                    request,
-                    num_tokens,
-                    retention_interval=self.retention_interval,
-                    replay_boundaries=(),
-                )
-                if _align_mode(manager):
-                    _drop_in_place_key(manager, request.request_id)
+            for group_id, manager, works, align in self._caching:
+                if works:
+                    manager.cache_blocks(
+                        request,
+                        cacheable[group_id],
+                        retention_interval=self.retention_interval,
+                        replay_boundaries=(),
+                    )
+                if align:
+                    _drop_in_place_key(manager, rid)
             return
         replay = replay_positions(
             request, self.scheduler_block_size, bool(self.eagle_group_ids)
@@ -403,6 +423,15 @@ class TurnEndRetentionMixin:
         self.turn_end_counts.by_request.pop(request_id, None)
         self.turn_end_counts.prefill_by_request.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
+
+
+def _works_unfilled(manager: SingleTypeKVCacheManager) -> bool:
+    """Whether upstream's ``cache_blocks`` of ``manager`` does anything for
+    a request that filled no new block: a full-attention group whose block is
+    the hash block returns at once; others (align mode's checkpoint tail,
+    partial blocks) may still cache."""
+    plain = type(manager) is FullAttentionManager
+    return not (plain and manager.block_size == manager.block_pool.hash_block_size)
 
 
 def _fills_a_block(

@@ -54,6 +54,7 @@ from vllm_hybrid.v1.core.pooled.policy import (
     paced_step_budget,
     paces,
     pacing_page,
+    prefill_end,
     state_checkpoint_block,
 )
 from vllm_hybrid.v1.core.pooled.usage import usage_publisher
@@ -158,6 +159,14 @@ class PooledSchedulerMixin:
             + num_new_local_computed_tokens
             + num_external_computed_tokens
         )
+        if start >= prefill_end(request):
+            # decoding: no prefill chunk to cut (most calls)
+            return super()._mamba_block_aligned_split(
+                request,
+                num_new_tokens,
+                num_new_local_computed_tokens,
+                num_external_computed_tokens,
+            )
         step = self._step
         chunk = budget_chunk(
             request,

@@ -289,18 +289,28 @@ def growth_reserve_geometry(
     return horizon, block.block_size, len(token.group_ids)
 
 
+def growth_blocks(
+    request: Request, num_tokens: int, geometry: tuple[int, int, int]
+) -> int:
+    """Token-pool blocks a request holding ``num_tokens`` tokens' blocks
+    still grows into: its next ``horizon`` tokens, or what its token budget
+    (prompt and ``max_tokens``) has left if less, counted as the blocks that
+    growth adds to those it holds (``geometry``: see
+    :func:`growth_reserve_geometry`)."""
+    horizon, block, groups = geometry
+    end = request.num_prompt_tokens + request.max_tokens - 1
+    grow = min(end - num_tokens, horizon)
+    if grow <= 0:
+        return 0
+    return (cdiv(num_tokens + grow, block) - cdiv(num_tokens, block)) * groups
+
+
 def growth_reserve_blocks(
     running: list[Request], geometry: tuple[int, int, int]
 ) -> int:
     """Token-pool blocks the ``running`` requests may grow into before a
-    waiting request is admitted: each one's next ``horizon`` tokens, or what
-    its token budget has left if less (``geometry``: see
-    :func:`growth_reserve_geometry`)."""
-    horizon, block, groups = geometry
-    blocks = 0
-    for request in running:
-        end = request.num_prompt_tokens + request.max_tokens - 1
-        grow = min(end - request.num_computed_tokens, horizon)
-        if grow > 0:
-            blocks += cdiv(grow, block)
-    return blocks * groups
+    waiting request is admitted (:func:`growth_blocks` of each)."""
+    return sum(
+        growth_blocks(request, request.num_computed_tokens, geometry)
+        for request in running
+    )
