@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 from import_graph import PACKAGE, cycles, import_graph, module_name
 
+#: The length past which a module is looked at again in review: one
+#: responsibility may need more, said in :data:`LONG_MODULES`; the length
+#: alone never decides a split.
 MAX_LINES = 500
+#: Modules past :data:`MAX_LINES`, each with the one thing it does.
+LONG_MODULES: dict[str, str] = {}
 
 #: Bottom to top; a pooled module may import only modules listed before it.
 POOLED_LAYERS = (
@@ -30,6 +35,7 @@ POOLED_LAYERS = (
     "policy.steps",
     "policy",
     "free_queue",
+    "events",
     "block_pool",
     "coupling",
     "moves",
@@ -285,5 +291,14 @@ def test_layer_check_reads_relative_and_local_imports(tmp_path):
     ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_no_module_is_over_500_lines(path):
+    """A review threshold: a module past it is listed with its one
+    responsibility, and a listed one that shrank below it leaves the list."""
+    name = str(path.relative_to(PACKAGE))
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines"
+    if name in LONG_MODULES:
+        assert lines > MAX_LINES, f"{name} has {lines} lines: unlist it"
+    else:
+        assert lines <= MAX_LINES, (
+            f"{name} has {lines} lines: split it by meaning, or list it in "
+            "LONG_MODULES with the one thing it does"
+        )

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 from engine_utils import stand_in_engine
 
-from vllm_hybrid.v1.core.pooled.policy import decode_room
+from vllm_hybrid.v1.core.pooled.policy.steps import decode_room
 from vllm_hybrid.v1.core.sched import scheduler as pooled_scheduler
 
 BUDGET = 2048

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from engine_utils import stand_in_engine
 
-from vllm_hybrid.v1.core.pooled.policy import PACING_MAX_WAITING
+from vllm_hybrid.v1.core.pooled.policy.steps import PACING_MAX_WAITING
 
 BUDGET = 4096
 PAGE = 1152

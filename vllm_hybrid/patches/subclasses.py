@@ -28,8 +28,6 @@ SUBCLASSES: list[SubclassEntry] = [
             "free_blocks",
             "reset_prefix_cache",
             "take_events",
-            "cache_full_blocks",
-            "cache_partial_block",
             "move_block_hashes",
             "_insert_block_hash",
             "_remove_cached_block_hashes",

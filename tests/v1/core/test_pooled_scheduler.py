@@ -19,7 +19,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
 from vllm_hybrid.v1.core.kv_cache_utils import select_scheduler
-from vllm_hybrid.v1.core.pooled.policy import state_checkpoint_block
+from vllm_hybrid.v1.core.pooled.policy.steps import state_checkpoint_block
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
 from vllm_hybrid.v1.core.sched.scheduler import PooledScheduler
 
@@ -137,7 +137,7 @@ def test_paced_step_budget_is_the_largest_multiple_of_the_page():
     """Upstream's chunk of one long prompt: 2 x 2,768 of 8,192 with
     turboquant_k8v4's block, 7 x 1,056 with bf16's; a budget of one page
     (1,056 of 2,048) or less (2,768 over 2,048) is not paced."""
-    from vllm_hybrid.v1.core.pooled.policy import paced_step_budget
+    from vllm_hybrid.v1.core.pooled.policy.steps import paced_step_budget
 
     assert paced_step_budget(8192, 2768) == 5536
     assert paced_step_budget(8192, 1056) == 7392
@@ -149,7 +149,7 @@ def test_paced_step_budget_is_the_largest_multiple_of_the_page():
 
 @pytest.mark.parametrize(("waiting", "paced"), [(0, True), (4, True), (5, False)])
 def test_steps_are_paced_while_few_requests_wait(waiting, paced):
-    from vllm_hybrid.v1.core.pooled.policy import PACING_MAX_WAITING
+    from vllm_hybrid.v1.core.pooled.policy.steps import PACING_MAX_WAITING
     from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
     assert PACING_MAX_WAITING == 4
@@ -162,7 +162,7 @@ def test_steps_are_paced_while_few_requests_wait(waiting, paced):
 def test_a_paced_chunk_ends_on_a_page_multiple_unless_it_finishes_the_prompt():
     """Upstream's align split with a 1,056-token block: the chunk a budget
     allows is cut back to the last block edge it reaches, or to nothing."""
-    from vllm_hybrid.v1.core.pooled.policy import paced_chunk
+    from vllm_hybrid.v1.core.pooled.policy.steps import paced_chunk
 
     def chunk(prompt: int, start: int, tokens: int, output: int = 0) -> int:
         request = SimpleNamespace(num_prompt_tokens=prompt, num_tokens=prompt + output)
@@ -184,7 +184,7 @@ def test_a_deep_chunk_ends_on_the_next_page_unless_it_finishes_the_prompt():
     """Past ``deep`` tokens an unfinished chunk ends on the next multiple of
     the page (at most one page), as upstream's align split ends it on its
     block; shallower chunks and last chunks keep the budget's length."""
-    from vllm_hybrid.v1.core.pooled.policy import deep_chunk
+    from vllm_hybrid.v1.core.pooled.policy.steps import deep_chunk
 
     def chunk(prompt: int, start: int, tokens: int, output: int = 0) -> int:
         request = SimpleNamespace(num_prompt_tokens=prompt, num_tokens=prompt + output)
@@ -205,7 +205,7 @@ def test_a_deep_chunk_ends_on_the_next_page_unless_it_finishes_the_prompt():
 def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
     from vllm.v1.request import RequestStatus
 
-    from vllm_hybrid.v1.core.pooled.policy import StepPlan
+    from vllm_hybrid.v1.core.pooled.policy.steps import StepPlan
     from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
     scheduler = SimpleNamespace(
@@ -234,7 +234,7 @@ def test_a_step_that_cut_a_deep_chunk_admits_only_prompts_it_finishes():
 
 
 def test_where_deep_chunks_are_cut():
-    from vllm_hybrid.v1.core.pooled.policy import (
+    from vllm_hybrid.v1.core.pooled.policy.steps import (
         DEEP_CHUNK_TOKENS,
         cuts_deep_chunks,
         deep_chunk_start,

@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
-from vllm_hybrid.v1.core.pooled.policy import CheckpointPolicy
+from vllm_hybrid.v1.core.pooled.policy.positions import CheckpointPolicy
 from vllm_hybrid.v1.core.pooled.retention import (
     RETAIN_ATTRIBUTE,
     TurnEndRetentionMixin,

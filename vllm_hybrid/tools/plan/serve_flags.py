@@ -114,14 +114,10 @@ def _parse(parser: Any, flags: Sequence[str]) -> tuple[Any, list[str]]:
         raise PlanError(f"vllm serve flags: {why}") from None
 
 
-def _flag_names(parser: Any) -> dict[str, str]:
-    """argparse destination -> the flag's long name."""
-    names: dict[str, str] = {}
-    for action in parser._actions:
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if longs:
-            names.setdefault(action.dest, longs[0])
-    return names
+def _flag_name(dest: str) -> str:
+    """The long flag of an argparse destination, as vLLM's engine
+    arguments spell their flags (``kv_cache_dtype``: ``--kv-cache-dtype``)."""
+    return "--" + dest.replace("_", "-")
 
 
 def check_serve_flags(flags: Sequence[str], tool: str) -> list[str]:
@@ -137,7 +133,6 @@ def check_serve_flags(flags: Sequence[str], tool: str) -> list[str]:
             f"{unknown[0]}: not an option of vllm serve (vLLM 0.32) or of {tool}"
         )
     defaults, _ = _parse(parser, [])
-    names = _flag_names(parser)
     changed = [d for d, v in vars(given).items() if getattr(defaults, d, v) != v]
     for dest in changed:
         if dest == "model_tag":
@@ -147,11 +142,11 @@ def check_serve_flags(flags: Sequence[str], tool: str) -> list[str]:
             )
         if dest not in IGNORED_SERVE_OPTIONS:
             raise PlanError(
-                f"{names.get(dest, dest)}: a vllm serve option that {tool} does "
+                f"{_flag_name(dest)}: a vllm serve option that {tool} does "
                 "not model (it can change the KV cache or the scheduler); "
                 f"leave it out (vllm-hybrid {tool} --help lists what it models)"
             )
-    return [names.get(d, d) for d in changed]
+    return [_flag_name(d) for d in changed]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from vllm_hybrid.v1.core.pooled.engine import (
     plan_pooled_configs,
     update_pooled_capacity,
 )
-from vllm_hybrid.v1.core.pooled.policy import state_checkpoint_block
+from vllm_hybrid.v1.core.pooled.policy.steps import state_checkpoint_block
 from vllm_hybrid.v1.core.pooled.retention import mark_turn_end_retention
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler

@@ -35,9 +35,10 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool, InPlaceView
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.coordinator import InPlaceView
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.eviction import (
     PROTECT_AFTER_HITS,
     Place,
     Reach,

@@ -14,7 +14,7 @@ import pytest
 from test_arena import cache, make_arena
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.policy import SPLIT_TOKEN_RESERVE
+from vllm_hybrid.v1.core.pooled.policy.eviction import SPLIT_TOKEN_RESERVE
 
 
 def _cache_free(pool, n: int, prefix: bytes) -> list:

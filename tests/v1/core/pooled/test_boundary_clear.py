@@ -16,7 +16,7 @@ from test_arena import cache, make_arena
 from test_eviction import Driver, use_pooled_manager
 
 from vllm_hybrid.v1.core.pooled import arena as arena_module
-from vllm_hybrid.v1.core.pooled.policy import BOUNDARY_CLEAR_STATE_BLOCKS
+from vllm_hybrid.v1.core.pooled.policy.eviction import BOUNDARY_CLEAR_STATE_BLOCKS
 
 
 def _ids(blocks) -> list[int]:

@@ -23,11 +23,8 @@ from test_arena_split import _cache_free, _cached
 from test_eviction import BLOCK, Driver, use_pooled_manager
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.policy import (
-    Entry,
-    state_block_attention_tokens,
-    worth_more_than_attention,
-)
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry, worth_more_than_attention
+from vllm_hybrid.v1.core.pooled.policy.positions import state_block_attention_tokens
 
 
 def _arena(weighed: bool = True) -> KVArena:

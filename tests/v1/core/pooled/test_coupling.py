@@ -29,7 +29,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
-from vllm_hybrid.v1.core.pooled.policy import CheckpointPolicy
+from vllm_hybrid.v1.core.pooled.policy.positions import CheckpointPolicy
 from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -268,7 +268,7 @@ def test_a_pool_records_its_events_and_the_coupling_acts_when_it_settles():
     assert cached(tok, [tkey(h) for h in hashes]) == [True] * 4
     with pytest.raises(AssertionError, match="unhandled prefix-cache events"):
         arena.check_invariants()
-    coupling.settle()
+    coupling.settle(req.request)  # what the handle does after caching
     assert coupling.pending == []
     assert len(coupling.links.needs[skey(hashes[1])]) == 2
     assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]

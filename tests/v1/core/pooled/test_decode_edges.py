@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.positions import (
     DECODE_EDGES,
     DecodeEdges,
     budget_end_edge,

@@ -33,12 +33,12 @@ from vllm.v1.request import Request
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy import eviction
+from vllm_hybrid.v1.core.pooled.policy.eviction import (
     PROTECT_AFTER_HITS,
     Entry,
     Place,
     Reach,
-    eviction,
 )
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 

@@ -18,10 +18,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.layers import split_layers
 from vllm_hybrid.v1.core.pooled.planner import PooledBudget, plan_pooled_kv_cache
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
+from vllm_hybrid.v1.core.pooled.policy.positions import (
     CheckpointPolicy,
-    Entry,
-    StepPlan,
     is_prefill_anchor,
     next_prefill_checkpoint,
     prefill_checkpoint_anchor,
@@ -29,6 +28,7 @@ from vllm_hybrid.v1.core.pooled.policy import (
     prefill_checkpoints,
     state_page_tokens,
 )
+from vllm_hybrid.v1.core.pooled.policy.steps import StepPlan
 from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
 MiB = 2**20
@@ -75,7 +75,7 @@ def test_the_pacing_page_is_upstreams_state_block():
     """Qwen3.6's GDN state (2,146,304 B a layer) over one bf16 attention
     layer's 2,048 B a token, in 16-token blocks: 16 x ceil(1,048.02 / 16) =
     1,056 tokens, the block vLLM 0.32 gives this model with bf16 KV."""
-    from vllm_hybrid.v1.core.pooled.policy import pacing_page
+    from vllm_hybrid.v1.core.pooled.policy.steps import pacing_page
 
     assert pacing_page(_qwen3_6_plan(16, 512), "align") == 1056
     assert pacing_page(_qwen3_6_plan(128, 512), "align") == 1152
@@ -123,7 +123,7 @@ def test_the_option_is_a_whole_number_of_tokens(value, parsed):
 def test_the_last_checkpoint_a_chunk_passes():
     """A 1,300-token prompt's chunk from 0 to its own checkpoint (1,280)
     passes the one at 1,056; one from 1,056 passes none."""
-    from vllm_hybrid.v1.core.pooled.policy import last_prefill_checkpoint
+    from vllm_hybrid.v1.core.pooled.policy.positions import last_prefill_checkpoint
 
     assert last_prefill_checkpoint(0, 1280, 1300, 1056, 32) == 1056
     assert last_prefill_checkpoint(1056, 1280, 1300, 1056, 32) is None
@@ -190,6 +190,7 @@ def _request(computed: int, prompt: int):
             "request_id": "r",
             "num_computed_tokens": computed,
             "num_prompt_tokens": prompt,
+            "num_tokens": prompt,
         },
     )
 

@@ -13,6 +13,7 @@ Layers, bottom to top (a module imports only from the layers below it):
                 prefill chunks end and what a step admits (retention, the
                 scheduler and the pools ask it)
 ``free_queue``  one pool's free blocks, kept in that order
+``events``      the prefix-cache events a pool records for the coupling
 ``block_pool``  upstream's BlockPool over one pool's movable id range
 ``coupling``    coordinated prefix-cache eviction across the two pools
 ``moves``       live token blocks moved out of the state pool's way, and the

@@ -46,11 +46,8 @@ from vllm.v1.request import Request
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.boundary import BoundaryPlan
-from vllm_hybrid.v1.core.pooled.policy import (
-    RELOCATE_NEAR_BOUNDARY,
-    Reach,
-    growth_blocks,
-)
+from vllm_hybrid.v1.core.pooled.policy.eviction import RELOCATE_NEAR_BOUNDARY, Reach
+from vllm_hybrid.v1.core.pooled.policy.steps import growth_blocks
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 
@@ -133,9 +130,12 @@ class Admitter:
         request; None when it cannot. ``hits`` are the prefix hits the
         allocation will take (free ones must stay cached); ``reserve`` token
         blocks must stay free beyond the request's own when it holds none."""
+        boundary = self.arena.boundary
+        if not reserve and not any(needs):
+            # a step within the blocks it holds (most decode steps)
+            return Admission(0, 0, BoundaryPlan(boundary.state_floor))
         need_token = sum(needs[i] for i in self._token_groups)
         need_state = sum(needs[i] for i in self._state_groups)
-        boundary = self.arena.boundary
         if reserve:
             plan = boundary.plan(need_token + reserve, need_state, hits)
             return None if plan is None else Admission(need_token, need_state, plan)

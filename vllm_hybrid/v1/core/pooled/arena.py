@@ -22,7 +22,7 @@ from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
 from vllm_hybrid.v1.core.pooled.coupling import PoolHandle, PrefixCacheCoupling
-from vllm_hybrid.v1.core.pooled.policy import BOUNDARY_CLEAR_STATE_BLOCKS
+from vllm_hybrid.v1.core.pooled.policy.eviction import BOUNDARY_CLEAR_STATE_BLOCKS
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 from vllm_hybrid.v1.core.pooled.usage import ArenaUsage, PoolUsage
 

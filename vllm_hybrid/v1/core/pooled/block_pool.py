@@ -13,9 +13,8 @@ calls nothing above it and knows nothing of the other pool's rules.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
@@ -23,11 +22,17 @@ from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
+    pass
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.v1.core.pooled.events import (
+    BlocksFreed,
+    CacheEvent,
+    KeyCached,
+    KeysLeftCache,
+)
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.eviction import (
     STATE_EVICTION_WINDOW,
     Entry,
     Place,
@@ -36,39 +41,6 @@ from vllm_hybrid.v1.core.pooled.policy import (
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 logger = init_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class KeyCached:
-    """Pool ``kind`` cached ``key`` for the first ``num_tokens`` tokens of
-    ``request`` (a state checkpoint gets linked to its attention prefix)."""
-
-    kind: PoolKind
-    key: BlockHashWithGroupId
-    request: Request
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class KeysLeftCache:
-    """No block of pool ``kind`` holds ``keys`` any more (what depended on
-    them in the other pool may be dead now)."""
-
-    kind: PoolKind
-    keys: list[BlockHashWithGroupId]
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksFreed:
-    """Pool ``kind`` took a reference off each of ``blocks`` (the free ones
-    among them may be dead entries)."""
-
-    kind: PoolKind
-    blocks: list[KVCacheBlock]
-
-
-#: A prefix-cache event a pool records for the coupling.
-CacheEvent = KeyCached | KeysLeftCache | BlocksFreed
 
 
 class ArenaBlockPool(BlockPool):
@@ -103,10 +75,6 @@ class ArenaBlockPool(BlockPool):
         #: where this pool appends its prefix-cache events as they happen
         #: (None: nobody reads them); both pools share the coupling's list
         self.cache_events: list[CacheEvent] | None = None
-        #: request whose blocks are being cached (state side: links them)
-        self._caching: Request | None = None
-        #: keys are moving to another block or id, not leaving the cache
-        self._moving = False
         #: tokens of attention KV one of this pool's blocks holds, when its
         #: entries are weighed against attention KV (see ``weigh_entries``)
         self._break_even: float | None = None
@@ -205,30 +173,17 @@ class ArenaBlockPool(BlockPool):
 
     # -- prefix-cache events the coupling needs (see .coupling) --------------
 
-    def cache_full_blocks(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        self._caching = request
-        try:
-            super().cache_full_blocks(request, *args, **kwargs)
-        finally:
-            self._caching = None
-
-    def cache_partial_block(
-        self, request: Request, *args: Any, **kwargs: Any
-    ) -> BlockHashWithGroupId | None:
-        self._caching = request
-        try:
-            return super().cache_partial_block(request, *args, **kwargs)
-        finally:
-            self._caching = None
-
     def move_block_hashes(
         self, src_block: KVCacheBlock, dst_block: KVCacheBlock
     ) -> None:
-        self._moving = True
-        try:
-            super().move_block_hashes(src_block, dst_block)
-        finally:
-            self._moving = False
+        """Upstream's re-pointing of ``src_block``'s entries to ``dst_block``
+        (a private copy of a block its request keeps writing): the keys stay
+        cached, so the events their removal and insertion record are
+        dropped."""
+        recorded = len(self.cache_events) if self.cache_events is not None else 0
+        super().move_block_hashes(src_block, dst_block)
+        if self.cache_events is not None:
+            del self.cache_events[recorded:]
 
     def _insert_block_hash(
         self,
@@ -238,16 +193,15 @@ class ArenaBlockPool(BlockPool):
     ) -> None:
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
         events = self.cache_events
-        if events is not None and self._caching is not None and num_tokens:
-            key, request = block_hash_with_group_id, self._caching
-            events.append(KeyCached(self.side, key, request, num_tokens))
+        if events is not None and num_tokens:
+            events.append(KeyCached(self.side, block_hash_with_group_id, num_tokens))
 
     def _remove_cached_block_hashes(
         self, block: KVCacheBlock
     ) -> list[BlockHashWithGroupId]:
         removed = super()._remove_cached_block_hashes(block)
         events = self.cache_events
-        if events is not None and not self._moving:
+        if events is not None:
             gone = [
                 k
                 for k in removed
@@ -403,13 +357,16 @@ class ArenaBlockPool(BlockPool):
         self.free_block_queue.remove(free)
         self._maybe_evict_cached_block(free)
         old, new, num_tokens = live.block_id, free.block_id, live.block_hash_num_tokens
-        self._moving = True
+        # the keys move with the block: the events of their removal and
+        # insertion are dropped
+        recorded = len(self.cache_events) if self.cache_events is not None else 0
         keys = self._remove_cached_block_hashes(live)
-        self._moving = False
         self.blocks[old], self.blocks[new] = free, live
         live.block_id, free.block_id = new, old
         for i, key in enumerate(keys):  # the token count is the first key's
             self._insert_block_hash(key, live, num_tokens if i == 0 else None)
+        if self.cache_events is not None:
+            del self.cache_events[recorded:]
         self.free_block_queue.policy.rekey(old, new)
         collector = self.metrics_collector
         if collector is not None and old in collector.block_metrics:
@@ -420,14 +377,18 @@ class ArenaBlockPool(BlockPool):
         """Own ``owned_ids`` from now on (a boundary move).
 
         Ids leaving must be free; their cached entries are evicted (with the
-        usual ``BlockRemoved`` events). Ids arriving come from the other pool
-        and must be clean from this pool's view; they join as clean blocks.
-        Three steps (:meth:`leaving`, :meth:`release` of each, :meth:`take_over`),
-        which the boundary drives itself when the caches are coupled, so the
-        coupling handles what one leaving block's eviction made dead before
-        the next one's.
+        usual ``BlockRemoved`` events), their clean blocks leave at once.
+        Ids arriving come from the other pool and must be clean from this
+        pool's view; they join as clean blocks. Three steps (:meth:`leaving`,
+        :meth:`release_clean` and :meth:`release` of each cached one,
+        :meth:`take_over`), which the boundary drives itself when the caches
+        are coupled, so the coupling handles what one leaving block's
+        eviction made dead before the next one's.
         """
-        for block in self.leaving(owned_ids):
+        leaving = self.leaving(owned_ids)
+        cached = [b for b in leaving if self.is_cached(b)]
+        self.release_clean([b for b in leaving if not self.is_cached(b)])
+        for block in cached:
             self.release(block)
         self.take_over(owned_ids)
 
@@ -446,6 +407,20 @@ class ArenaBlockPool(BlockPool):
         assert block.ref_cnt == 0, f"block {block.block_id} is in use"
         self._maybe_evict_cached_block(block)
         self.free_block_queue.remove(block)
+
+    def is_cached(self, block: KVCacheBlock) -> bool:
+        """Whether ``block`` holds a prefix-cache key."""
+        return (
+            block.block_hash is not None
+            or block.block_id in self.cached_block_hashes_by_block
+        )
+
+    def release_clean(self, blocks: list[KVCacheBlock]) -> None:
+        """Leaving blocks that hold no prefix-cache key, out of the free
+        queue at once (nothing to evict, no event)."""
+        for block in blocks:
+            assert block.ref_cnt == 0, f"block {block.block_id} is in use"
+        self.free_block_queue.remove_clean(blocks)
 
     def take_over(self, owned_ids: range) -> None:
         """Own ``owned_ids``, the leaving blocks released: the arriving ones
@@ -468,25 +443,3 @@ def _minus(ids: range, other: range) -> tuple[range, ...]:
     below = range(ids.start, min(other.start, ids.stop))
     above = range(max(other.stop, ids.start), ids.stop)
     return tuple(r for r in (below, above) if r)
-
-
-class InPlaceView:
-    """The state pool as one manager's allocation sees it when admission
-    reserved the request's running block to advance in place: the
-    coordinator points ``manager.block_pool`` at this view for that call, so
-    the block travels down as a value. A one-block allocation (align mode's
-    at a state block edge) returns the running block
-    (:meth:`ArenaBlockPool.advance_in_place`); anything else is the pool's.
-    """
-
-    def __init__(self, pool: ArenaBlockPool, block: KVCacheBlock) -> None:
-        self.pool = pool
-        self.block = block
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        if num_blocks == 1:
-            return self.pool.advance_in_place(self.block)
-        return self.pool.get_new_blocks(num_blocks)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.pool, name)

@@ -57,7 +57,11 @@ from vllm_hybrid.v1.core.pooled.coupling import (
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.moves import TokenMoves, move_live_blocks, plan_moves
-from vllm_hybrid.v1.core.pooled.policy import ADMISSION, SPLIT_TOKEN_RESERVE, Reach
+from vllm_hybrid.v1.core.pooled.policy.eviction import (
+    ADMISSION,
+    SPLIT_TOKEN_RESERVE,
+    Reach,
+)
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
 logger = init_logger(__name__)
@@ -217,7 +221,8 @@ class ArenaBoundary:
             state = need_state - in_place if attempt.in_place else need_state
             found = self._plan(need_token, state, keep, attempt.reach)
             if found is not None:
-                return found._replace(in_place=attempt.in_place)
+                target, gain, moves, _ = found
+                return BoundaryPlan(target, gain, moves, attempt.in_place)
         return None
 
     # -- moves ------------------------------------------------------------

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.admission import Admission, Admitter, KeepsEdge
 from vllm_hybrid.v1.core.pooled.arena import KVArena
-from vllm_hybrid.v1.core.pooled.block_pool import InPlaceView
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.policy.positions import (
     DECODE_EDGES,
     CheckpointPolicy,
     state_block_attention_tokens,
@@ -211,6 +211,28 @@ class PooledCoordinatorMixin:
             finally:
                 manager.block_pool = pool
         return tuple(out)
+
+
+class InPlaceView:
+    """The state pool as one manager's allocation sees it when admission
+    reserved the request's running block to advance in place: the
+    coordinator points ``manager.block_pool`` at this view for that call, so
+    the block travels down as a value. A one-block allocation (align mode's
+    at a state block edge) returns the running block
+    (:meth:`ArenaBlockPool.advance_in_place`); anything else is the pool's.
+    """
+
+    def __init__(self, pool: ArenaBlockPool, block: KVCacheBlock) -> None:
+        self.pool = pool
+        self.block = block
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks == 1:
+            return self.pool.advance_in_place(self.block)
+        return self.pool.get_new_blocks(num_blocks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
 
 
 def arena_of(kv_cache_manager: KVCacheManager) -> KVArena | None:

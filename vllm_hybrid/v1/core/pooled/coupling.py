@@ -49,15 +49,15 @@ from vllm.v1.core.kv_cache_utils import (
     get_group_id,
 )
 
-from vllm_hybrid.v1.core.pooled.block_pool import (
-    ArenaBlockPool,
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.events import (
     BlocksFreed,
     CacheEvent,
     KeyCached,
     KeysLeftCache,
 )
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks
-from vllm_hybrid.v1.core.pooled.policy import Entry
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 if TYPE_CHECKING:
@@ -92,11 +92,12 @@ class PrefixCacheCoupling:
 
     # -- events from the pools ----------------------------------------------
 
-    def settle(self) -> None:
+    def settle(self, request: Request | None = None) -> None:
         """Handle the events the pools recorded since the last call, in the
-        order they happened. An eviction of the coupling's own records
-        events too; they are handled right after it, before the next event
-        (the order of handling them as they happened)."""
+        order they happened; ``request``: the one whose blocks were being
+        cached, if that is what recorded them. An eviction of the coupling's
+        own records events too; they are handled right after it, before the
+        next event (the order of handling them as they happened)."""
         pending = self.pending
         if not pending:
             return
@@ -104,7 +105,7 @@ class PrefixCacheCoupling:
         pending.clear()
         for event in events:
             match event:
-                case KeyCached(kind, key, request, num_tokens):
+                case KeyCached(kind, key, num_tokens):
                     self.key_cached(kind, key, request, num_tokens)
                 case KeysLeftCache(kind, keys):
                     self.keys_left_cache(kind, keys)
@@ -115,13 +116,14 @@ class PrefixCacheCoupling:
         self,
         kind: PoolKind,
         key: BlockHashWithGroupId,
-        request: Request,
+        request: Request | None,
         num_tokens: int,
     ) -> None:
         """A pool cached ``key`` for the first ``num_tokens`` tokens of
         ``request``; a state checkpoint gets linked to its attention prefix."""
         if kind is not PoolKind.STATE or self.links.is_linked(key):
             return
+        assert request is not None, "a key cached outside cache_full_blocks"
         # a key maps to at least one block while it is cached
         cached = self.pools[PoolKind.TOKEN].cached_block_hash_to_block._cache
         self.links.link_if_cached(
@@ -207,7 +209,11 @@ def resize_settled(
     if coupling is None:
         pool.resize(owned_ids)
         return
-    for block in pool.leaving(owned_ids):
+    leaving = pool.leaving(owned_ids)
+    cached = [b for b in leaving if pool.is_cached(b)]
+    # clean blocks leave no prefix-cache entry behind: at once, no events
+    pool.release_clean([b for b in leaving if not pool.is_cached(b)])
+    for block in cached:
         pool.release(block)
         coupling.settle()
     pool.take_over(owned_ids)
@@ -279,15 +285,17 @@ class PoolHandle:
         self.pool.free_blocks(ordered_blocks)
         self._settle()
 
-    def cache_full_blocks(self, *args: Any, **kwargs: Any) -> None:
-        self.pool.cache_full_blocks(*args, **kwargs)
-        self._settle()
+    def cache_full_blocks(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        self.pool.cache_full_blocks(request, *args, **kwargs)
+        if self.coupling is not None:
+            self.coupling.settle(request)
 
     def cache_partial_block(
-        self, *args: Any, **kwargs: Any
+        self, request: Request, *args: Any, **kwargs: Any
     ) -> BlockHashWithGroupId | None:
-        key = self.pool.cache_partial_block(*args, **kwargs)
-        self._settle()
+        key = self.pool.cache_partial_block(request, *args, **kwargs)
+        if self.coupling is not None:
+            self.coupling.settle(request)
         return key
 
     def evict_blocks(self, block_ids: set[int]) -> None:

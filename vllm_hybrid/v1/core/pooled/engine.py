@@ -31,7 +31,7 @@ from vllm_hybrid.v1.core.pooled.planner import (
     describe_plan,
     plan_pooled_kv_cache,
 )
-from vllm_hybrid.v1.core.pooled.policy import plan_prefill_checkpoints
+from vllm_hybrid.v1.core.pooled.policy.positions import plan_prefill_checkpoints
 from vllm_hybrid.v1.core.pooled.scope import pooled_mode_decision
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 

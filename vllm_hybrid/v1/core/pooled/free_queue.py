@@ -14,7 +14,7 @@ from itertools import chain, count, islice, takewhile
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.eviction import (
     CLEAN_SEGMENTS,
     CLEARING_ORDER,
     HAND_OUT_ORDER,
@@ -223,6 +223,20 @@ class ArenaFreeBlockQueue:
         self._front.discard(block.block_id)
         if isinstance(holder, _CleanBlocks):
             holder.compact()  # its heap entry goes stale
+
+    def remove_clean(self, blocks: list[KVCacheBlock]) -> None:
+        """Remove clean free blocks, many at once (a boundary move)."""
+        cleans = tuple(self._clean.values())
+        for block in blocks:
+            for clean in cleans:
+                if clean.pop(block.block_id, None) is not None:
+                    break
+            else:
+                raise RuntimeError(
+                    f"remove_clean() of block {block.block_id}, not a clean free one"
+                )
+        for clean in cleans:
+            clean.compact()
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])

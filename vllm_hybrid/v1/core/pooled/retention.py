@@ -1,33 +1,20 @@
-"""Turn-end state checkpoints: the state a follow-up turn resumes from.
+"""Turn-end and prefill state checkpoints kept in the prefix cache.
 
-In align mode a request's recurrent state is copied into a fresh block at
-every state block edge it crosses; the block it leaves holds the state at that
-edge. vLLM 0.32 caches such a block only at "semantic" positions
-(``--prefix-cache-retention-interval 0``, the default): the latest replay
-boundary of the prompt and shared-prefix junctions, plus every Nth edge with a
-positive interval. A chat follow-up sends the whole conversation again: the
-previous prompt, the answer, then a new message. Its longest possible hit is
-the last edge the previous turn reached while decoding, which the default
-never keeps, so the follow-up falls back to the previous prompt's boundary
-and recomputes the whole answer (with 32-token blocks: a 1,300-token prompt
-and 24 output tokens hit 1,280 tokens on the next turn instead of 1,312).
+In align mode a request's state is copied into a fresh block at each state
+block edge it crosses, and upstream caches the block it leaves only at its
+prompt's replay boundaries and shared-prefix junctions. A chat follow-up's
+longest possible hit is the last edge the previous turn reached while
+decoding (the turn end), which upstream never keeps. This mixin keeps it:
+each request's latest decode checkpoint stays cached, the previous one is
+evicted when a later edge is cached (unless the retention interval keeps it
+or another request uses it), and once freed it is ranked as a turn end. It
+also notes the prefill checkpoints a chunk ended on, to rank them once the
+request moves past them.
 
-The turn end is one more semantic position. While a request decodes, the
-block it just filled is cached as the checkpoint of its edge; when it fills
-the next one, the previous decode checkpoint is evicted again (unless the
-retention interval keeps it, or another request already uses it). A request
-therefore leaves exactly one decode checkpoint behind: the last edge it
-reached. This costs no copy (align mode copies at every edge anyway) and no
-held memory: once freed, a decode checkpoint is ranked as a turn end, which
-the eviction order (:mod:`vllm_hybrid.v1.core.pooled.policy.eviction`) evicts before
-any other cached block, so it never pushes another cache entry out.
-With ``--prefix-cache-retention-interval`` unset to dense retention (None)
-upstream already keeps every edge and nothing here runs.
-
-Which positions are kept (turn ends, prefill checkpoints, the edges a request
-may not cross in place) and how a freed checkpoint ranks are decided by
-:mod:`vllm_hybrid.v1.core.pooled.policy`; this mixin records what
-each request cached and ranks it once freed.
+Which positions are kept and how a freed checkpoint ranks are the policy's
+(:mod:`vllm_hybrid.v1.core.pooled.policy`); this mixin records what each
+request cached and ranks it once freed. docs/pooled-mode.md ("Turn-end
+checkpoints") has the design and its measurements.
 """
 
 from __future__ import annotations
@@ -47,11 +34,10 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
 
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry, rank_entry
+from vllm_hybrid.v1.core.pooled.policy.positions import (
     CheckpointPolicy,
-    Entry,
     decode_checkpoint_edge,
-    rank_entry,
     replay_positions,
     saved_tokens,
 )

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE, new_block_ids_follow
-from vllm_hybrid.v1.core.pooled.policy import (
+from vllm_hybrid.v1.core.pooled.policy.steps import (
     DECODE_ROOM,
     StepPlan,
     admits_after_deep_cut,

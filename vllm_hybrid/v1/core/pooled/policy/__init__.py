@@ -1,168 +1,18 @@
-"""Pooled mode's checkpoint policy, in one package: which states are kept,
-how kept entries rank against each other and against attention KV, where
-prefill chunks end. Retention, the scheduler, the pools and the engine glue
-ask it; none of them decides.
+"""Pooled mode's checkpoint policy: which states are kept, how kept entries
+rank against each other and against attention KV, where prefill chunks end.
+Retention, the scheduler, the pools and the engine glue ask it; none of them
+decides.
 
 ``eviction``  the order pooled mode evicts in, declared as data: free-queue
               segments, entry kinds and where a freed one is filed, what a
               state entry is worth per byte against attention KV, admission's
               attempts
 ``positions`` where a request keeps a state: prefill checkpoints and their
-              anchors, the prompt's own checkpoint, turn ends
-              (:class:`DecodeEdges`), the kind each is filed as once freed
-              and the tokens it saves
+              anchors, the prompt's own checkpoint, turn ends, the kind each
+              is filed as once freed and the tokens it saves
 ``steps``     what one scheduler step computes and admits: chunk cuts at
               checkpoints, prefill pacing, room for the decodes behind a
               prompt, admission's growth reserve
 
-Everything a caller needs is importable from this package; the modules
-import only downward (``eviction`` < ``positions`` < ``steps``).
+The modules import only downward (``eviction`` < ``positions`` < ``steps``).
 """
-
-from __future__ import annotations
-
-from vllm_hybrid.v1.core.pooled.policy.eviction import (
-    ADMISSION,
-    BOUNDARY_CLEAR_STATE_BLOCKS,
-    CLEAN_SEGMENTS,
-    CLEARING_ORDER,
-    HAND_OUT_ORDER,
-    PLACES,
-    PROMOTED,
-    PROTECT_AFTER_HITS,
-    RELOCATE_NEAR_BOUNDARY,
-    RIVAL_HALF_LIFE_HITS,
-    RIVALS,
-    SPARED,
-    SPLIT_TOKEN_RESERVE,
-    STATE_EVICTION_WINDOW,
-    AdmissionAttempt,
-    Entry,
-    EvictionPolicy,
-    Place,
-    RanksEntries,
-    Reach,
-    Segment,
-    rank_entry,
-    worth_more_than_attention,
-)
-from vllm_hybrid.v1.core.pooled.policy.positions import (
-    ARENA_SHARE_INVERSE,
-    DECODE_EDGES,
-    MIN_ANCHOR_INTERVALS,
-    CheckpointPolicy,
-    DecodeEdges,
-    StatePositions,
-    budget_end_edge,
-    decode_checkpoint_edge,
-    interval_keeps,
-    is_prefill_anchor,
-    last_prefill_checkpoint,
-    next_prefill_checkpoint,
-    plan_prefill_checkpoints,
-    prefill_checkpoint_anchor,
-    prefill_checkpoint_interval,
-    prefill_checkpoints,
-    prompt_checkpoint,
-    replay_positions,
-    saved_tokens,
-    state_block_attention_tokens,
-    state_page_tokens,
-    token_pool_bytes_per_token,
-)
-from vllm_hybrid.v1.core.pooled.policy.steps import (
-    ADMISSION_GROWTH_STATE_PAGES,
-    DECODE_ROOM,
-    DEEP_CHUNK_TOKENS,
-    PACING_MAX_WAITING,
-    PACING_MIN_PAGES,
-    StepPlan,
-    admits_after_deep_cut,
-    budget_chunk,
-    checkpoint_chunk,
-    checkpoints_on_pace,
-    cuts_deep_chunks,
-    decode_room,
-    deep_chunk,
-    deep_chunk_start,
-    growth_blocks,
-    growth_reserve_blocks,
-    growth_reserve_geometry,
-    paced_chunk,
-    paced_step_budget,
-    paces,
-    pacing_page,
-    prefill_end,
-    state_checkpoint_block,
-)
-
-__all__ = [
-    "ADMISSION",
-    "ADMISSION_GROWTH_STATE_PAGES",
-    "ARENA_SHARE_INVERSE",
-    "AdmissionAttempt",
-    "BOUNDARY_CLEAR_STATE_BLOCKS",
-    "CLEAN_SEGMENTS",
-    "CLEARING_ORDER",
-    "CheckpointPolicy",
-    "DECODE_EDGES",
-    "DECODE_ROOM",
-    "DEEP_CHUNK_TOKENS",
-    "DecodeEdges",
-    "Entry",
-    "EvictionPolicy",
-    "HAND_OUT_ORDER",
-    "MIN_ANCHOR_INTERVALS",
-    "PACING_MAX_WAITING",
-    "PACING_MIN_PAGES",
-    "StepPlan",
-    "PLACES",
-    "PROMOTED",
-    "PROTECT_AFTER_HITS",
-    "Place",
-    "RELOCATE_NEAR_BOUNDARY",
-    "RIVALS",
-    "RIVAL_HALF_LIFE_HITS",
-    "RanksEntries",
-    "Reach",
-    "SPARED",
-    "SPLIT_TOKEN_RESERVE",
-    "STATE_EVICTION_WINDOW",
-    "Segment",
-    "StatePositions",
-    "admits_after_deep_cut",
-    "budget_chunk",
-    "budget_end_edge",
-    "checkpoint_chunk",
-    "checkpoints_on_pace",
-    "cuts_deep_chunks",
-    "decode_checkpoint_edge",
-    "decode_room",
-    "deep_chunk",
-    "deep_chunk_start",
-    "growth_blocks",
-    "growth_reserve_blocks",
-    "growth_reserve_geometry",
-    "interval_keeps",
-    "is_prefill_anchor",
-    "last_prefill_checkpoint",
-    "next_prefill_checkpoint",
-    "paced_chunk",
-    "paced_step_budget",
-    "paces",
-    "pacing_page",
-    "plan_prefill_checkpoints",
-    "prefill_checkpoint_anchor",
-    "prefill_checkpoint_interval",
-    "prefill_checkpoints",
-    "prefill_end",
-    "prompt_checkpoint",
-    "rank_entry",
-    "replay_positions",
-    "saved_tokens",
-    "state_block_attention_tokens",
-    "state_checkpoint_block",
-    "state_page_tokens",
-    "token_pool_bytes_per_token",
-    "worth_more_than_attention",
-]
