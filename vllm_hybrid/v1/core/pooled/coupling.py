@@ -151,6 +151,21 @@ class PrefixCacheCoupling:
     def evict_dead(self, kind: PoolKind, blocks: Iterable[KVCacheBlock]) -> None:
         """Evict the free ones among ``blocks`` of pool ``kind`` that are dead."""
         pool = self.pools[kind]
+        if kind is PoolKind.TOKEN:
+            # no checkpoint needs a dead token block's key, so its eviction
+            # makes nothing else dead: every one goes, then one settle
+            dead = [
+                block
+                for block in blocks
+                if block.ref_cnt == 0
+                and not block.is_null
+                and self.is_dead(kind, block)
+            ]
+            for block in dead:
+                pool.rank_entry(block, Entry.DEAD)
+            self.evictions[kind] += len(dead)
+            self.settle()
+            return
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null and self.is_dead(kind, block):
                 pool.rank_entry(block, Entry.DEAD)

@@ -81,6 +81,8 @@ class ArenaFreeBlockQueue:
         #: cached ids filed at their segment's head and not moved since: a
         #: prefix of the segment, handed out before the rest of it
         self._front: set[int] = set()
+        #: the segment each free block is filed in, by id
+        self._where: dict[int, dict[int, KVCacheBlock]] = {}
         self.append_n(list(blocks))
 
     # -- read side --------------------------------------------------------
@@ -220,22 +222,22 @@ class ArenaFreeBlockQueue:
         if holder is None:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not free")
         del holder[block.block_id]
+        del self._where[block.block_id]
         self._front.discard(block.block_id)
         if isinstance(holder, _CleanBlocks):
             holder.compact()  # its heap entry goes stale
 
     def remove_clean(self, blocks: list[KVCacheBlock]) -> None:
         """Remove clean free blocks, many at once (a boundary move)."""
-        cleans = tuple(self._clean.values())
+        where = self._where
         for block in blocks:
-            for clean in cleans:
-                if clean.pop(block.block_id, None) is not None:
-                    break
-            else:
+            clean = where.pop(block.block_id, None)
+            if not isinstance(clean, _CleanBlocks):
                 raise RuntimeError(
                     f"remove_clean() of block {block.block_id}, not a clean free one"
                 )
-        for clean in cleans:
+            del clean[block.block_id]
+        for clean in self._clean.values():
             clean.compact()
 
     def append(self, block: KVCacheBlock) -> None:
@@ -264,6 +266,7 @@ class ArenaFreeBlockQueue:
             return
         if isinstance(holder, _CleanBlocks) != (block.block_hash is None):
             del holder[block.block_id]
+            del self._where[block.block_id]
             self._front.discard(block.block_id)
             if isinstance(holder, _CleanBlocks):
                 holder.compact()  # its heap entry goes stale
@@ -282,6 +285,8 @@ class ArenaFreeBlockQueue:
         else:
             ids = range(min(old, start), max(old, start))
         moved = [c.pop(i) for c in self._clean.values() for i in ids if i in c]
+        for block in moved:
+            del self._where[block.block_id]
         for clean in self._clean.values():
             clean.compact()
         for block in moved:
@@ -318,19 +323,19 @@ class ArenaFreeBlockQueue:
         return front, iter(())
 
     def _holder(self, block: KVCacheBlock) -> dict[int, KVCacheBlock] | None:
-        bid = block.block_id
-        for held in (*self._clean.values(), *self._lru.values()):
-            if held.get(bid) is block:
-                return held
-        return None
+        held = self._where.get(block.block_id)
+        return held if held is not None and held.get(block.block_id) is block else None
 
     def _file(self, block: KVCacheBlock, place: Place) -> None:
         segment = self.policy.segment_of(block)
         if segment in CLEAN_SEGMENTS:
-            self._clean[segment].add(block)
+            clean = self._clean[segment]
+            clean.add(block)
+            self._where[block.block_id] = clean
             return
         lru = self._lru[segment]
         lru[block.block_id] = block
+        self._where[block.block_id] = lru
         self._filed_at[block.block_id] = next(self._clock)
         if place is Place.HEAD:
             lru.move_to_end(block.block_id, last=False)
@@ -347,8 +352,12 @@ class ArenaFreeBlockQueue:
                 oldest = list(takewhile(self._front.__contains__, oldest))
             bid = min(oldest, key=self._pop_key)
             self._front.discard(bid)
+            del self._where[bid]
             return lru.pop(bid)
-        return self._clean[segment].pop_first()
+        block = self._clean[segment].pop_first()
+        if block is not None:
+            del self._where[block.block_id]
+        return block
 
     def _pop_key(self, bid: int) -> tuple[bool, int]:
         """Order of a pop among the window's oldest cached blocks: those
@@ -360,9 +369,8 @@ class ArenaFreeBlockQueue:
         return bid if self.low_ids_first else -bid
 
     def _check_absent(self, block: KVCacheBlock) -> None:
-        bid = block.block_id
-        if any(bid in held for held in (*self._clean.values(), *self._lru.values())):
-            raise RuntimeError(f"block {bid} is already in the free queue")
+        if block.block_id in self._where:
+            raise RuntimeError(f"block {block.block_id} is already in the free queue")
 
 
 def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
