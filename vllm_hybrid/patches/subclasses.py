@@ -89,9 +89,7 @@ SUBCLASSES: list[SubclassEntry] = [
     ),
     SubclassEntry(
         base="vllm.v1.core.kv_cache_coordinator:HybridKVCacheCoordinator",
-        subclass=(
-            "vllm_hybrid.v1.core.pooled.retention:TurnEndHybridKVCacheCoordinator"
-        ),
+        subclass=("vllm_hybrid.v1.core.turn_ends:TurnEndHybridKVCacheCoordinator"),
         overrides=(
             "allocate_new_computed_blocks",
             "cache_blocks",
@@ -273,7 +271,7 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
     AddedAttribute(
         cls="vllm.v1.kv_cache_interface:KVCacheConfig",
         name="retain_turn_ends",
-        where="vllm_hybrid.v1.core.pooled.retention (mark_turn_end_retention)",
+        where="vllm_hybrid.v1.core.turn_ends (mark_turn_end_retention)",
         why=(
             "Carries hybrid_kv.retain_turn_ends of a single-pool hybrid plan "
             "from the engine core's planning to the scheduler's coordinator "

@@ -17,9 +17,9 @@ from vllm.v1.kv_cache_interface import (
 
 from vllm_hybrid.v1.core.kv_cache_coordinator import get_kv_cache_coordinator
 from vllm_hybrid.v1.core.pooled.policy.positions import CheckpointPolicy
-from vllm_hybrid.v1.core.pooled.retention import (
+from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
+from vllm_hybrid.v1.core.turn_ends import (
     RETAIN_ATTRIBUTE,
-    TurnEndRetentionMixin,
     has_align_state_groups,
     mark_turn_end_retention,
 )

@@ -15,12 +15,12 @@ from vllm_hybrid.v1.core.pooled.coordinator import (
     PooledHybridKVCacheCoordinator,
     PooledNoPrefixCacheCoordinator,
 )
-from vllm_hybrid.v1.core.pooled.retention import (
+from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
+from vllm_hybrid.v1.core.turn_ends import (
     RETAIN_ATTRIBUTE,
     TurnEndHybridKVCacheCoordinator,
     has_align_state_groups,
 )
-from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector

@@ -33,7 +33,6 @@ from vllm_hybrid.v1.core.pooled.engine import (
     update_pooled_capacity,
 )
 from vllm_hybrid.v1.core.pooled.policy.steps import state_checkpoint_block
-from vllm_hybrid.v1.core.pooled.retention import mark_turn_end_retention
 from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig
 from vllm_hybrid.v1.core.sched.async_scheduler import PooledAsyncScheduler
 from vllm_hybrid.v1.core.sched.scheduler import (
@@ -41,6 +40,7 @@ from vllm_hybrid.v1.core.sched.scheduler import (
     PooledSchedulerMixin,
 )
 from vllm_hybrid.v1.core.token_capacity import split_token_groups
+from vllm_hybrid.v1.core.turn_ends import mark_turn_end_retention
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

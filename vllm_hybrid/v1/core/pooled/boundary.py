@@ -1,44 +1,24 @@
-"""The boundary between the arena's token and state pools, in one place.
+"""The boundary between the arena's token and state pools: where it starts,
+how far and when it moves, and how a request's blocks are served.
 
-Where it starts
-    The planner asks :func:`plan_arena_layout`: the state pool starts with room
-    for ``max_num_seqs`` requests' states, at most half the arena; if that
-    violates a floor, the boundary that leaves the state pool exactly its floor
-    is used.
+- It starts with room for ``max_num_seqs`` requests' states in the state
+  pool, at most half the arena (:func:`plan_arena_layout`); the token pool
+  keeps :data:`MIN_TOKEN_BLOCKS` and the state pool one lone request's
+  blocks whatever happens (:class:`~.spec.ArenaLayout`'s floors).
+- It moves on demand, by the smallest whole number of state blocks that
+  covers a pool's deficit, and by recency: a pool that would evict an entry
+  takes the other pool's blocks next to the boundary when the other pool's
+  oldest entry is older (:meth:`ArenaBoundary._recency_target`). The ids
+  that change pools must be free and not about to be reused by a prefix
+  hit; where only live token blocks stand in the state pool's way, they
+  move to free ones first (:mod:`.moves`). All or nothing.
+- :meth:`ArenaBoundary.plan` decides without changing anything, trying the
+  ways of :data:`~.policy.eviction.ADMISSION`; :meth:`ArenaBoundary.carry_out`
+  moves.
 
-How far it may go (floors)
-    The token pool never drops below :data:`MIN_TOKEN_BLOCKS` block and the
-    state pool never below one lone request's state blocks, so one
-    ``max_model_len`` request always fits (the planner checks it at start-up).
-    :class:`~.spec.ArenaLayout` turns these block counts into the lowest and
-    highest state floor.
-
-When it moves (:meth:`ArenaBoundary.ensure`)
-    On demand, when one pool lacks free blocks for the request at hand; by
-    the smallest whole number of state blocks that covers the deficit; never
-    in advance; also when a pool would evict a cached entry filed in LRU
-    order while the other pool's least recently used entry is older
-    (:meth:`ArenaBoundary._recency_target`).
-    The ids of the shrinking pool in the way must all be free and not about
-    to be reused by a prefix hit; cached ones among them are evicted (with
-    ``BlockRemoved`` events). All-or-nothing: either every condition holds
-    and the boundary moves, or nothing changes. Where only live token blocks
-    stand in the state pool's way and enough token blocks are free farther
-    off, those live blocks move there first (:mod:`.moves`, when the
-    scheduler's workers apply moves); live state blocks never move.
-
-Who is admitted (:meth:`ArenaBoundary.admit`)
-    The ways to serve a request's blocks, tried in the order of
-    :data:`~.policy.eviction.ADMISSION`: sparing the protected cache entries, then
-    letting a running request cross its state block edge in place, then
-    reaching every free block.
-
-Worst case
-    A live block next to the boundary pins it until that request ends; the
-    arena then behaves like a static split at the current boundary (never
-    worse than the floors). Because boundary blocks are handed out last (see
-    :mod:`.policy.eviction`), a pin needs the pinned pool to have been full of live
-    or cached blocks when the pinning block was allocated.
+A live block next to the boundary pins it until its request ends; blocks
+next to it are handed out last (:mod:`.policy.eviction`), so that needs the
+pinned pool to have been full.
 """
 
 from __future__ import annotations

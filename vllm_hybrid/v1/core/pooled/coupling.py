@@ -1,41 +1,19 @@
 """Coordinated prefix-cache eviction across the token and state pools.
 
-A prefix-cache hit of a hybrid model at ``N`` tokens needs every
-full-attention block of those ``N`` tokens (token pool) and a state checkpoint
-taken at exactly ``N`` (state pool). Each pool evicts from its own LRU list,
-so without coordination one pool keeps entries the other has already made
-useless. :class:`PrefixCacheCoupling` handles both pools' cache events,
-keeps :class:`~.links.CheckpointLinks` up to date and evicts (makes clean, so
-they are reused first, as :mod:`.policy.eviction` places dead entries) the free
-blocks the links show to be dead:
+A hit at ``N`` tokens needs every full-attention block of those tokens
+(token pool) and a state checkpoint at exactly ``N`` (state pool); each pool
+evicts by its own order, so without coordination one keeps entries the other
+made useless. :class:`PrefixCacheCoupling` keeps :class:`~.links.
+CheckpointLinks` up to date from the pools' events and evicts the free
+blocks that are dead: a token block no cached checkpoint needs (the tail of
+a finished request past its last checkpoint included), a checkpoint whose
+attention prefix has left the cache. Blocks in use wait until freed; an
+entry that can still serve a hit is never evicted, so hits never drop.
 
-* a free token block is dead when it belongs to a full-attention group, holds
-  exactly one full-block key and no cached checkpoint needs that key (this
-  includes the tail of a finished request past its last checkpoint);
-* a free state block is dead when every key it holds is *broken*: a token
-  key its prefix needs has left the token pool's cache.
-
-Blocks in use are left alone; they are checked again when freed. Entries that
-can still serve a hit are never evicted by this, so it never lowers a hit
-rate; it only makes room for useful entries sooner.
-
-When the events are handled
-    A pool records its events as values (:data:`~.block_pool.CacheEvent`) and
-    calls nothing above it. Everyone above the pool layer holds a pool through
-    a :class:`PoolHandle`, which has the coupling handle what an operation
-    recorded as soon as the operation returns, before its caller (or anyone
-    else) sees the pools again. Operations that evict several blocks are
-    driven a block at a time (the handle's ``get_new_blocks`` and
-    ``evict_blocks``, the boundary's resizes), so the coupling handles the
-    events of one block's eviction before the next block is evicted: the
-    same blocks are evicted, and counted in
-    :attr:`PrefixCacheCoupling.evictions`, as when each event is handled the
-    moment it happens. Within one block's eviction the pool finishes (files
-    the block as clean) before the coupling evicts others; evicted blocks all
-    join the clean segment, which hands blocks out by id, not by when they
-    joined, so the queues end the same. Caching (``cache_full_blocks``)
-    changes only the request's own blocks, which are in use, and the
-    coupling evicts only free ones, so its events wait until it returns.
+Everything above the pools holds them through a :class:`PoolHandle`, which
+has the coupling handle an operation's events as soon as it returns;
+operations that evict several blocks are driven a block at a time, so the
+same blocks are evicted as if each event were handled when it happened.
 """
 
 from __future__ import annotations

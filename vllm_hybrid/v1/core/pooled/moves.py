@@ -1,23 +1,14 @@
 """Moving live token blocks out of the way of the state pool's growth.
 
-The state pool grows by taking the token ids next to the arena's boundary
-(:mod:`.boundary`), and only while every one of them is free. Where memory is
-short the token pool hands those blocks out last, but a request admitted
-when the token pool was full holds them until it ends, and the state pool
-refuses new requests meanwhile even though enough token blocks are free
-farther from the boundary. A *move* gives each live token block in the way a
-free token block outside it instead; then the boundary moves as usual.
-
-The scheduler's side of a move (this module, and the pool's ``swap_ids``)
-swaps the two blocks' ids in the pool: the live block object, which every
-holder keeps (the request's block table, this step's new blocks, the prefix
-cache), takes the free block's id, and the free block takes the live one's
-and leaves with the token ids the state pool takes. The prefix cache, the
-free queue's policy and the metrics collector follow the id. The workers'
-side copies each moved block's bytes and rewrites the slots that named its
-old id before the step runs (``vllm_hybrid.v1.worker.token_moves``); the
-scheduler hands them the step's moves, composed into one old-id to new-id
-mapping (:meth:`TokenMoves.take`), on its output (``hybrid_token_moves``).
+The state pool grows only over free token ids next to the boundary; a
+request admitted while the token pool was full may hold them until it ends.
+A move gives each live token block in the way the id of a free token block
+elsewhere (``ArenaBlockPool.swap_ids``): every holder keeps the block
+object, and its prefix-cache keys, hits and metrics follow the id. The
+workers copy each moved block's bytes and rename it in their block tables
+before the step runs (``vllm_hybrid.v1.worker.token_moves``); the scheduler
+hands them the step's moves, composed into one old-id to new-id mapping,
+on its output.
 """
 
 from __future__ import annotations
