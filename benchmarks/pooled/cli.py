@@ -12,6 +12,7 @@ from typing import Any
 from benchmarks.harness import MODELS
 
 from .config import (
+    DEFAULT_WORKLOADS,
     MIB,
     MODES,
     REPO_ROOT,
@@ -56,13 +57,24 @@ FIELD_OPTIONS: tuple[tuple[str, Any, str], ...] = (
 #: Other options: flag, value type (or argparse action), default, help.
 OTHER_OPTIONS: tuple[tuple[str, Any, Any, str], ...] = (
     ("--models", _csv(None), list(MODELS), "tiny model kinds"),
-    ("--workloads", _csv(WORKLOADS), list(WORKLOADS), ",".join(WORKLOADS)),
+    (
+        "--workloads",
+        _csv(WORKLOADS),
+        list(DEFAULT_WORKLOADS),
+        f"of {','.join(WORKLOADS)}",
+    ),
     ("--modes", _csv(MODES), list(MODES), "the first is the reference"),
     ("--json", str, None, "also write all results to this JSON file"),
     ("--model-dir", Path, REPO_ROOT / ".tiny-models", "tiny models built/reused"),
     ("--log-dir", str, None, "worker logs (default: a new temp dir)"),
     ("--jobs", int, 1, "workers at once (>1 skews wall times)"),
     ("--one-long-block-size", int, BenchConfig.one_long_block_size, "(0: default)"),
+    (
+        "--admission-block-size",
+        int,
+        BenchConfig.admission_block_size,
+        "admission engine's block (0: --block-size)",
+    ),
     ("--budget-mib", float, BenchConfig.budget_bytes / MIB, "main engine budget"),
     ("--gpu", "store_true", None, "CUDA graphs, 16-token blocks, model SSM dtype"),
     ("--compile", "store_true", None, "torch.compile (~35 s per engine start)"),
@@ -110,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         **{_dest(flag): getattr(args, _dest(flag)) for flag, _, _ in FIELD_OPTIONS},
         enforce_eager=not args.compile,
         one_long_block_size=args.one_long_block_size or None,
+        admission_block_size=args.admission_block_size or args.block_size,
         budget_bytes=int(args.budget_mib * MIB),
         modes=tuple(args.modes),
     )

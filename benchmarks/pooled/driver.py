@@ -17,7 +17,13 @@ from typing import Any
 from vllm_hybrid.tools.simulate import runner
 
 from .config import BENCH_SCRIPT, MODES, BenchConfig, overlay_mode
-from .report import Row, comparison_rows, format_table, run_failures
+from .report import (
+    Row,
+    admission_lines,
+    comparison_rows,
+    format_table,
+    run_failures,
+)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
     total = time.perf_counter() - start
     by_key = {(run.model, run.mode): run for run in runs}
     rows: list[Row] = []
+    notes: list[str] = []
     reference, *others = cfg.modes
     for model in args.models:
         ref = by_key[(model, reference)]
@@ -82,9 +89,13 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
             # the default pair keeps the model's name; others name theirs
             label = model if cfg.modes == MODES else f"{model} {mode}/{reference}"
             rows += comparison_rows(label, ref.report, run.report)
+            notes += admission_lines(label, ref.report, run.report)
             rows.append(Row(label, "worker", "process wall s", ref.wall_s, run.wall_s))
     print()
     print(format_table(rows))
+    if notes:
+        print()
+        print(*notes, sep="\n")
     problems = run_failures(runs)
     for run in runs:
         for where, text in ((run.report or {}).get("tracebacks") or {}).items():
@@ -97,6 +108,7 @@ def run_driver(args: argparse.Namespace, cfg: BenchConfig) -> int:
             "total_wall_s": total,
             "runs": [asdict(r) for r in runs],
             "table": [{**asdict(row), "ratio": row.ratio} for row in rows],
+            "notes": notes,
             "problems": problems,
         }
         Path(args.json).write_text(json.dumps(payload, indent=1, default=str))

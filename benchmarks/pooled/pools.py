@@ -44,6 +44,8 @@ class KVSample:
     running: int
     reserved_bytes: int
     needed_bytes: float
+    #: requests waiting (never started, or preempted) after the step
+    waiting: int = 0
 
     @property
     def needed_over_reserved(self) -> float | None:
@@ -60,4 +62,5 @@ def sample_kv(scheduler: Any, geometry: KVGeometry, step: int) -> KVSample:
         running=len(running),
         reserved_bytes=sum(p.used_bytes for p in kv_pools(scheduler)),
         needed_bytes=geometry.bytes_needed(r.num_computed_tokens for r in running),
+        waiting=len(scheduler.waiting),
     )

@@ -76,6 +76,20 @@ MANY_SHORT_ROWS: tuple[tuple[str, str], ...] = (
     ("wall_s", "wall s"),
     ("cpu_s", "CPU s"),
 )
+ADMISSION_ROWS: tuple[tuple[str, str], ...] = (
+    ("state_page_padding", "state page padding"),
+    ("peak_running", "peak running requests"),
+    ("mean_running", "mean running requests"),
+    ("preemptions", "preemptions"),
+    ("engine_steps", "engine steps"),
+    ("byte_limit", "byte-limited concurrency (own pages)"),
+    ("byte_limit_mean", "byte limit, mean footprint"),
+    ("peak_over_byte_limit", "peak running / byte limit"),
+    ("mean_running_waiting", "mean running while requests wait"),
+    ("waiting_running_over_byte_limit", "running while requests wait / limit"),
+    ("wall_s", "wall s"),
+    ("cpu_s", "CPU s"),
+)
 ONE_LONG_ROWS: tuple[tuple[str, str], ...] = (
     ("longest_prompt", "longest prompt"),
     ("reported_capacity_tokens", "reported capacity"),
@@ -133,6 +147,12 @@ def comparison_rows(model: str, up: dict | None, ov: dict | None) -> list[Row]:
             Row(model, "many_short", label, _metric(wu, key), _metric(wo, key))
             for key, label in MANY_SHORT_ROWS
         ]
+    wu, wo = _workload(up, "admission"), _workload(ov, "admission")
+    if wu or wo:
+        rows += [
+            Row(model, "admission", label, _metric(wu, key), _metric(wo, key))
+            for key, label in ADMISSION_ROWS
+        ]
     pu = _workload(up, "one_long").get("parts", {})
     po = _workload(ov, "one_long").get("parts", {})
     for part in list(dict.fromkeys([*pu, *po])):
@@ -155,3 +175,23 @@ def run_failures(runs: Sequence[WorkerRun]) -> list[str]:
             continue
         problems += [f"{where}: {err}" for err in run.report.get("errors", [])]
     return problems
+
+
+def admission_lines(
+    model: str, up: dict[str, Any] | None, ov: dict[str, Any] | None
+) -> list[str]:
+    """The admission workload's acceptance checks (pooled mode against the
+    byte limit and upstream) and the probe's diagnosis of the pooled drive;
+    nothing when the workload did not run in both modes."""
+    from .admission import acceptance, diagnosis_lines
+
+    wu, wo = _workload(up, "admission"), _workload(ov, "admission")
+    if not (wu and wo):
+        return []
+    checks = acceptance(wu.get("metrics", {}), wo.get("metrics", {}))
+    lines = [f"{model} admission: " + check.line() for check in checks]
+    lines += [
+        f"{model} admission, pooled drive: " + line
+        for line in diagnosis_lines(wo.get("details", {}))
+    ]
+    return lines

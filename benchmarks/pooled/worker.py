@@ -15,6 +15,7 @@ from benchmarks.harness import tiny_model
 from vllm_hybrid import plugin
 from vllm_hybrid.tools.plan.geometry import kv_geometry
 
+from .admission import run_admission
 from .config import NO_PREFIX_CACHING_KINDS, BenchConfig
 from .engine import Engine, engine_kwargs, open_engine
 from .workloads import run_many_short, run_one_long
@@ -51,9 +52,10 @@ def engine_specs(
     model_path: str, kind: str, cfg: BenchConfig, mode: str = "overlay"
 ) -> dict[str, dict[str, Any]]:
     """The ``vllm.LLM`` arguments of the engines a worker in ``mode`` may
-    need, by purpose: ``main`` (many_short) and one_long's, one
-    sequence at its own budget, ``max_model_len`` auto-fitted to it (-1, the
-    only setting upstream starts with at 5 MiB) and its own block size."""
+    need, by purpose: ``main`` (many_short), ``admission`` (main's at its
+    own block size) and one_long's, one sequence at its own budget,
+    ``max_model_len`` auto-fitted to it (-1, the only setting upstream starts
+    with at 5 MiB) and its own block size."""
     pc = kind not in NO_PREFIX_CACHING_KINDS
     main = engine_kwargs(model_path, cfg, pc, mode)
     one_long = {
@@ -66,7 +68,10 @@ def engine_specs(
     one_long.pop("mamba_block_size", None)
     if cfg.one_long_block_size is not None:
         one_long["block_size"] = cfg.one_long_block_size
-    specs = {"main": main, "one_long_pc_off": one_long}
+    admission = {**main}
+    if cfg.admission_block_size is not None:
+        admission["block_size"] = cfg.admission_block_size
+    specs = {"main": main, "admission": admission, "one_long_pc_off": one_long}
     if pc:
         specs["one_long_pc_on"] = {**one_long, "enable_prefix_caching": True}
     return specs
@@ -145,6 +150,14 @@ def run_worker(
             _with_engine(report, "main", specs["main"], many_short)
         if "one_long" in selected:
             _run_one_long(report, specs, cfg)
+        if "admission" in selected:
+
+            def admission(engine: Engine) -> None:
+                run = _timed(report, "admission", lambda: run_admission(engine, cfg))
+                if run is not None:
+                    report.workloads["admission"] = run
+
+            _with_engine(report, "admission", specs["admission"], admission)
     except Exception as exc:
         report.record_error("worker", exc)
     state = plugin.state()  # None: the overlay was never activated here
