@@ -339,6 +339,15 @@ class StepTrace:
     admission_stop: str | None = None
 
 
+def _distinct_blocks(managers: Sequence[Any], request_id: str) -> int:
+    """Blocks a request holds in ``managers``: distinct ids, as a state
+    advanced in place sits in two slots of its block table for a step."""
+    return sum(
+        len({b.block_id for b in m.req_to_blocks.get(request_id, ()) if not b.is_null})
+        for m in managers
+    )
+
+
 def _status(request: Any) -> str:
     from vllm.v1.request import RequestStatus
 
@@ -602,16 +611,8 @@ class AdmissionProbe:
         token_blocks = 0
         for request in sched.running:
             rid = request.request_id
-            held[
-                sum(
-                    sum(1 for b in m.req_to_blocks.get(rid, ()) if not b.is_null)
-                    for m in self._state_managers
-                )
-            ] += 1
-            token_blocks += sum(
-                sum(1 for b in m.req_to_blocks.get(rid, ()) if not b.is_null)
-                for m in self._token_managers
-            )
+            held[_distinct_blocks(self._state_managers, rid)] += 1
+            token_blocks += _distinct_blocks(self._token_managers, rid)
         step.state_blocks_held = dict(sorted(held.items()))
         step.projected_bytes = sum(self._footprint(r) for r in sched.running)
         step.used_bytes = (
@@ -676,6 +677,13 @@ class AdmissionProbe:
             "state_blocks_held_request_steps": dict(sorted(held.items())),
             "boundary_moves": dict(moves),
             "token_blocks_moved": sum(s.token_blocks_moved for s in self.steps),
+            # the coordinator's own counts: state block edges crossed in
+            # place (short of memory, or at edges no policy keeps) and
+            # running state blocks moved away from the boundary
+            "coordinator": {
+                **getattr(self.coordinator, "short_memory_counts", {}),
+                "relocations": getattr(self.coordinator, "relocations", 0),
+            },
         }
 
     def trace(self) -> list[dict[str, Any]]:
@@ -871,6 +879,15 @@ def diagnosis_lines(details: dict[str, Any], top: int = 6) -> list[str]:
         if text.endswith(f": {key}") or text == key
     ]
     lines += [f"{key}: {REASONS[key]}" for key in dict.fromkeys(seen)]
+    counts = probe.get("coordinator") or {}
+    if counts:
+        lines.append(
+            "state block edges crossed in place: "
+            f"{counts.get('state_in_place', 0)} short of memory, "
+            f"{counts.get('edges_in_place', 0)} at edges no policy keeps; "
+            f"running state blocks moved off the boundary: "
+            f"{counts.get('relocations', 0)}"
+        )
     moves = probe["boundary_moves"]
     lines.append(
         f"boundary moves: state pool grew {moves.get('state', 0)}, token pool "
