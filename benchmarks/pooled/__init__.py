@@ -8,6 +8,9 @@ runs, in layers:
 * :mod:`.engine`: engines, driven by the simulator's ``Driver``;
 * :mod:`.workloads`: what runs on the engines: the simulator's many_short
   and its counts, and the one_long search;
+* :mod:`.admission`: the admission workload (many_short's requests at a
+  block where upstream pads the state page), its byte limit and the probe
+  that traces pooled admission step by step;
 * :mod:`.worker`: one model in one mode, in its own process (the overlay
   reads its switch once per process);
 * :mod:`.driver`: the worker processes, started as the simulator starts its
