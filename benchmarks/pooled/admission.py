@@ -257,7 +257,7 @@ def plan_refusal(
     if any((id(token), i) in kept for i in lost):
         return "state_short_kept_token"
     if any(token.blocks[i].ref_cnt for i in lost):
-        # the plan may still move them (clear_way); the caller checks
+        # the plan may still move them (plan_moves); the caller checks
         return "state_short_live_token_pins"
     return None
 
@@ -416,7 +416,7 @@ class AdmissionProbe:
         )
         schedule = sched.schedule
         allocate = manager.allocate_slots
-        count = coordinator.get_num_blocks_to_allocate
+        count = coordinator.admit
         plan = boundary._plan
         move = boundary._move_to
         preempt = sched._preempt_request
@@ -444,12 +444,12 @@ class AdmissionProbe:
 
         def probed_count(
             request_id: str, num_tokens: int, *args: Any, **kwargs: Any
-        ) -> int:
+        ) -> Any:
             # vLLM's full-prompt check passes apply_admission_cap
             record: dict[str, Any] = {
                 "attempts": [],
                 "full": bool(kwargs.get("apply_admission_cap")),
-                "reserve": coordinator.admission_reserve,
+                "reserve": kwargs.get("reserve", 0),
             }
             if self._alloc is not None:
                 self._alloc["counts"].append(record)
@@ -495,7 +495,7 @@ class AdmissionProbe:
 
         sched.schedule = probed_schedule
         manager.allocate_slots = probed_allocate
-        coordinator.get_num_blocks_to_allocate = probed_count
+        coordinator.admit = probed_count
         boundary._plan = probed_plan
         boundary._move_to = probed_move
         sched._preempt_request = probed_preempt
@@ -556,7 +556,7 @@ class AdmissionProbe:
         block = self._state_block_size()
         phase, edge = "decode", False
         if served is not None:
-            from vllm_hybrid.v1.core.pooled.policy import prefill_end
+            from vllm_hybrid.v1.core.pooled.policy.steps import prefill_end
 
             computed = served.num_computed_tokens
             phase = "prefill" if computed < prefill_end(served) else "decode"
@@ -601,7 +601,7 @@ class AdmissionProbe:
         step.preempted = len(step.preemptions)
         step.scheduled_tokens = output.total_num_scheduled_tokens
         step.token_budget = sched.max_num_scheduled_tokens
-        step.reserve = self.coordinator.admission_reserve
+        step.reserve = self.manager.watermark_blocks
         step.state_floor_after = self.boundary.state_floor
         step.token_owned = token.owned_capacity
         step.token_used = token.owned_capacity - token.get_num_free_blocks()
@@ -680,10 +680,7 @@ class AdmissionProbe:
             # the coordinator's own counts: state block edges crossed in
             # place (short of memory, or at edges no policy keeps) and
             # running state blocks moved away from the boundary
-            "coordinator": {
-                **getattr(self.coordinator, "short_memory_counts", {}),
-                "relocations": getattr(self.coordinator, "relocations", 0),
-            },
+            "coordinator": dict(getattr(self.coordinator, "short_memory_counts", {})),
         }
 
     def trace(self) -> list[dict[str, Any]]:
@@ -725,7 +722,7 @@ def engine_byte_limit(
 def run_admission(engine: Any, cfg: Any) -> dict[str, Any]:
     """many_short's requests on the admission engine, with the byte limit of
     its pages and, in pooled mode, the admission probe."""
-    from vllm_hybrid.tools.inproc import llm_vocab
+    from testing.inproc import llm_vocab
     from vllm_hybrid.tools.plan.geometry import kv_geometry
     from vllm_hybrid.tools.simulate.sources import ManyShortShape, ManyShortWorkload
     from vllm_hybrid.v1.core.pooled.coordinator import arena_of

@@ -392,7 +392,7 @@ def test_admission_is_asked_for_by_name_at_its_own_block():
 def test_plan_refusal_names_what_pins_the_boundary():
     """The probe's read-only mirror of the boundary's plan, on a real arena:
     SMALL's token pool owns ids 3..11 and its state pool ids 5..9."""
-    from vllm_hybrid.v1.core.pooled.policy import Reach
+    from vllm_hybrid.v1.core.pooled.policy.eviction import Reach
 
     arena = KVArena(SMALL, enable_caching=False, hash_block_size=16)
     boundary = arena.boundary
