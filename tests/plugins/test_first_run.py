@@ -78,9 +78,8 @@ def test_bad_hybrid_kv_option_ends_with_one_line_before_any_engine():
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "vllm-hybrid: Unknown --additional-config hybrid_kv option(s) ['bogus']; "
-        "known options: ['couple_prefix_caches', 'max_page_growth', "
-        "'max_page_padding_pct', 'pooled', 'prefill_checkpoint_interval', "
-        "'retain_turn_ends']"
+        "known options: ['max_page_growth', 'max_page_padding_pct', 'pooled', "
+        "'prefill_checkpoint_interval', 'retain_turn_ends', 'token_moves']"
     )
 
 

@@ -18,7 +18,7 @@ MAX_PAGE_PADDING_PCT = "max_page_padding_pct"
 MAX_PAGE_GROWTH = "max_page_growth"
 PREFILL_CHECKPOINT_INTERVAL = "prefill_checkpoint_interval"
 #: Boolean options (defaults: the fields of :class:`HybridKVOptions`).
-_FLAGS = ("pooled", "couple_prefix_caches", "retain_turn_ends", "token_moves")
+_FLAGS = ("pooled", "retain_turn_ends", "token_moves")
 #: Every option of the ``hybrid_kv`` object.
 KNOWN_OPTIONS = frozenset(
     {*_FLAGS, MAX_PAGE_PADDING_PCT, MAX_PAGE_GROWTH, PREFILL_CHECKPOINT_INTERVAL}
@@ -59,10 +59,6 @@ class HybridKVOptions:
 
     #: Use pooled mode for hybrid models (default on).
     pooled: bool = True
-    #: Pooled mode with prefix caching: evict attention blocks no cached
-    #: state checkpoint needs, and checkpoints whose attention prefix is gone
-    #: (default on; off leaves each pool to its own LRU, for A/B runs).
-    couple_prefix_caches: bool = True
     #: Prefix caching in align mode: keep the state checkpoint at the last
     #: state block edge each request reached while decoding, the state a
     #: follow-up turn resumes from (:mod:`vllm_hybrid.v1.core.pooled.retention`).

@@ -305,22 +305,13 @@ def test_the_handle_reads_and_sets_the_pools_own_attributes():
     assert pool.touch is handle.touch and hits == ["block"]
 
 
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [({}, True), ({"couple_prefix_caches": False}, False)],
-)
-def test_option(raw, expected):
-    config = SimpleNamespace(additional_config={"hybrid_kv": raw})
-    assert HybridKVOptions.from_vllm_config(config).couple_prefix_caches is expected
-
-
-def test_option_must_be_a_bool():
+def test_coupling_has_no_option():
+    """The coupling is always on with prefix caching: the retired switch is
+    an unknown option, refused before any engine starts."""
     config = SimpleNamespace(
-        additional_config={"hybrid_kv": {"couple_prefix_caches": 0}}
+        additional_config={"hybrid_kv": {"couple_prefix_caches": False}}
     )
-    with pytest.raises(
-        ValueError, match=r"hybrid_kv.couple_prefix_caches must be true"
-    ):
+    with pytest.raises(ValueError, match=r"Unknown .* \['couple_prefix_caches'\]"):
         HybridKVOptions.from_vllm_config(config)
 
 

@@ -97,7 +97,7 @@ class PooledCoordinatorMixin:
         prefix caching is on and the token pool's groups are full attention
         (a sliding window needs only its tail blocks for a hit)."""
         config = self.kv_cache_config
-        if not (self.arena.token_pool.enable_caching and config.couple_prefix_caches):
+        if not self.arena.token_pool.enable_caching:
             return
         token_groups: dict[int, int] = {}
         for group_id, kind in enumerate(kinds):

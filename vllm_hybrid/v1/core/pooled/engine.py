@@ -225,7 +225,6 @@ def plan_pooled_configs(
         config.prefix_cache_retention_interval = (
             vllm_config.cache_config.prefix_cache_retention_interval
         )
-        config.couple_prefix_caches = options.couple_prefix_caches
         config.retain_turn_ends = options.retain_turn_ends
         config.token_moves = options.token_moves
         # align mode (prefix caching on) only: the policy says 0 otherwise

@@ -269,8 +269,6 @@ class PooledKVCacheConfig(KVCacheConfig):
     arena: ArenaLayout | None = None
     #: State blocks one running request holds at most (for capacity figures).
     max_state_blocks_per_request: int = 1
-    #: Couple the pools' prefix-cache eviction (see :mod:`.coupling`).
-    couple_prefix_caches: bool = True
     #: Keep each request's last decode checkpoint (turn-end retention).
     retain_turn_ends: bool = True
     #: Let live token blocks move off the arena's boundary (see :mod:`.moves`).
