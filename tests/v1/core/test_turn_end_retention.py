@@ -10,6 +10,7 @@ import random
 
 import pytest
 from engine_utils import generate_greedy, scheduler, with_engine
+from pooled_invariants import check_invariants
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +49,7 @@ def _two_turns(llm) -> dict:
     counts = getattr(coordinator, "turn_end_counts", None)
     arena = getattr(coordinator, "arena", None)
     if arena is not None:
-        arena.check_invariants()  # links, caches and free lists agree
+        check_invariants(arena)  # links, caches and free lists agree
     return {
         "hit": turn2.cached[0],
         "state_block": state_block,

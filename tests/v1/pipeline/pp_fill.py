@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[i]) for i in (2, 3)]
 
 from engine_utils import record_preemptions, scheduler  # noqa: E402
+from pooled_invariants import check_invariants  # noqa: E402
 
 MiB = 2**20
 OUTPUT_TOKENS = 8
@@ -54,7 +55,7 @@ def main(model: str, pp: str, budget_mib: str, max_model_len: str, out: str) -> 
 
     def schedule(*args, **kwargs):
         output = original_schedule(*args, **kwargs)
-        arena.check_invariants()
+        check_invariants(arena)
         peaks["token"] = max(peaks["token"], arena.token_pool.get_num_used_blocks())
         peaks["state"] = max(peaks["state"], arena.state_pool.get_num_used_blocks())
         peaks["steps"] += 1

@@ -33,6 +33,7 @@ from engine_utils import (  # noqa: E402
     scheduler,
     with_engine,
 )
+from pooled_invariants import check_invariants  # noqa: E402
 
 MiB = 2**20
 SPECULATIVE = {
@@ -135,7 +136,7 @@ def run_engine(
                 getattr(mamba_utils, name).host = host
         if arena is not None:
             # every block back in its pool, ids and boundary consistent
-            arena.check_invariants()
+            check_invariants(arena)
             assert [p.used_bytes for p in arena.usage().pools] == [0, 0]
         plan = type(scheduler(llm).kv_cache_config).__name__
         return passes, plan, most

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from pooled_invariants import check_invariants
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -109,7 +110,7 @@ def test_layout_math_realistic_sizes():
     assert arena.state_pool.num_gpu_blocks == len(arena.state_pool.blocks) == 3
     assert arena.token_pool.get_num_free_blocks() == 15
     assert arena.state_pool.get_num_free_blocks() == 1
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_layout_state_block_smaller_than_token_block():
@@ -169,7 +170,7 @@ def test_allocation_order_token_lowest_state_highest():
     assert free_order(st_) == [9, 7, 6, 5]
     assert ids(tok.get_new_blocks(2)) == [4, 6]
     assert ids(st_.get_new_blocks(1)) == [9]
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_cached_blocks_after_clean_ones_in_lru_order():
@@ -193,7 +194,7 @@ def test_cached_blocks_after_clean_ones_in_lru_order():
     assert tok.get_cached_block(BlockHash(b"g"), [0]) is None  # was block 9
     assert tok.get_cached_block(BlockHash(b"c"), [0]) is None  # was block 5
     assert tok.get_cached_block(BlockHash(b"e"), [0]) == [tok.blocks[7]]
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_prepend_n_puts_cached_blocks_at_lru_head():
@@ -340,7 +341,7 @@ def test_token_pool_grows_on_demand():
     assert arena.boundary_bytes == 70
     assert arena.token_pool.owned_ids == range(3, 17)
     assert arena.state_pool.owned_ids == range(7, 10)
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_state_pool_grows_on_demand_and_back():
@@ -354,7 +355,7 @@ def test_state_pool_grows_on_demand_and_back():
     assert arena.boundary_bytes == 50
     assert arena.token_pool.owned_ids == range(3, 12)
     assert arena.state_pool.owned_ids == range(5, 10)
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_min_floors_are_respected():
@@ -368,7 +369,7 @@ def test_min_floors_are_respected():
     assert (arena.token_capacity, arena.state_capacity) == (17, 2)
     with pytest.raises(ValueError, match="Cannot get 18 free blocks from the pool"):
         arena.token_pool.get_new_blocks(18)
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_other_pool_keeps_its_need():
@@ -412,7 +413,7 @@ def test_live_token_block_at_boundary_pins_it():
     assert arena.boundary.ensure(0, 6)
     assert arena.boundary_bytes == 40
     assert tok.get_cached_block(BlockHash(b"c"), [0]) is None
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_live_state_block_at_boundary_pins_it():
@@ -451,7 +452,7 @@ def test_evicting_cached_block_in_the_way_emits_block_removed():
     assert st_.get_cached_block(BlockHash(b"s5"), [1]) is None
     assert arena.token_pool.take_events() == []
     assert arena.token_pool.owned_ids == range(3, 15)
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_reset_prefix_cache_only_when_everything_is_free():
@@ -477,7 +478,7 @@ def test_reset_prefix_cache_only_when_everything_is_free():
     # token pool hands out the state pool's events too
     assert [type(e) for e in tok.take_events()] == [AllBlocksCleared] * 3
     assert st_.take_events() == []
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_usage_counts_owned_blocks_only():
@@ -496,7 +497,7 @@ def test_free_blocks_routes_mixed_list_to_owning_pools():
     arena.token_pool.free_blocks(s_blocks + t_blocks)
     assert arena.token_pool.get_num_free_blocks() == 9
     assert arena.state_pool.get_num_free_blocks() == 5
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 # ---------------------------------------------------------------------------
@@ -843,7 +844,7 @@ class ArenaMachine(RuleBasedStateMachine):
     def bookkeeping_is_consistent(self):
         if self.arena is None:
             return
-        self.arena.check_invariants()
+        check_invariants(self.arena)
         held = Counter(
             (b.pool.side, b.block_id) for bs in self.requests.values() for b in bs
         )
@@ -857,7 +858,7 @@ class ArenaMachine(RuleBasedStateMachine):
         for blocks in self.requests.values():
             self.pools()[0].free_blocks(reversed(blocks))
         self.requests.clear()
-        self.arena.check_invariants()
+        check_invariants(self.arena)
         for pool in self.pools():
             assert pool.get_num_free_blocks() == pool.owned_capacity
 
@@ -895,4 +896,4 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
     assert snapshot(arena) == before
     assert st_.get_cached_block(BlockHash(b"s5"), [1]) == [hit]
     assert arena.boundary.ensure(10, 0)  # without the hit, the move evicts it
-    arena.check_invariants()
+    check_invariants(arena)

@@ -11,6 +11,7 @@ ids 10 and 11, one more token block's room takes state id 5 (token ids
 from __future__ import annotations
 
 import pytest
+from pooled_invariants import check_invariants
 from test_arena import cache, make_arena
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
@@ -42,7 +43,7 @@ def test_the_state_pool_grows_into_clean_token_blocks_instead_of_evicting():
     (block,) = arena.state_pool.get_new_blocks(1)
     assert arena.state_floor == 4 and arena.token_capacity == 7
     assert block.block_id == 4 and _cached(arena.state_pool) == 5
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 @pytest.mark.parametrize("filed_first", [True, False])
@@ -74,7 +75,7 @@ def test_the_state_pool_grows_only_into_token_entries_older_than_its_own(
     arena.state_pool.get_new_blocks(1)
     # grown, the state pool hands out the clean id 4; else its LRU entry goes
     assert _cached(arena.state_pool) == (5 if filed_first else 4)
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 @pytest.mark.parametrize("live", [2, 3])
@@ -87,7 +88,7 @@ def test_the_state_pool_leaves_the_token_pool_its_reserve(live):
     _state_pool_full_of_entries(arena)
     assert arena.boundary.ensure(0, 1)
     assert arena.state_floor == (4 if live == 2 else 5)
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 @pytest.mark.parametrize("state_older", [True, False])
@@ -109,4 +110,4 @@ def test_the_token_pool_takes_state_blocks_when_the_state_pool_is_staler(
     else:
         assert arena.state_floor == 5
         assert _cached(arena.token_pool) == 8 and _cached(arena.state_pool) == 5
-    arena.check_invariants()
+    check_invariants(arena)

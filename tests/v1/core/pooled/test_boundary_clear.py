@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from pooled_invariants import check_invariants
 from test_arena import cache, make_arena
 from test_eviction import Driver, use_pooled_manager
 
@@ -61,7 +62,7 @@ def test_the_blocks_next_to_the_boundary_follow_its_moves():
     assert queue.clean_at_boundary_ids() == [12, 13, 14]
     token.get_new_blocks(12)
     assert queue.clean_at_boundary_ids() == []
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_the_arena_keeps_clear_state_blocks_worth_of_token_ids(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from pooled_invariants import check_invariants
 from test_arena import SMALL, cache
 from test_arena_split import _cache_free, _cached
 from test_eviction import BLOCK, Driver, use_pooled_manager
@@ -80,7 +81,7 @@ def test_an_entry_that_saves_more_per_byte_outlives_one_that_saves_less(weighed,
         assert arena.state_floor == 6 and _cached(state) == 4
         assert boundary_block.block_hash is None
         assert _cached(arena.token_pool) == 9
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 @pytest.mark.parametrize("weighed", [True, False])
@@ -131,4 +132,4 @@ def test_a_checkpoint_saves_the_tokens_past_the_previous_one(monkeypatch):
     own = states["second"][144 // BLOCK - 1]
     assert run(second, (6,)) == {150: None}
     assert policy.saves_of(own) == 144 - 64  # from its hit, not from 0
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from pooled_invariants import check_invariants
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -139,7 +140,7 @@ def test_tail_past_last_checkpoint_is_evicted_on_free():
         b.block_id for b in req.attn[:2]
     )
     assert arena.coupling.evictions == {"token": 2, "state": 0}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_uncoupled_arena_keeps_everything():
@@ -149,7 +150,7 @@ def test_uncoupled_arena_keeps_everything():
     req.compute(4, checkpoints=[1])
     req.free()
     assert cached(arena.token_pool, [tkey(h) for h in hashes]) == [True] * 4
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_evicting_a_checkpoint_evicts_the_blocks_only_it_needed():
@@ -161,7 +162,7 @@ def test_evicting_a_checkpoint_evicts_the_blocks_only_it_needed():
     sta.evict_blocks({req.state[1].block_id})
     assert cached(tok, [tkey(h) for h in hashes]) == [False] * 4
     assert tok.free_block_queue.cached_ids() == []
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_evicting_an_attention_block_evicts_the_checkpoints_past_it():
@@ -173,7 +174,7 @@ def test_evicting_an_attention_block_evicts_the_checkpoints_past_it():
     assert cached(sta, [skey(hashes[0]), skey(hashes[3])]) == [True, False]
     assert cached(tok, [tkey(h) for h in hashes]) == [True, False, False, False]
     assert arena.coupling.evictions == {"token": 2, "state": 1}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_blocks_in_use_are_checked_again_when_freed():
@@ -187,7 +188,7 @@ def test_blocks_in_use_are_checked_again_when_freed():
     sta.free_blocks([holder.state[1]])
     assert cached(sta, [skey(hashes[1])]) == [False]
     assert sta.free_block_queue.cached_ids() == []
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_a_hit_keeps_shared_prefix_alive():
@@ -211,7 +212,7 @@ def test_a_hit_keeps_shared_prefix_alive():
     sta.evict_blocks({first.state[2].block_id})
     keys = [tkey(h) for h in shared + chain("x", 1) + chain("y", 1)]
     assert cached(tok, keys) == [True, True, False, True]
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_resetting_one_pool_keeps_the_links_consistent():
@@ -225,7 +226,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     tok.free_blocks(reversed(req.attn))
     # No checkpoint is left, so no attention block can be hit: all evicted.
     assert tok.free_block_queue.cached_ids() == []
-    arena.check_invariants()
+    check_invariants(arena)
     # The other way round: a busy state pool, the token pool reset.
     req = Req(arena, hashes)
     req.compute(3, checkpoints=[2])
@@ -235,14 +236,14 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     sta.free_blocks([req.state[2]])
     assert sta.free_block_queue.cached_ids() == []
     assert arena.coupling.links.broken == set()
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_reset_clears_links():
     arena, _, _ = computed(2, [1])
     assert arena.reset_prefix_cache()
     assert arena.coupling.links.needs == {} and arena.coupling.links.needed_by == {}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_a_pool_records_its_events_and_the_coupling_acts_when_it_settles():
@@ -267,13 +268,13 @@ def test_a_pool_records_its_events_and_the_coupling_acts_when_it_settles():
     assert coupling.links.needs == {}
     assert cached(tok, [tkey(h) for h in hashes]) == [True] * 4
     with pytest.raises(AssertionError, match="unhandled prefix-cache events"):
-        arena.check_invariants()
+        check_invariants(arena)
     coupling.settle(req.request)  # what the handle does after caching
     assert coupling.pending == []
     assert len(coupling.links.needs[skey(hashes[1])]) == 2
     assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
     assert coupling.evictions == {"token": 2, "state": 0}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_eviction_by_ids_counts_what_each_one_made_dead():
@@ -287,7 +288,7 @@ def test_eviction_by_ids_counts_what_each_one_made_dead():
     assert cached(tok, [tkey(h) for h in hashes]) == [False] * 4
     assert cached(arena.state_pool, [skey(hashes[3])]) == [False]
     assert arena.coupling.evictions == {"token": 3, "state": 1}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_the_handle_reads_and_sets_the_pools_own_attributes():
@@ -468,7 +469,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
     @invariant()
     def coupled(self):
         if self.arena is not None:
-            self.arena.check_invariants()
+            check_invariants(self.arena)
 
     @invariant()
     def ranked_checkpoints_are_evicted_first(self):
@@ -496,7 +497,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
             req.free()
         for pool, blocks in self.held:
             pool.free_blocks(blocks)
-        self.arena.check_invariants()
+        check_invariants(self.arena)
         for pool in (self.arena.token_pool, self.arena.state_pool):
             assert pool.get_num_free_blocks() == pool.owned_capacity
 

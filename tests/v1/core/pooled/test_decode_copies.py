@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from engine_utils import generate_greedy, scheduler, with_engine
+from pooled_invariants import check_invariants
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,7 @@ def _two_turns(llm: Any) -> dict:
     follow_up = first + turn1.tokens[0] + [rng.randrange(10, 900) for _ in range(40)]
     turn2 = generate_greedy(llm, [{"prompt_token_ids": follow_up}], 4)
     coordinator = scheduler(llm).kv_cache_manager.coordinator
-    coordinator.arena.check_invariants()
+    check_invariants(coordinator.arena)
     return {
         "edges": list(edges),
         "hit": turn2.cached[0],

@@ -20,6 +20,7 @@ from engine_utils import (
     scheduler,
     with_engine,
 )
+from pooled_invariants import check_invariants
 
 pytestmark = pytest.mark.slow
 
@@ -108,13 +109,13 @@ def _measure(llm, mode: str, repeat: bool) -> dict:
         if coupling is not None:
             evictions = {k.value: n for k, n in coupling.evictions.items()}
             out["links"] = {"linked": len(coupling.links.needs), **evictions}
-        coord.arena.check_invariants()
+        check_invariants(coord.arena)
         llm.reset_prefix_cache()
         out["free_after"] = {
             kind: (pool.get_num_free_blocks(), pool.owned_capacity)
             for kind, pool in coord.pools.items()
         }
-        coord.arena.check_invariants()
+        check_invariants(coord.arena)
     return out
 
 

@@ -22,6 +22,7 @@ import random
 
 import pytest
 import torch
+from pooled_invariants import check_invariants
 from test_arena import cache, free_order, make_arena
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -70,11 +71,11 @@ def test_entries_hit_twice_are_handed_out_last():
     # clean blocks, then the LRU of ordinary entries, then protected ones
     assert free_order(pool)[-3:] == [5, 3, 4]
     assert queue.policy.hit_counts() == {3: 1, 4: 2}
-    arena.check_invariants()
+    check_invariants(arena)
     # reused (evicted) it starts over
     pool.evict_blocks({4})
     assert queue.protected_ids() == [] and queue.policy.hit_counts() == {3: 1}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_serving_without_protected_entries_spares_them():
@@ -94,7 +95,7 @@ def test_serving_without_protected_entries_spares_them():
     got = pool.get_new_blocks(free)
     assert block not in got
     assert pool.free_block_queue.is_protected(block) and block.block_hash is not None
-    arena.check_invariants()
+    check_invariants(arena)
     # with nothing left to spare it, it goes like any cached block
     pool.free_blocks(got)
     everything = pool.get_num_free_blocks() + arena.token_pool.get_num_free_blocks()
@@ -143,7 +144,7 @@ def test_turn_ends_are_ranked_like_any_entry_while_they_serve_more_hits():
         eviction.rank_entry(pool, prefill, Entry.PREFILL)
     eviction.rank_entry(pool, end, Entry.TURN_END)
     assert queue.cached_ids()[0] == end.block_id
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
@@ -176,7 +177,7 @@ def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
     cache(pool, last, b"reused")
     pool.touch([last])
     assert policy.rival_hits[Entry.PREFILL_LAST] == 1.0
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_rival_hits_are_halved_so_recent_traffic_decides():
@@ -351,7 +352,7 @@ def test_a_shared_prefix_outlives_a_burst_of_one_off_prompts(
     for i in range(5):
         driver.serve(driver.request(f"once{i}", _one_off(6 * BLOCK + 1, i)))
     assert driver.hits_shared() == (64 if protect_after == 2 else 0)
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)
 
 
 def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
@@ -387,7 +388,7 @@ def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
     assert driver.hits_shared() == 64
     again = driver.request("again", [*long.all_token_ids[: 8 * BLOCK], 5])
     assert driver.admit(again) == 0  # its checkpoint at 128 was lost
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)
 
 
 def test_a_new_request_evicts_a_protected_entry_when_nothing_else_serves(driver):
@@ -408,7 +409,7 @@ def test_a_new_request_evicts_a_protected_entry_when_nothing_else_serves(driver)
     for request in (first, second):
         driver.manager.free(request)
     assert driver.hits_shared() == 0
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)
 
 
 def test_a_request_nothing_serves_is_refused_and_changes_nothing(driver):
@@ -481,4 +482,4 @@ def test_a_state_next_to_the_boundary_moves_while_new_requests_are_refused(
     _decode_to(driver, running, 5 * BLOCK + 1)
     assert counts["edges_in_place"] == 2 and counts["relocations"] == 1
     assert _state_blocks(driver, running)[-1] == moved
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)

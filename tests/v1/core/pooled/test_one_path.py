@@ -11,6 +11,7 @@ are ``test_eviction``'s plans.
 
 from __future__ import annotations
 
+from pooled_invariants import check_invariants
 from test_arena import snapshot
 from test_eviction import BLOCK, Driver, _one_off, use_pooled_manager
 
@@ -108,7 +109,7 @@ def test_counting_a_crossing_in_place_twice_changes_nothing(monkeypatch):
     assert driver.coordinator.short_memory_counts["state_in_place"] == 0
     assert driver.step(long)
     assert driver.coordinator.short_memory_counts["state_in_place"] == 1
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)
 
 
 def test_a_refused_count_changes_nothing(monkeypatch):

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from pooled_invariants import check_invariants
 from test_eviction import BLOCK, Driver, use_pooled_manager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -250,7 +251,7 @@ def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval, ancho
     assert counts.prefill_by_request == {}
     shared = driver.request("shared", tokens[:70] + [5, 6])
     assert driver.admit(shared) == (64 if interval else 0)
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)
 
 
 @pytest.mark.slow
@@ -311,4 +312,4 @@ def test_a_junction_seen_twice_is_kept(monkeypatch):
     assert serve("first", 1) == (0, 0)
     assert serve("second", 2) == (0, 64)
     assert serve("third", 3)[0] == 64
-    driver.arena.check_invariants()
+    check_invariants(driver.arena)

@@ -22,6 +22,7 @@ from engine_utils import (
     scheduler,
     with_engine,
 )
+from pooled_invariants import check_invariants
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,7 @@ def runs(tiny_model_dir):
             k: (p.get_num_free_blocks(), p.owned_capacity)
             for k, p in coord.pools.items()
         }
-        coord.arena.check_invariants()
+        check_invariants(coord.arena)
         return dict(
             prompt=prompt,
             max_len=max_len,

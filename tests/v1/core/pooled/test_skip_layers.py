@@ -16,6 +16,7 @@ import random
 
 import pytest
 from engine_utils import generate_greedy, near_tie_differences, scheduler, with_engine
+from pooled_invariants import check_invariants
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def _run(llm, pooled: bool) -> dict:
     out["config"] = sched.kv_cache_config
     if pooled:
         coordinator = sched.kv_cache_manager.coordinator
-        coordinator.arena.check_invariants()
+        check_invariants(coordinator.arena)
         llm.reset_prefix_cache()
         out["used_after"] = {
             kind.value: pool.get_num_used_blocks()

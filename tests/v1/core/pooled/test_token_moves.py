@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from hypothesis import given
 from hypothesis import strategies as st
+from pooled_invariants import check_invariants
 from test_arena import cache, key, make_arena
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
@@ -51,7 +52,7 @@ def test_live_token_blocks_move_so_that_the_state_pool_can_grow():
     assert arena.take_token_moves() == {}
     (state,) = arena.state_pool.get_new_blocks(1)
     assert state.block_id == 4
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_nothing_moves_when_too_few_token_blocks_are_free_elsewhere():
@@ -62,7 +63,7 @@ def test_nothing_moves_when_too_few_token_blocks_are_free_elsewhere():
     assert [b.block_id for b in held] == list(range(3, 12))
     assert arena.state_floor == 5
     assert arena.take_token_moves() == {}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_moves_leave_room_for_the_token_need_they_serve_with():
@@ -73,7 +74,7 @@ def test_moves_leave_room_for_the_token_need_they_serve_with():
     assert arena.take_token_moves() == {}
     assert arena.boundary.ensure(1, 1)
     assert arena.take_token_moves() == {10: 3, 11: 4}
-    arena.check_invariants()
+    check_invariants(arena)
 
 
 def test_moves_in_one_step_compose_into_one_mapping():
@@ -170,4 +171,4 @@ def test_a_worker_applying_the_moves_keeps_the_schedulers_block_ids(ops):
             for block in blocks:
                 assert content[id(block)] is memory[block.block_id]
                 assert block.block_id in token.owned_ids
-        arena.check_invariants()
+        check_invariants(arena)

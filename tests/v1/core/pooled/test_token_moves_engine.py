@@ -18,6 +18,7 @@ import random
 
 import pytest
 from engine_utils import generate_greedy, scheduler, with_engine
+from pooled_invariants import check_invariants
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +83,7 @@ def _passes(llm) -> dict:
         out[name] = greedy.tokens
         out[f"{name}_counts"] = counts
         out[f"{name}_hits"] = sum(greedy.cached or [])
-        arena.check_invariants()
+        check_invariants(arena)
     return out
 
 

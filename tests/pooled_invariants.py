@@ -1,0 +1,98 @@
+"""The arena's bookkeeping checked whole, for tests: ownership, free queues,
+segments and the prefix-cache coupling agree.
+
+Tests and test scripts call :func:`check_invariants` after every step or
+workload; the package itself never does.
+"""
+
+from __future__ import annotations
+
+from vllm_hybrid.v1.core.pooled.arena import KVArena
+from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)
+
+
+def check_invariants(arena: KVArena) -> None:
+    """Raise AssertionError if the arena's bookkeeping is inconsistent."""
+    layout = arena.layout
+    s_floor = arena.boundary.state_floor
+    _require(
+        layout.min_state_floor <= s_floor <= layout.max_state_floor,
+        f"state floor {s_floor} outside [{layout.min_state_floor}, "
+        f"{layout.max_state_floor}]",
+    )
+    token_ids, state_ids = arena.token_pool.owned_ids, arena.state_pool.owned_ids
+    _require(token_ids == layout.token_ids_at(s_floor), "token ownership drift")
+    _require(state_ids == layout.state_ids_at(s_floor), "state ownership drift")
+    if token_ids and state_ids:
+        _require(
+            token_ids.stop * layout.token_block_bytes
+            <= layout.state_offset + state_ids.start * layout.state_block_bytes,
+            "a byte is owned by both pools",
+        )
+    _require(
+        token_ids.start >= layout.first_token_id
+        and state_ids.start >= layout.first_state_id,
+        "a pool owns a null or reserved id",
+    )
+    _require(
+        state_ids.stop == layout.num_state_ids
+        and token_ids.stop <= layout.num_token_ids,
+        "a pool owns ids past the arena",
+    )
+    for handle in (arena.token_pool, arena.state_pool):
+        check_pool(handle.pool)
+    if arena.coupling is not None:
+        arena.coupling.check()
+
+
+def check_pool(pool: ArenaBlockPool) -> None:
+    """One pool's part of :func:`check_invariants`: its free queue holds
+    exactly its owned blocks at reference 0, each in the right segment."""
+    name = pool.side.value
+    queue = pool.free_block_queue
+    owned = pool.owned_ids
+    _require(pool.null_block is pool.blocks[0] and pool.null_block.is_null, "null")
+    _require(pool.null_block not in queue, f"{name}: null block in free queue")
+    free_ids = set(queue.clean_ids()) | set(queue.cached_ids())
+    _require(len(free_ids) == queue.num_free_blocks, f"{name}: queue count")
+    expected = {i for i in owned if pool.blocks[i].ref_cnt == 0}
+    _require(free_ids == expected, f"{name}: free queue != owned blocks at ref 0")
+    used = sum(1 for i in owned if pool.blocks[i].ref_cnt > 0)
+    _require(
+        queue.num_free_blocks + used == pool.owned_capacity,
+        f"{name}: free + used != owned capacity",
+    )
+    for i in queue.clean_ids():
+        _require(pool.blocks[i].block_hash is None, f"{name}: hashed block {i} clean")
+    policy = queue.policy
+    held = policy.held_from
+    _require(
+        set(queue.clean_at_boundary_ids())
+        == {i for i in queue.clean_ids() if held is not None and i >= held},
+        f"{name}: clean blocks next to the boundary filed apart from the rest",
+    )
+    for i in queue.cached_ids():
+        block = pool.blocks[i]
+        _require(block.block_hash is not None, f"{name}: cached {i} no hash")
+        _require(
+            queue.is_protected(block) == policy.is_proven(block),
+            f"{name}: cached block {i} in the wrong LRU segment",
+        )
+    for i in policy.hit_counts():
+        _require(pool.blocks[i].block_hash is not None, f"{name}: hits of clean {i}")
+    for i, block in enumerate(pool.blocks):
+        _require(block.block_id == i, f"{name}: block {block.block_id} at id {i}")
+    for block in pool.blocks[1:]:
+        _require(block.ref_cnt >= 0, f"{name}: block {block.block_id} ref_cnt < 0")
+        if block.block_id not in owned:
+            _require(
+                block.ref_cnt == 0
+                and block.block_hash is None
+                and block.block_id not in pool.cached_block_hashes_by_block,
+                f"{name}: unowned block {block.block_id} is in use or cached",
+            )
