@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.links import CheckpointLinks, StateKey, TokenKey
 
 
 def _require(condition: bool, message: str) -> None:
@@ -96,3 +97,12 @@ def check_pool(pool: ArenaBlockPool) -> None:
                 and block.block_id not in pool.cached_block_hashes_by_block,
                 f"{name}: unowned block {block.block_id} is in use or cached",
             )
+
+
+def needed_by(links: CheckpointLinks) -> dict[TokenKey, set[StateKey]]:
+    """The checkpoints needing each token key: the links read backwards."""
+    users: dict[TokenKey, set[StateKey]] = {}
+    for state_key, keys in links.needs.items():
+        for token_key in keys:
+            users.setdefault(token_key, set()).add(state_key)
+    return users

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pooled_invariants import check_invariants
+from pooled_invariants import check_invariants, needed_by
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -116,10 +116,15 @@ def cached(pool, keys) -> list[bool]:
 def test_links_unit():
     links = CheckpointLinks({0: 16}, 16)
     a, b = chain("a", 3), chain("b", 3)
-    assert links.token_keys(a, 40) == (tkey(a[0]), tkey(a[1]))
-    links.link(skey(a[1]), links.token_keys(a, 32))
-    links.link(skey(a[2]), links.token_keys(a, 48))
-    links.link(skey(b[0]), links.token_keys(b, 16))
+
+    def cached(key):
+        return True
+
+    # a checkpoint needs the full attention blocks wholly inside its prefix
+    links.link_if_cached(skey(a[1]), a, 40, cached)
+    assert links.needs == {skey(a[1]): (tkey(a[0]), tkey(a[1]))}
+    links.link_if_cached(skey(a[2]), a, 48, cached)
+    links.link_if_cached(skey(b[0]), b, 16, cached)
     # Forgetting the deeper checkpoint orphans only the block it alone needed.
     assert links.forget_state(skey(a[2])) == [tkey(a[2])]
     # Losing an attention block breaks the checkpoint and orphans its prefix.
@@ -127,9 +132,13 @@ def test_links_unit():
     assert states == [skey(a[1])] and orphans == [tkey(a[1])]
     assert links.broken == {skey(a[1])}
     assert links.needs == {skey(b[0]): (tkey(b[0]),)}
-    assert links.needed_by == {tkey(b[0]): {skey(b[0])}}
-    links.link_incomplete(skey(b[0]))  # already linked: stays linked
+    assert needed_by(links) == {tkey(b[0]): {skey(b[0])}}
+    # already linked: stays linked, even when asked with a prefix not cached
+    links.link_if_cached(skey(b[0]), b, 16, lambda key: False)
     assert skey(b[0]) not in links.broken
+    # not linked yet and a block of its prefix not cached: broken from the start
+    links.link_if_cached(skey(b[1]), b, 32, lambda key: key != tkey(b[1]))
+    assert skey(b[1]) in links.broken and not links.is_linked(skey(b[1]))
 
 
 def test_tail_past_last_checkpoint_is_evicted_on_free():
@@ -222,7 +231,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     # The token pool is busy; only the state pool can be reset.
     assert not arena.reset_prefix_cache()
     assert sta.reset_prefix_cache()
-    assert arena.coupling.links.needs == {} and arena.coupling.links.needed_by == {}
+    assert arena.coupling.links.needs == {} and needed_by(arena.coupling.links) == {}
     tok.free_blocks(reversed(req.attn))
     # No checkpoint is left, so no attention block can be hit: all evicted.
     assert tok.free_block_queue.cached_ids() == []
@@ -242,7 +251,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
 def test_reset_clears_links():
     arena, _, _ = computed(2, [1])
     assert arena.reset_prefix_cache()
-    assert arena.coupling.links.needs == {} and arena.coupling.links.needed_by == {}
+    assert arena.coupling.links.needs == {} and needed_by(arena.coupling.links) == {}
     check_invariants(arena)
 
 

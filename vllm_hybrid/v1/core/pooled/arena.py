@@ -81,8 +81,6 @@ class KVArena:
             // layout.token_block_bytes
         )
 
-    # -- read side --------------------------------------------------------
-
     @property
     def boundary_bytes(self) -> int:
         """First byte of the state pool; the token pool ends at or below it."""
@@ -127,8 +125,6 @@ class KVArena:
         self.refusing_new = not admitted
         self.token_pool.clear_boundary(self.refusing_new)
 
-    # -- prefix-cache coupling ----------------------------------------------
-
     def couple_prefix_caches(self, token_groups: dict[int, int]) -> None:
         """Evict attention blocks no cached checkpoint needs and checkpoints
         whose attention prefix is gone (``token_groups``: block size of each
@@ -139,8 +135,6 @@ class KVArena:
         for handle in (self.token_pool, self.state_pool):
             handle.coupling = self.coupling
         self.boundary.coupling = self.coupling
-
-    # -- live token blocks moved off the boundary (.moves) -------------------
 
     def allow_token_moves(self, *listeners: Callable[[int, int], None]) -> None:
         """Let the boundary move live token blocks out of the state pool's
@@ -154,8 +148,6 @@ class KVArena:
         call (empty when none moved or moves are not allowed)."""
         moves = self.boundary.moves
         return moves.take() if moves is not None else {}
-
-    # -- whole-arena operations --------------------------------------------
 
     def reset_prefix_cache(self) -> bool:
         """Reset both pools' prefix caches, only if every owned block of both

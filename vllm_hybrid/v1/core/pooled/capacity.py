@@ -1,21 +1,7 @@
-"""Capacity of a KV cache plan: the one module that computes its figures.
-
-Every reader of a capacity figure takes it from here: the pooled planner
-(its too-small message and ``--max-model-len -1``), the engine's log line and
-``cache_config`` (pooled and single shared pool alike), the CUDA-graph sizing
-(how many requests' states the KV cache holds) and ``vllm-hybrid plan``. A
-change to what a capacity means is therefore made once, and the engine, the
-graphs and the planner tool cannot disagree about it.
-
-Both plan kinds are here, pooled mode's arena and upstream's single shared
-pool of a hybrid model, because the CUDA-graph sizing and the planner tool
-set them side by side. The module sits in ``pooled/`` because that is the
-lowest package all those readers may import: the planner is inside pooled
-mode, and the others are above it. It is arithmetic only: the arena's
-geometry comes from :mod:`~vllm_hybrid.v1.core.pooled.spec` and
-:mod:`~vllm_hybrid.v1.core.pooled.boundary`, the choice of which groups of a
-shared pool grow with the sequence from
-:mod:`vllm_hybrid.v1.core.token_capacity`.
+"""Every capacity figure of a KV cache plan, of pooled mode's arena and of
+upstream's single shared pool alike, computed here once so that the engine,
+the CUDA-graph sizing and ``vllm-hybrid plan`` cannot disagree. It sits in
+``pooled/`` because that is the lowest package all its readers may import.
 """
 
 from __future__ import annotations
@@ -35,35 +21,21 @@ if TYPE_CHECKING:
 
     from vllm_hybrid.v1.core.pooled.spec import ArenaLayout
 
-# ---------------------------------------------------------------------------
-# Pooled mode: one request, the arena
-# ---------------------------------------------------------------------------
-
 
 def max_state_blocks_per_request(spec: MambaSpec) -> int:
-    """State blocks one running request can hold at once.
-
-    ``none`` mode: one live state (plus speculative slots). ``align`` mode:
-    the running state, the previous one (freed a step later), speculative
-    slots and a prefill checkpoint where the layer type has one; upstream's
-    ``MambaSpec.max_memory_usage_bytes`` encodes the same count.
-    """
+    """State blocks one running request can hold at once (the count of
+    upstream's ``MambaSpec.max_memory_usage_bytes``; align mode adds the
+    previous state, freed a step later)."""
     if spec.mamba_cache_mode == "align":
         return 2 + spec.num_speculative_blocks + spec.num_prefill_checkpoint_blocks
     return 1 + spec.num_speculative_blocks
 
 
 def min_state_blocks_per_request(spec: MambaSpec) -> int:
-    """State blocks a lone request can run on.
-
-    In align mode the pooled coordinator lets a running request cross a
-    state block edge in the block it owns when the arena is short (see
-    ``PooledCoordinatorMixin._in_place_blocks``), so the copy target is not
-    needed; prefill checkpoints and speculative slots still are. This is the
-    floor of the state pool, what the longest single request is computed
-    with and what a full CUDA graph's row needs; concurrency figures keep
-    :func:`max_state_blocks_per_request`.
-    """
+    """State blocks a lone request can run on: in align mode a request
+    short of memory crosses an edge in the block it owns, so the copy target
+    is not needed. The state pool's floor and a CUDA graph row's need;
+    concurrency keeps :func:`max_state_blocks_per_request`."""
     if spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0:
         return 1 + spec.num_prefill_checkpoint_blocks
     return max_state_blocks_per_request(spec)
@@ -89,7 +61,7 @@ def request_bytes(
     state_blocks: int,
 ) -> RequestBytes:
     """Attention blocks for ``num_tokens`` tokens and ``state_blocks`` state
-    blocks: what the too-small message and the concurrency both count."""
+    blocks."""
     return RequestBytes(
         attention_bytes=cdiv(num_tokens, block_size) * token_block_bytes,
         state_bytes=state_blocks * state_block_bytes,
@@ -97,42 +69,37 @@ def request_bytes(
 
 
 def token_capacity(layout: ArenaLayout, block_size: int) -> int:
-    """Tokens one request can hold in ``layout``: the token pool with the
-    state pool at its floor."""
+    """Tokens one request can hold: the token pool, the state pool at its
+    floor."""
     return max_token_blocks(layout) * block_size
 
 
 def max_model_len_that_fits(
     arena: int, overlap: bool, tb: int, sb: int, block_size: int, per_req: int
 ) -> int:
-    """Longest sequence one request can hold in ``arena`` bytes (exact: block
-    ids and the state-block-aligned boundary included)."""
+    """Longest sequence one request can hold in ``arena`` bytes (exact)."""
     layout = plan_arena_layout(arena, tb, sb, per_req, overlap, per_req)
     return 0 if layout is None else token_capacity(layout, block_size)
 
 
 @dataclass(frozen=True)
 class PooledCapacity:
-    """Capacity figures of a pooled plan: what the engine logs and stores in
-    its cache config, and what ``vllm-hybrid plan`` prints."""
+    """Capacity figures of a pooled plan, as logged and printed."""
 
-    #: Tokens the token pool can hold for one request (state of one request
-    #: and the null blocks taken out).
+    #: Tokens the token pool can hold for one request (after its state).
     token_capacity: int
     #: Requests of ``max_model_len`` tokens that fit at once.
     max_concurrency: float
     #: Token blocks one request can use (the state pool at its floor).
     max_token_blocks: int
-    #: Bytes one request of ``max_model_len`` tokens holds at most: its
-    #: attention blocks and ``max_state_blocks_per_request`` state blocks.
+    #: Bytes one request of ``max_model_len`` tokens holds at most.
     bytes_per_request: int
     #: Bytes no block may use (the null blocks).
     null_region_bytes: int
 
 
 def pooled_capacity(config: PooledKVCacheConfig, max_model_len: int) -> PooledCapacity:
-    """The capacity figures of a pooled plan for requests of
-    ``max_model_len`` tokens."""
+    """:class:`PooledCapacity` for requests of ``max_model_len`` tokens."""
     token = config.pool_by_kind(PoolKind.TOKEN)
     state = config.pool_by_kind(PoolKind.STATE)
     block_size = config.kv_cache_groups[token.group_ids[0]].kv_cache_spec.block_size
@@ -155,11 +122,6 @@ def pooled_capacity(config: PooledKVCacheConfig, max_model_len: int) -> PooledCa
     )
 
 
-# ---------------------------------------------------------------------------
-# States the KV cache holds at once (what a full CUDA graph's rows need)
-# ---------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class StateRoom:
     """State blocks a KV cache can give running requests at once."""
@@ -169,8 +131,7 @@ class StateRoom:
     #: State blocks one running request holds at least.
     blocks_per_request: int
     #: Bytes of a state block and of the whole KV cache; None where the
-    #: config carries no tensors to measure (messages then leave the byte
-    #: figures out).
+    #: config carries no tensors to measure.
     state_block_bytes: int | None
     arena_bytes: int | None
     #: What holds the states: "arena" (pooled) or "shared pool".
@@ -182,13 +143,9 @@ class StateRoom:
         return self.state_blocks // self.blocks_per_request
 
     def bytes_for(self, requests: int) -> int | None:
-        """KV cache that holds ``requests`` requests' states (None: sizes
-        unknown).
-
-        Exact for the arena: whole state blocks added to it add as many ids
-        to the state pool and leave the null region and the token pool's
-        minimum (hence the lowest state floor) where they are.
-        """
+        """KV cache bytes that hold ``requests`` requests' states (None:
+        sizes unknown); exact for the arena, whose added state blocks leave
+        the null region and the lowest state floor where they are."""
         if self.arena_bytes is None or self.state_block_bytes is None:
             return None
         missing = requests * self.blocks_per_request - self.state_blocks
@@ -196,8 +153,8 @@ class StateRoom:
 
 
 def pooled_state_room(config: PooledKVCacheConfig) -> StateRoom:
-    """The state pool at its highest extent (the token pool at its floor),
-    each running request holding its lone-request minimum."""
+    """The state pool at its highest extent, each running request holding
+    its lone-request minimum."""
     state = config.pool_by_kind(PoolKind.STATE)
     spec = config.kv_cache_groups[state.group_ids[0]].kv_cache_spec
     assert isinstance(spec, MambaSpec)
@@ -211,12 +168,8 @@ def pooled_state_room(config: PooledKVCacheConfig) -> StateRoom:
 
 
 def shared_pool_state_room(config: KVCacheConfig) -> StateRoom:
-    """Upstream's shared pool: every state layer's view has ``num_blocks``
-    blocks, and each running request holds at least one of them.
-
-    Reads only ``num_blocks`` for the count; the tensor sizes, when
-    ``config`` has them, only add the byte figures, so a config without them
-    (a test's stand-in, a plugin's profiling call) gets the same room."""
+    """Upstream's shared pool: ``num_blocks`` state blocks, one per running
+    request at least; tensor sizes, where present, only add byte figures."""
     sizes = [t.size for t in getattr(config, "kv_cache_tensors", None) or ()]
     size = max(sizes) if sizes else None
     return StateRoom(
@@ -228,25 +181,14 @@ def shared_pool_state_room(config: KVCacheConfig) -> StateRoom:
     )
 
 
-# ---------------------------------------------------------------------------
-# Upstream's single shared pool of a hybrid model
-# ---------------------------------------------------------------------------
-
-
 def _per_block(size: int, config: KVCacheConfig) -> int:
     return size // max(1, config.num_blocks)
 
 
 def shared_block_bytes(config: KVCacheConfig) -> int:
-    """Bytes one block id of upstream's shared pool stands for.
-
-    Every ``KVCacheTensor`` of a config places its layers in the same backing
-    allocation (vLLM's ``allocate_kv_cache`` allocates that buffer once):
-    the state groups of a hybrid overlay the attention group's bytes, and a
-    block id belongs to one group at a time. So the buffer, counted once,
-    divided by the block count is the price of one id, whichever group holds
-    it. Raises ValueError for a config of several allocations.
-    """
+    """Bytes one block id of upstream's shared pool stands for: its groups
+    overlay one backing allocation and an id belongs to one group at a time,
+    so the buffer over the block count. ValueError for several allocations."""
     sizes = {tensor.size for tensor in config.kv_cache_tensors}
     if len(sizes) != 1:
         raise ValueError(
@@ -259,12 +201,8 @@ def group_blocks_per_request(
     vllm_config: VllmConfig, groups: Iterable[KVCacheGroupSpec]
 ) -> int:
     """Blocks one running request of ``max_model_len`` tokens holds at most
-    in ``groups`` of the single shared pool.
-
-    The per-group count upstream's concurrency uses as well:
-    ``cdiv(max_memory_usage_bytes, page_size_bytes)``, i.e. ``1 + num_spec``
-    per Mamba group in "none" mode, ``2 + num_spec + checkpoints`` in "align".
-    """
+    in ``groups`` of the single shared pool, counted as upstream's
+    concurrency counts them."""
     return sum(
         cdiv(
             g.kv_cache_spec.max_memory_usage_bytes(vllm_config),
@@ -275,11 +213,8 @@ def group_blocks_per_request(
 
 
 def _max_tokens_within(num_blocks: int, blocks_for: Callable[[int], int]) -> int:
-    """The largest token count ``t`` with ``blocks_for(t) <= num_blocks``.
-
-    ``blocks_for`` must be non-decreasing, zero at zero and unbounded, which
-    holds for token groups: each needs at least ``cdiv(t, block span)``.
-    """
+    """The largest ``t`` with ``blocks_for(t) <= num_blocks``
+    (``blocks_for`` non-decreasing, zero at zero and unbounded)."""
     if num_blocks <= 0:
         return 0
     high = 1
@@ -302,26 +237,10 @@ def shared_pool_token_capacity(
     kv_cache_config: KVCacheConfig,
     split: tuple[list[KVCacheGroupSpec], list[KVCacheGroupSpec]],
 ) -> int:
-    """Tokens one request can hold in the shared pool of a hybrid model.
-
-    All groups draw block ids from one pool of ``num_blocks`` blocks, of which
-    block 0 is the null block. A request holding ``t`` tokens needs
-    ``spec.max_num_blocks_per_req(t)`` blocks (``cdiv(t, block_size * dcp)``)
-    in every token group, plus the state blocks of every other group
-    (:func:`group_blocks_per_request`). The capacity is the largest ``t``
-    that fits::
-
-        sum(cdiv(t, b_g) for g in token_groups) <= num_blocks - 1 - state
-
-    which for token groups of one block size ``b`` is
-    ``(num_blocks - 1 - state) // len(token_groups) * b``. Sliding-window
-    groups are counted as if they kept every token, so for them this is a
-    lower bound. Each further concurrent request costs another ``state``
-    blocks, which the maximum concurrency (all groups) accounts for.
-
-    ``split`` is ``(token groups, other groups)``, as
-    :func:`vllm_hybrid.v1.core.token_capacity.split_token_groups` answers.
-    """
+    """Tokens one request can hold in the shared pool of a hybrid model:
+    the largest ``t`` with ``sum(cdiv(t, b_g) for token groups) <=
+    num_blocks - 1 - state`` (a lower bound for sliding-window groups).
+    ``split`` is ``(token groups, other groups)``."""
     token_groups, others = split
     state = group_blocks_per_request(vllm_config, others)
     free = kv_cache_config.num_blocks - 1 - state

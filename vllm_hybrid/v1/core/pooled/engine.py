@@ -1,11 +1,6 @@
-"""Engine glue of pooled mode: configs, capacity and the scheduler choice.
-
-The engine core turns the workers' layer specs and memory into per-worker
-``KVCacheConfig`` objects in upstream's ``get_kv_cache_configs``; its
-replacement (:mod:`vllm_hybrid.v1.core.kv_cache_utils`) asks
-:func:`plan_pooled_configs` first and falls back to upstream when it returns
-None. The capacity the engine logs and the scheduler class it builds for a
-pooled plan are decided here too.
+"""Engine glue of pooled mode: the workers' configs (asked first by the
+replacement of upstream's ``get_kv_cache_configs``, which falls back to
+upstream on None) and the capacity the engine logs.
 """
 
 from __future__ import annotations
@@ -53,20 +48,10 @@ def _merge_specs(
 
 
 def null_blocks_may_overlap(vllm_config: VllmConfig) -> bool:
-    """Whether no kernel writes through a null block id in this engine.
-
-    Upstream pads CUDA-graph batches with state id 0 (``NULL_BLOCK_ID``).
-    Its Triton state kernels skip that id (tests/kernels checks it), but not
-    every state kernel a CUDA engine may run is a Triton kernel, so with CUDA
-    graphs the null region stays clear of owned blocks. Model Runner V2
-    writes through state id 0 without CUDA graphs too: its dummy runs (the
-    start-up warm-up over the compile sizes, a data-parallel rank's idle
-    steps) run the state kernels on zeroed block tables. Attention never
-    writes through a null block (padded slots are -1). So only where the V1
-    runner runs without CUDA graphs (the CPU backend, or ``--enforce-eager``
-    with ``VLLM_USE_V2_MODEL_RUNNER=0``) can the null blocks overlap owned
-    blocks, and the arena not lose a whole state block to them.
-    """
+    """Whether no kernel writes through a null block id in this engine: only
+    the V1 runner without CUDA graphs (CPU, or ``--enforce-eager`` with
+    ``VLLM_USE_V2_MODEL_RUNNER=0``), since CUDA graphs pad with state id 0
+    and V2's dummy runs write through it (docs/pooled-mode.md, "Layout")."""
     import vllm.envs as envs
     from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
@@ -80,17 +65,9 @@ def null_blocks_may_overlap(vllm_config: VllmConfig) -> bool:
 
 
 def _unusable_layout(vllm_config: VllmConfig) -> str | None:
-    """The log line for a KV cache layout pooled views cannot express, or None.
-
-    Pooled views fix each page's layer and block strides, so the page itself
-    must be one contiguous run (a block-compact layout). For hybrid models
-    upstream's resolution only picks such layouts (their pages differ in
-    shape) and rejects others named in ``VLLM_KV_CACHE_LAYOUT``; another
-    layout arrives only preset on the cache config, which resolution honours
-    (tests, standalone tools). Upstream's single pool is used then: it
-    expresses layer-outer layouts such as LHBNC and refuses the others itself
-    with an error naming the fix.
-    """
+    """The log line for a preset KV cache layout that is not block-compact
+    (pooled views need each page as one contiguous run), or None; upstream's
+    single pool then serves or refuses it."""
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     if vllm_config.cache_config.kv_cache_layout is None:
@@ -108,14 +85,8 @@ def _unusable_layout(vllm_config: VllmConfig) -> str | None:
 
 
 def _stage_mismatch(configs: list[PooledKVCacheConfig]) -> str | None:
-    """Why pipeline stages' plans cannot share one scheduler, or None.
-
-    The scheduler hands out one token-block and one state-block id space and
-    moves one boundary; each stage maps ids to its own layers' bytes. Stages
-    are planned with blocks of equal bytes (:func:`equalize_stage_blocks`),
-    so their arena geometry agrees; the group specs (block size, state shape
-    per layer) must agree too, since the scheduler reads them from one stage.
-    """
+    """Why pipeline stages' plans cannot share one scheduler, or None: their
+    geometry and group specs must agree, since the scheduler reads one."""
     first = configs[0]
 
     def shape(config: PooledKVCacheConfig) -> tuple:
@@ -132,8 +103,7 @@ def _stage_mismatch(configs: list[PooledKVCacheConfig]) -> str | None:
 
 
 def _log_stage_padding(splits: list[PoolSplit], padded: list[PoolSplit]) -> None:
-    """One line naming what equal blocks cost the pipeline stages, when their
-    own blocks differ."""
+    """Log what equal blocks cost the stages, when their own blocks differ."""
     own = [(split.token.block_bytes, split.state.block_bytes) for split in splits]
     if len(set(own)) == 1:
         return
@@ -163,12 +133,9 @@ def plan_pooled_configs(
     kv_cache_specs: list[dict[str, KVCacheSpec]],
     available_memory: list[int],
 ) -> list[PooledKVCacheConfig] | None:
-    """Pooled configs for every worker, or None to use upstream's plan.
-
-    Tensor-parallel ranks hold the same layers and get copies of one plan.
-    With pipeline parallelism each worker is planned from its own layers;
-    the plans must agree on everything but layer names (:func:`_stage_mismatch`).
-    """
+    """Pooled configs for every worker, or None to use upstream's plan:
+    tensor-parallel ranks get copies of one plan, pipeline stages one plan
+    each from their own layers."""
     if not pooled_mode_decision(vllm_config).enabled:
         return None
     pipeline = vllm_config.parallel_config.pipeline_parallel_size > 1

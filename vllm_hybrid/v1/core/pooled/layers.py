@@ -1,10 +1,6 @@
-"""Which layers go to which pool, and how one block id lays out their pages.
-
-A pooled arena has a *token* pool for the attention layers and a *state*
-pool for the recurrent-state layers (:mod:`.spec`). One block id of a pool
-covers one page of every layer of that pool, side by side; this module sorts
-a worker's layer specs into the two pools and computes each block's bytes
-and where each layer's page sits in it. Pure: specs in, numbers out.
+"""Which layers go to which pool, and where each layer's page sits in a
+block id (one page of every layer of the pool, side by side). Pure: specs
+in, numbers out.
 """
 
 from __future__ import annotations
@@ -22,23 +18,15 @@ from vllm.v1.kv_cache_interface import (
 
 from vllm_hybrid.v1.core.pooled.spec import VIEW_ALIGNMENT_BYTES, align_up
 
-#: Fewest bytes a page start is aligned to: Triton compiles pointer arguments
-#: for 16-byte divisibility (and vectorizes loads by it), ``.view(dtype)``
-#: needs the element size, and no KV or state dtype is wider than 16 B.
+#: Fewest bytes a page start is aligned to: Triton specializes pointers on
+#: 16-byte divisibility, and no KV or state dtype is wider.
 MIN_PAGE_ALIGNMENT_BYTES = 16
 
 
 def page_alignment(page_bytes: int) -> int:
-    """The byte boundary a layer's page starts on in a pooled block.
-
-    Upstream's layouts put block ``b`` of a layer at ``base + b * page``, so
-    the kernels run there with pages aligned to the largest power of two
-    dividing the page size (TurboQuant k8v4 at 16 tokens x 2 heads: 12,416 B,
-    128-byte aligned), never better than the 256 B of an allocation.
-    Aligning every page the same way costs no byte per page: only the whole
-    block is rounded up to ``VIEW_ALIGNMENT_BYTES`` (once), where pool bases
-    and block strides need it.
-    """
+    """The byte boundary a layer's page starts on in a pooled block: the
+    largest power of two dividing the page, as in upstream's layouts (block
+    ``b`` at ``base + b * page``), so pages cost no padding."""
     natural = page_bytes & -page_bytes
     return max(MIN_PAGE_ALIGNMENT_BYTES, min(VIEW_ALIGNMENT_BYTES, natural))
 
@@ -46,13 +34,8 @@ def page_alignment(page_bytes: int) -> int:
 @dataclass(frozen=True)
 class PoolLayers:
     """Layers of one pool and how one block id lays out their pages.
-
-    ``spec`` is one spec shared by every layer, or for a token pool whose
-    attention layers differ only in page bytes (e.g. TurboQuant layers next
-    to native-dtype skip layers) upstream's ``UniformTypeKVCacheSpecs``
-    holding each layer's spec: the layers share a block size and a block id,
-    and each keeps its own page.
-    """
+    ``spec`` is shared by every layer, or upstream's
+    ``UniformTypeKVCacheSpecs`` where attention pages differ in bytes."""
 
     spec: KVCacheSpec
     layer_names: tuple[str, ...]
@@ -103,13 +86,12 @@ class PoolLayers:
 
 @dataclass(frozen=True)
 class LayerRun:
-    """Layers of one page size within a block: layer ``k``'s page starts at
+    """Layers of one page size: layer ``k``'s page starts at
     ``offset + k * layer_stride`` bytes into the block."""
 
     layer_names: tuple[str, ...]
     page_bytes: int
-    #: The page rounded up to its :func:`page_alignment` (the page itself for
-    #: every real model: their pages are multiples of 16 B).
+    #: The page rounded up to its :func:`page_alignment`.
     layer_stride: int
     offset: int
 
@@ -128,16 +110,9 @@ class PoolSplit:
 
 
 def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
-    """Sort layers into one token pool and one state pool.
-
-    State layers must share one spec. Attention layers may differ in page
-    bytes (per-layer KV dtypes: ``--kv-cache-dtype-skip-layers``; head sizes)
-    as long as they are of one type with one block size, which upstream
-    expresses as ``UniformTypeKVCacheSpecs``; attention of different types
-    (sliding window or chunked local next to full attention) needs more than
-    one token block table and returns a reason: the engine keeps upstream's
-    plan.
-    """
+    """Sort layers into one token pool and one state pool, or say why not:
+    state layers share one spec; attention layers share a type and block
+    size (their pages may differ)."""
     attention: dict[str, KVCacheSpec] = {}
     state: dict[str, KVCacheSpec] = {}
     for name, spec in kv_cache_spec.items():
@@ -177,16 +152,8 @@ def split_layers(kv_cache_spec: dict[str, KVCacheSpec]) -> PoolSplit:
 
 def equalize_stage_blocks(splits: list[PoolSplit]) -> list[PoolSplit]:
     """Pad every pipeline stage's token and state block to the largest of
-    any stage.
-
-    One scheduler hands out one token-block and one state-block id space and
-    moves one boundary for all stages, while each stage maps an id to its own
-    layers' bytes. With blocks of one size on every stage, an id and a
-    boundary position mean the same bytes everywhere, so every stage stays
-    inside its buffer wherever the boundary is. The price is the padding of
-    the lighter stages: the arena holds the blocks the heaviest stage's
-    layers would (docs/pooled-mode.md, "Pipeline parallel").
-    """
+    any stage, so that one id space and boundary mean the same bytes on
+    every stage (docs/pooled-mode.md, "Pipeline parallel")."""
     token = max(split.token.block_bytes for split in splits if split.token)
     state = max(split.state.block_bytes for split in splits if split.state)
     return [

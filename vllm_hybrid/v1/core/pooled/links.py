@@ -1,21 +1,7 @@
-"""Links between state checkpoints and the attention blocks they resume from.
-
-:class:`CheckpointLinks` records, for each cached checkpoint key, the
-full-attention block keys its prefix consists of, and the reverse, so that
-:mod:`.coupling` can tell which cached entries of one pool the other pool has
-made useless. Pure bookkeeping over prefix-cache keys: no pools, no blocks.
-
-A prefix of a 12k-token prompt spans hundreds of attention blocks, and a
-prompt caches a checkpoint every few blocks, so the links are not stored as a
-list of keys per checkpoint. Block hashes are chained (each one fingerprints
-its whole prefix, which upstream's prefix cache already relies on), so the
-keys every checkpoint needs form one tree per full-attention group: a key's
-parent is the key of the block before it. A checkpoint is recorded by its
-deepest key in each group; a key is needed while a checkpoint sits at it or
-below it. Linking and unlinking then touch only the keys that become needed
-or unneeded, and a checkpoint's prefix is checked only down to the first key
-already in the tree (a key in the tree is cached: when it leaves the cache,
-every checkpoint below it is unlinked).
+"""Which full-attention blocks each cached state checkpoint needs, so that
+:mod:`.coupling` can tell which cached entries one pool made useless. Pure
+bookkeeping over prefix-cache keys, kept as one tree per group since block
+hashes are chained (docs/pooled-mode.md, "Coordinated eviction").
 """
 
 from __future__ import annotations
@@ -39,10 +25,7 @@ Chain = tuple[int, Callable[[int], TokenKey]]
 
 @dataclass
 class CheckpointLinks:
-    """Which full-attention block keys each cached state checkpoint needs.
-
-    Pure bookkeeping over prefix-cache keys; the pools act on its answers.
-    """
+    """Which full-attention block keys each cached state checkpoint needs."""
 
     #: block size of each full-attention group in the token pool, by group id
     token_groups: dict[int, int]
@@ -51,8 +34,8 @@ class CheckpointLinks:
     #: deepest needed key of each linked checkpoint, per group (in group
     #: order; groups its prefix has no full block of are left out)
     tips: dict[StateKey, tuple[TokenKey, ...]] = field(default_factory=dict)
-    #: every needed token key (see the module docstring): the key of the
-    #: block before it (None for a first block) and its index in the chain
+    #: every needed token key: the key of the block before it (None for a
+    #: first block) and its index in the chain
     nodes: dict[TokenKey, tuple[TokenKey | None, int]] = field(default_factory=dict)
     #: needed keys of the next block, for the keys that have any
     kids: dict[TokenKey, set[TokenKey]] = field(default_factory=dict)
@@ -61,43 +44,13 @@ class CheckpointLinks:
     #: checkpoint keys still cached whose attention prefix is incomplete
     broken: set[StateKey] = field(default_factory=set)
 
-    def token_keys(
-        self, block_hashes: Sequence[BlockHash], num_tokens: int
-    ) -> tuple[TokenKey, ...]:
-        """Keys of the full-attention blocks wholly inside the first
-        ``num_tokens`` tokens, in every full-attention group."""
-        keys: list[TokenKey] = []
-        for count, key_at in self._chains(block_hashes, num_tokens):
-            keys.extend(key_at(i) for i in range(count))
-        return tuple(keys)
-
     @property
     def needs(self) -> dict[StateKey, tuple[TokenKey, ...]]:
-        """Every key each linked checkpoint needs, as :meth:`token_keys`
-        orders them (built on demand: for checks and tests)."""
+        """Every key each linked checkpoint needs (built on demand: checks)."""
         return {s: self._prefix(tips) for s, tips in self.tips.items()}
-
-    @property
-    def needed_by(self) -> dict[TokenKey, set[StateKey]]:
-        """The checkpoints needing each token key (built on demand)."""
-        users: dict[TokenKey, set[StateKey]] = {}
-        for state_key, keys in self.needs.items():
-            for token_key in keys:
-                users.setdefault(token_key, set()).add(state_key)
-        return users
 
     def is_linked(self, state_key: StateKey) -> bool:
         return state_key in self.tips
-
-    def link(self, state_key: StateKey, token_keys: tuple[TokenKey, ...]) -> None:
-        """Record a newly cached checkpoint; idempotent for a key already
-        linked (duplicate blocks share one key)."""
-        if state_key in self.tips:
-            return
-        by_group: dict[int, list[TokenKey]] = {g: [] for g in self.token_groups}
-        for token_key in token_keys:
-            by_group[get_group_id(token_key)].append(token_key)
-        self._attach(state_key, [(len(k), k.__getitem__) for k in by_group.values()])
 
     def link_if_cached(
         self,
@@ -106,10 +59,10 @@ class CheckpointLinks:
         num_tokens: int,
         is_cached: Callable[[TokenKey], bool],
     ) -> None:
-        """:meth:`link` the checkpoint for the first ``num_tokens`` tokens of
-        ``block_hashes`` when all its token keys are cached (``is_cached``),
-        else :meth:`link_incomplete`. Keys already in the tree are cached,
-        so only the ones below them are asked about."""
+        """Record a newly cached checkpoint for the first ``num_tokens``
+        tokens of ``block_hashes``, or as broken when one of its full
+        attention blocks is not cached (``is_cached``; keys in the tree are).
+        Idempotent for a key already linked (duplicate blocks share one)."""
         if state_key in self.tips:
             return
         chains = self._chains(block_hashes, num_tokens)
@@ -123,12 +76,6 @@ class CheckpointLinks:
                     self.broken.add(state_key)
                     return
         self._attach(state_key, chains)
-
-    def link_incomplete(self, state_key: StateKey) -> None:
-        """A checkpoint cached while part of its attention prefix is not:
-        broken from the start, unless the key is already linked."""
-        if state_key not in self.tips:
-            self.broken.add(state_key)
 
     def forget_state(self, state_key: StateKey) -> list[TokenKey]:
         """A checkpoint key left the state pool's cache. Returns the token
@@ -188,10 +135,9 @@ class CheckpointLinks:
             assert token_key in self.ends or token_key in self.kids, "unneeded key"
             if parent is not None:
                 assert token_key in self.kids[parent], "tree asymmetric"
-        assert set(self.needed_by) == set(self.nodes), "needed keys disagree"
+        needed = {token_key for keys in needs.values() for token_key in keys}
+        assert needed == set(self.nodes), "needed keys disagree"
         assert self.broken <= cached_states, "broken key no longer cached"
-
-    # -- the tree ---------------------------------------------------------
 
     def _chains(
         self, block_hashes: Sequence[BlockHash], num_tokens: int

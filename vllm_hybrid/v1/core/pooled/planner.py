@@ -1,20 +1,7 @@
-"""Pure planning of pooled mode: how one worker's KV budget becomes an arena.
-
-Given the per-layer ``KVCacheSpec`` of a hybrid model at *natural* page sizes
-(no attention block inflation, no state padding) and a byte budget, build a
-:class:`PooledKVCacheConfig`:
-
-* all attention layers form one KV cache group in the *token* pool; a token
-  block id covers one page of every attention layer, contiguously;
-* all state layers form one group in the *state* pool; a state block id
-  covers one request's state for every state layer, contiguously;
-* both pools view the same ``arena_bytes`` allocation from byte 0. Token ids
-  are handed out from the low end and state ids from the high end; the
-  scheduler moves the boundary between them at run time (see
-  :mod:`vllm_hybrid.v1.core.pooled.arena`). Bytes ``[0, max(token, state block))``
-  hold the two null blocks.
-
-No engine is needed: tests build specs directly and check the numbers.
+"""Pure planning of pooled mode: a worker's layer specs at natural page
+sizes and a byte budget become a :class:`PooledKVCacheConfig` (one token
+group, one state group, both pools viewing one allocation). No engine
+needed; docs/pooled-mode.md ("Layout") describes the result.
 """
 
 from __future__ import annotations
@@ -51,10 +38,8 @@ ENGINE_BUDGET_OPTIONS = "--kv-cache-memory-bytes or --gpu-memory-utilization"
 
 @dataclass(frozen=True)
 class BudgetShortfall:
-    """What one request needs that the budget lacks: the numbers of the
-    too-small message. They travel with the error so that each front end
-    (the engine, ``vllm-hybrid plan``) can name its own options around the
-    one message text."""
+    """What one request needs that the budget lacks, carried with the error
+    so that each front end names its own options around one message."""
 
     arena_bytes: int
     max_model_len: int
@@ -88,10 +73,7 @@ class BudgetShortfall:
 
 
 class PooledPlanError(ValueError):
-    """The budget cannot hold what one request needs; names the fix.
-
-    ``shortfall`` holds the numbers when the message is made of them.
-    """
+    """The budget cannot hold what one request needs; names the fix."""
 
     def __init__(self, message: str, shortfall: BudgetShortfall | None = None):
         super().__init__(message)
@@ -105,16 +87,13 @@ class PooledBudget:
     arena_bytes: int
     max_model_len: int
     max_num_seqs: int
-    #: Null blocks may overlap owned blocks (see ``ArenaLayout``): True only
-    #: where no kernel writes through a null block id.
+    #: Null blocks may overlap owned blocks (see ``ArenaLayout``).
     null_blocks_overlap: bool = False
 
     @property
     def aligned_arena_bytes(self) -> int:
-        """Bytes the arena gets: the budget rounded down to
-        ``VIEW_ALIGNMENT_BYTES``, so that with block sizes that are multiples
-        of it the state pool (which may sit at ``arena % state block``)
-        starts aligned for any budget a user passes or vLLM computes."""
+        """The budget rounded down to ``VIEW_ALIGNMENT_BYTES``, so the state
+        pool starts aligned whatever budget a user passes."""
         return align_down(self.arena_bytes)
 
 
@@ -165,9 +144,8 @@ def plan_pooled_kv_cache(split: PoolSplit, budget: PooledBudget) -> PooledKVCach
 
 
 def _check_alignment(tensors: list[KVCacheTensor]) -> None:
-    """Every pool base and block stride is a multiple of
-    ``VIEW_ALIGNMENT_BYTES``; every layer's pages start on their
-    :func:`page_alignment` (as in upstream's layouts)."""
+    """Pool bases and strides are aligned as :func:`page_alignment` and
+    ``VIEW_ALIGNMENT_BYTES`` require."""
     for tensor in tensors:
         page = page_alignment(tensor.layer_stride)
         for name, alignment in (
@@ -241,8 +219,7 @@ def describe_plan(config: PooledKVCacheConfig) -> str:
 
 
 def _describe_pages(group: KVCacheGroupSpec) -> str:
-    """``page N B``, or with layers of several page sizes (per-layer KV
-    dtypes) ``pages N B x k + M B x j``."""
+    """``page N B``, or ``pages N B x k + M B x j``."""
     runs = PoolLayers(group.kv_cache_spec, tuple(group.layer_names)).runs
     if len(runs) == 1:
         return f"page {runs[0].page_bytes} B"

@@ -1,8 +1,6 @@
-"""Where pooled mode applies: hybrid models, minus the features it lacks.
-
-Every process (API server, engine core, workers, ``vllm-hybrid plan``) must
-reach the same decision for one ``VllmConfig``; this module is the only place
-that makes it.
+"""Where pooled mode applies: hybrid models, minus the features it lacks
+(docs/pooled-mode.md, "Scope guard"). The only place that decides, so that
+every process reaches the same answer for one ``VllmConfig``.
 """
 
 from __future__ import annotations
@@ -61,11 +59,8 @@ def _unsupported_feature(vllm_config: VllmConfig) -> str | None:
     return None
 
 
-#: Speculative methods pooled mode plans: n-gram has no draft layers; an MTP
-#: head's and an EAGLE draft's layers are attention layers (they join the
-#: token pool next to the target's, of the same type; another type makes the
-#: planner fall back with the reason). A separate draft model
-#: (``draft_model``, with state layers of its own) is not tested.
+#: Speculative methods pooled mode plans: their draft layers, if any, are
+#: attention layers that join the token pool.
 POOLED_DRAFT_METHODS = frozenset({"ngram", "mtp", "eagle"})
 
 
@@ -75,10 +70,8 @@ def _unpooled_drafts(vllm_config: VllmConfig) -> bool:
 
 
 def _adaptive_verification(vllm_config: VllmConfig) -> bool:
-    """Model Runner V2 profiles adaptive verification's step costs on dummy
-    batches whose block ids for every group wrap at the one ``num_blocks``
-    (``set_dummy_context``), which in pooled mode is the token pool's id
-    space: state ids beyond the state pool."""
+    """Model Runner V2 profiles adaptive verification on dummy block ids
+    that wrap at the token pool's ``num_blocks``: past the state pool."""
     spec = vllm_config.speculative_config
     return spec is not None and bool(
         getattr(spec, "enable_adaptive_verification", False)
@@ -89,12 +82,8 @@ _logged_fallbacks: set[str] = set()
 
 
 def pooled_mode_decision(vllm_config: VllmConfig) -> PooledDecision:
-    """Decide pooled mode for this config; identical in every process.
-
-    Non-hybrid models are never pooled (they keep upstream's plan exactly).
-    For hybrid models a feature pooled mode does not support yet makes the
-    engine use upstream's single pool, with one log line naming the feature.
-    """
+    """Decide pooled mode for this config; a feature it lacks is logged
+    once and leaves upstream's single pool."""
     model_config = vllm_config.model_config
     if model_config is None or not getattr(model_config, "is_hybrid", False):
         return PooledDecision(False, "not a hybrid model")

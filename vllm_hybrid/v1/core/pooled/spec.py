@@ -1,29 +1,7 @@
-"""What every process of a pooled-mode engine agrees on: the arena's geometry.
-
-Pooled mode gives a hybrid model one block pool per page kind instead of
-upstream's single pool with one page size:
-
-* the *token* pool serves the attention groups at their natural page size;
-* the *state* pool serves the recurrent-state groups (Mamba, GDN, ...); one
-  state block holds one request's state for every state layer.
-
-Both pools live in one device allocation of ``T`` bytes, and both pools' tensor
-views start at byte 0 of it: token block ``t`` covers ``[t*tb, (t+1)*tb)`` and
-state block ``s`` covers ``[s*sb, (s+1)*sb)``. Block ids are pool-local and id
-0 of each pool is that pool's null block. Bytes ``[0, R)`` with
-``R = max(tb, sb)`` form the shared null region, so the ids of either pool
-that touch it (besides 0) are *reserved*: never owned, never handed out.
-
-Ownership is a function of one number, the *state floor* ``s_floor``: the
-state pool owns ids ``[s_floor, NS)`` and the token pool owns every whole token
-block between the null region and the state floor, ``[t_first, t_limit)`` with
-``t_limit = s_floor * sb // tb``. The *boundary* is ``s_floor * sb`` bytes, so
-no byte is ever owned by both pools (``t_limit * tb <= s_floor * sb``); the
-slack between the two, if any, is smaller than one token block.
-
-This module is the bottom layer of :mod:`vllm_hybrid.v1.core.pooled`: plain
-data (:class:`ArenaLayout`, :class:`KVPoolSpec`, :class:`PooledKVCacheConfig`,
-which is pickled to workers), no block pools.
+"""What every process of a pooled-mode engine agrees on: the arena's
+geometry, the pools and the config pickled to the workers. Plain data, no
+block pools; docs/pooled-mode.md ("Layout") draws the byte layout and how
+ownership follows from the state floor.
 """
 
 from __future__ import annotations
@@ -31,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
 from vllm_hybrid.logger import init_logger
@@ -38,21 +17,14 @@ from vllm_hybrid.logger import init_logger
 logger = init_logger(__name__)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-#: Byte boundary every pool base and every per-layer view of a pooled arena
-#: starts on. Views are reinterpreted as bf16/float32 state and KV tensors
-#: (``.view(dtype)`` needs the storage offset divisible by the element size)
-#: and kernels issue vector loads that assume aligned bases; CUDA's caching
-#: allocator hands out 256-byte aligned blocks, so this matches what a
-#: kernel sees for upstream's separately allocated layers.
+#: Byte boundary every pool base and block stride starts on: what CUDA's
+#: caching allocator gives upstream's separately allocated layers, so
+#: ``.view(dtype)`` and kernels' vector loads see the bases they expect.
 VIEW_ALIGNMENT_BYTES = 256
 
 
 def align_up(n: int, alignment: int = VIEW_ALIGNMENT_BYTES) -> int:
-    return _cdiv(n, alignment) * alignment
+    return cdiv(n, alignment) * alignment
 
 
 def align_down(n: int, alignment: int = VIEW_ALIGNMENT_BYTES) -> int:
@@ -73,19 +45,14 @@ class PoolKind(str, Enum):
 
 
 def null_region_bytes(token_block: int, state_block: int, overlap: bool) -> int:
-    """Bytes at the arena's start that no owned block may use (see
-    :attr:`ArenaLayout.null_region_bytes`)."""
+    """Bytes at the arena's start that no owned block may use."""
     return min(token_block, state_block) if overlap else max(token_block, state_block)
 
 
 @dataclass(frozen=True)
 class ArenaLayout:
-    """Byte geometry of the arena and the limits the boundary must respect.
-
-    All sizes are in bytes; the minimums are in blocks of the respective pool.
-    ``initial_boundary`` is rounded down to a state block edge (so the state
-    pool gets a partially covered block), and up to the end of the null region.
-    """
+    """Byte geometry of the arena and the limits the boundary must respect
+    (sizes in bytes, minimums in blocks of their pool)."""
 
     arena_bytes: int
     token_block_bytes: int
@@ -93,10 +60,8 @@ class ArenaLayout:
     min_token_blocks: int
     min_state_blocks: int
     initial_boundary: int
-    #: Let each pool's null block overlap blocks the other pool owns. Only
-    #: sound where nothing ever writes through a null block id: upstream
-    #: writes padded state slots to state id 0 under full CUDA graphs, so the
-    #: planner enables this only without them (e.g. on CPU).
+    #: Let each pool's null block overlap blocks the other pool owns: only
+    #: where nothing writes through a null block id (no CUDA graphs).
     null_blocks_overlap: bool = False
 
     def __post_init__(self) -> None:
@@ -134,8 +99,6 @@ class ArenaLayout:
                 f"{(hi + 1) * self.state_block_bytes}) B"
             )
 
-    # -- id spaces ------------------------------------------------------
-
     @property
     def num_token_ids(self) -> int:
         """NT: size of the token pool's id space (its view over the arena)."""
@@ -148,12 +111,8 @@ class ArenaLayout:
 
     @property
     def null_region_bytes(self) -> int:
-        """R: bytes ``[0, R)`` no owned block may use.
-
-        ``max(tb, sb)`` keeps both null blocks clear of owned blocks;
-        with ``null_blocks_overlap`` only the smaller one is kept clear, so
-        both pools start at id 1.
-        """
+        """R: bytes ``[0, R)`` no owned block may use: both null blocks, or
+        with ``null_blocks_overlap`` the smaller one (both pools start at 1)."""
         return null_region_bytes(
             self.token_block_bytes, self.state_block_bytes, self.null_blocks_overlap
         )
@@ -161,17 +120,13 @@ class ArenaLayout:
     @property
     def first_token_id(self) -> int:
         """Lowest token id clear of the null region."""
-        return _cdiv(self.null_region_bytes, self.token_block_bytes)
+        return cdiv(self.null_region_bytes, self.token_block_bytes)
 
     @property
     def state_offset(self) -> int:
-        """Byte where the state pool's view (its id 0) starts.
-
-        With overlapping null blocks the state view is aligned to the top of
-        the arena, so the highest state id ends exactly at its last byte and
-        no tail smaller than a state block is lost; otherwise it starts at 0
-        and both null blocks sit in ``[0, R)``.
-        """
+        """Byte where the state pool's view (its id 0) starts: with
+        overlapping null blocks aligned to the arena's top, so no tail
+        smaller than a state block is lost; else 0."""
         if self.null_blocks_overlap:
             return self.arena_bytes % self.state_block_bytes
         return 0
@@ -180,7 +135,7 @@ class ArenaLayout:
     def first_state_id(self) -> int:
         """Lowest state id clear of the null region."""
         clear = max(0, self.null_region_bytes - self.state_offset)
-        return max(1, _cdiv(clear, self.state_block_bytes))
+        return max(1, cdiv(clear, self.state_block_bytes))
 
     @property
     def reserved_token_ids(self) -> range:
@@ -191,8 +146,6 @@ class ArenaLayout:
     def reserved_state_ids(self) -> range:
         """State ids overlapping the null region, other than the null block."""
         return range(1, self.first_state_id)
-
-    # -- ownership as a function of the state floor ----------------------
 
     def token_limit_at(self, state_floor: int) -> int:
         """End (exclusive) of the token ids owned when the state pool starts at
@@ -218,7 +171,7 @@ class ArenaLayout:
             return self.first_state_id
         end = (self.first_token_id + capacity) * self.token_block_bytes
         above = max(0, end - self.state_offset)
-        return max(self.first_state_id, _cdiv(above, self.state_block_bytes))
+        return max(self.first_state_id, cdiv(above, self.state_block_bytes))
 
     @property
     def min_state_floor(self) -> int:
@@ -256,16 +209,11 @@ class KVPoolSpec:
 
 @dataclass
 class PooledKVCacheConfig(KVCacheConfig):
-    """A ``KVCacheConfig`` whose groups live in separate pools of one arena.
-
-    ``num_blocks`` keeps meaning the token pool's id space for upstream code
-    that reads it (zeroing, logs, watermark); per-pool sizes are in ``pools``.
-    Being a dataclass subclass, it survives deepcopy and pickling to workers.
-    """
+    """A ``KVCacheConfig`` whose groups live in separate pools of one arena;
+    ``num_blocks`` stays the token pool's id space for upstream code."""
 
     pools: list[KVPoolSpec] = field(default_factory=list)
-    #: Geometry of the arena (block sizes, floors, initial boundary, null
-    #: blocks); the scheduler's KVArena is built from exactly this.
+    #: Geometry of the arena; the scheduler's KVArena is built from it.
     arena: ArenaLayout | None = None
     #: State blocks one running request holds at most (for capacity figures).
     max_state_blocks_per_request: int = 1
@@ -273,11 +221,9 @@ class PooledKVCacheConfig(KVCacheConfig):
     retain_turn_ends: bool = True
     #: Let live token blocks move off the arena's boundary (see :mod:`.moves`).
     token_moves: bool = True
-    #: Tokens between the states kept during a prefill (0: none); see
-    #: :mod:`.policy`.
+    #: Tokens between prefill checkpoints (0: none; :mod:`.policy.positions`).
     prefill_checkpoint_interval: int = 0
-    #: Tokens between the prefill checkpoints kept in plain LRU order (0:
-    #: none); see :mod:`.policy`.
+    #: Tokens between prefill checkpoint anchors (0: none).
     prefill_checkpoint_anchor: int = 0
 
     @property
@@ -316,15 +262,9 @@ class PooledKVCacheConfig(KVCacheConfig):
         raise KeyError(f"no {kind} pool")
 
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
-        """Blocks of the pool whose view ``tensor`` is.
-
-        Overrides upstream's ``KVCacheConfig.num_blocks_of``, which every
-        worker's ``allocate_kv_cache`` (``vllm/v1/worker/utils.py``) calls to
-        shape each layer's view of its tensor: upstream's answer is the one
-        shared ``num_blocks``, here each pool has its own id space. Logs the
-        worker's view of the arena once in every worker process (tensor
-        ranks and pipeline stages alike: a stage's view has its own layers).
-        """
+        """Blocks of the pool whose view ``tensor`` is: every worker's
+        ``allocate_kv_cache`` shapes its views with it (upstream answers the
+        one ``num_blocks``). Logs the worker's arena once per process."""
         layer = tensor.layers[0]
         for group_id, group in enumerate(self.kv_cache_groups):
             if layer in group.layer_names:

@@ -1,15 +1,6 @@
-"""Per-pool usage of the pooled KV arena: plain snapshots, and where they go.
-
-:meth:`~.arena.KVArena.usage` takes an :class:`ArenaUsage` snapshot; the
-pooled schedulers hand one per step, from their stats path (``make_stats``),
-to the publisher installed here, and ``/metrics`` and the benchmarks read the
-same type.
-
-How a snapshot reaches the frontend (vLLM's ``SchedulerStats`` cannot carry
-it, so it goes through a file) is the metrics side's business:
-:mod:`vllm_hybrid.v1.metrics.pool_snapshots` installs its publisher with
-:func:`set_usage_publisher`. The core only hands over values; it writes no
-file and sets no environment variable.
+"""Per-pool usage snapshots of the arena, and the hook their publisher is
+installed in: the core hands values over and writes no file (the metrics
+side installs the transport; docs/pooled-mode.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ class ArenaUsage:
         return used / self.arena_bytes if self.arena_bytes else 0.0
 
 
-#: Takes one engine's snapshot each step (what it does with it is not the
-#: core's business).
+#: Takes one engine's snapshot each step.
 UsagePublisher = Callable[[ArenaUsage], object]
 #: Makes the publisher of the engine with the given index.
 UsagePublisherFactory = Callable[[int], UsagePublisher]
@@ -65,13 +55,8 @@ _publisher_factory: UsagePublisherFactory | None = None
 
 
 def set_usage_publisher(factory: UsagePublisherFactory | None) -> None:
-    """Install where the pooled schedulers hand their snapshots (None: they
-    hand them nowhere).
-
-    The transport to the frontend belongs to the metrics side
-    (:mod:`vllm_hybrid.v1.metrics.pool_snapshots`), which the core may not
-    import; the plugin installs it in every process it activates, before an
-    engine core builds its scheduler."""
+    """Install where the pooled schedulers hand their snapshots (None:
+    nowhere); the plugin does, in every process it activates."""
     global _publisher_factory
     _publisher_factory = factory
 

@@ -1,28 +1,7 @@
-"""Where states are kept: prefill checkpoints, the prompt's own checkpoint,
-turn ends, and how each kept one is filed once freed.
-
-In align mode a state reaches a block only where a chunk ends or a decode
-crosses a state block edge, and is cached only where a position is kept.
-Positions (:class:`CheckpointPolicy`): the prompt's own checkpoint (its
-replay boundary) and shared-prefix junctions, as upstream; every multiple of
-``--prefix-cache-retention-interval``; prefill checkpoints every
-``interval`` tokens of a long prompt, so a shared prefix hits on its first
-reuse; the turn end a follow-up resumes from (:class:`DecodeEdges`).
-
-The interval is the larger of the *state page in tokens* (upstream's block,
-so a first reuse never hits less than upstream) and the *budget term*
-``4 * max_model_len * state block / arena`` (one prompt's checkpoints hold at
-most a quarter of the arena), in whole state blocks.
-
-Kinds: freed turn ends and prefill checkpoints are speculative, filed first
-to go (:data:`~.eviction.PLACES`), except an *anchor* every few prefill
-checkpoints (:func:`prefill_checkpoint_anchor`), kept in LRU order: the step
-is the prefix whose attention KV weighs one state block, in whole intervals
-(every third for Qwen3.6-35B-A3B; none under two).
-A prompt's own checkpoint and its last prefill checkpoint compete for the
-LRU order by the hits each kind served (:data:`~.eviction.RIVALS`).
-What a kept checkpoint saves (:func:`saved_tokens`) weighs it against
-attention KV (:func:`state_block_attention_tokens`, the break-even).
+"""Where states are kept (the prompt's own checkpoint, prefill checkpoints
+and their anchors, turn ends), how each kept one ranks once freed and what
+it saves. docs/pooled-mode.md ("Prefill checkpoints", "Turn-end
+checkpoints") states the rules.
 """
 
 from __future__ import annotations
@@ -41,7 +20,9 @@ from vllm_hybrid.v1.core.pooled.spec import PooledKVCacheConfig, PoolKind
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-#: Inverse share of the arena one long prompt's prefill checkpoints may hold.
+#: Inverse share of the arena one prompt's prefill checkpoints may hold, so
+#: that one prompt cannot fill the state pool
+#: (benchmarks/results/bench-20261126-real-ratio-and-skip-layers.md).
 ARENA_SHARE_INVERSE = 4
 
 
@@ -53,8 +34,8 @@ def token_pool_bytes_per_token(config: PooledKVCacheConfig) -> float:
 
 
 def state_block_attention_tokens(config: PooledKVCacheConfig) -> float:
-    """Tokens of attention KV (every attention layer) one state block's
-    bytes hold: where a state entry saves as much per byte as attention."""
+    """Tokens of attention KV one state block's bytes hold: the break-even
+    of a state entry against attention KV."""
     per_token = max(token_pool_bytes_per_token(config), 1.0)
     return config.layout.state_block_bytes / per_token
 
@@ -71,18 +52,13 @@ def state_page_tokens(config: PooledKVCacheConfig) -> int:
     return cdiv(int(per_state_layer), max(1, int(per_token_layer)))
 
 
-# -- prefill checkpoint positions ----------------------------------------------
-
-
 def prefill_checkpoint_interval(
     config: PooledKVCacheConfig, max_model_len: int, requested: int | None
 ) -> int:
-    """Tokens between prefill checkpoints; 0 when there are none.
-
-    ``requested`` is ``hybrid_kv.prefill_checkpoint_interval``: None picks the
-    rule of the module docstring, 0 turns them off, a positive value is
-    rounded up to the state block.
-    """
+    """Tokens between prefill checkpoints (0: none). ``requested`` is
+    ``hybrid_kv.prefill_checkpoint_interval``: None picks the larger of the
+    state page and the arena share, 0 turns them off; rounded up to the
+    state block."""
     state_spec = config.kv_cache_groups[
         config.pool_by_kind(PoolKind.STATE).group_ids[0]
     ].kv_cache_spec
@@ -100,14 +76,14 @@ def prefill_checkpoint_interval(
     return interval if 0 < interval < max_model_len else 0
 
 
-#: Fewest intervals between anchors (see :data:`~.eviction.PLACES`).
+#: Fewest intervals between anchors: all-anchor pushes prompts' own out
+#: (benchmarks/results/sim-20261127-gpu-sizes.md).
 MIN_ANCHOR_INTERVALS = 2
 
 
 def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int:
-    """Tokens between the prefill checkpoints kept in plain LRU order (a
-    multiple of ``interval``); 0 for none: no prefill checkpoints, or a
-    balanced density under :data:`MIN_ANCHOR_INTERVALS` intervals."""
+    """Tokens between anchors: the prefix whose attention KV weighs one
+    state block, in whole intervals; 0 under :data:`MIN_ANCHOR_INTERVALS`."""
     if interval <= 0:
         return 0
     intervals = round(state_block_attention_tokens(config) / interval)
@@ -117,8 +93,7 @@ def prefill_checkpoint_anchor(config: PooledKVCacheConfig, interval: int) -> int
 def plan_prefill_checkpoints(
     config: PooledKVCacheConfig, max_model_len: int, requested: int | None
 ) -> tuple[int, int]:
-    """(interval, anchor step) of a plan's prefill checkpoints, what the
-    engine glue records on the config for the coordinator and scheduler."""
+    """(interval, anchor step) of a plan's prefill checkpoints."""
     interval = prefill_checkpoint_interval(config, max_model_len, requested)
     return interval, prefill_checkpoint_anchor(config, interval)
 
@@ -134,8 +109,7 @@ def prompt_checkpoint(num_prompt_tokens: int, block: int) -> int:
 
 
 def prefill_checkpoints(num_prompt_tokens: int, interval: int, block: int) -> range:
-    """Positions of a prompt's prefill checkpoints: multiples of
-    ``interval`` below its own checkpoint."""
+    """Multiples of ``interval`` below the prompt's own checkpoint."""
     if interval <= 0:
         return range(0)
     return range(interval, prompt_checkpoint(num_prompt_tokens, block), interval)
@@ -156,9 +130,9 @@ def next_prefill_checkpoint(
 def last_prefill_checkpoint(
     start: int, end: int, num_prompt_tokens: int, interval: int, block: int
 ) -> int | None:
-    """The last prefill checkpoint strictly between ``start`` and ``end``, if
-    any: where a chunk that reaches the prompt's own checkpoint stops, as
-    upstream's align split stops at the last block edge before it."""
+    """The last prefill checkpoint strictly between ``start`` and ``end``:
+    where a chunk reaching the prompt's own checkpoint stops, as upstream's
+    split stops at its last block edge."""
     if interval <= 0:
         return None
     limit = min(end, prompt_checkpoint(num_prompt_tokens, block))
@@ -166,48 +140,28 @@ def last_prefill_checkpoint(
     return position if start < position and position > 0 else None
 
 
-# -- turn ends and the positions one request keeps -----------------------------
-
-
 class DecodeEdges(Enum):
-    """Which state block edges a decoding request keeps a state at.
+    """Which state block edges a decoding request keeps a state at (a copy
+    into a fresh block); the others are crossed in place, with no copy. The
+    prompt's kept positions are kept whatever this says."""
 
-    Align mode keeps a state at an edge by copying the running state into a
-    fresh block when the request crosses it (the block it leaves holds the
-    state at the edge). A crossing nobody keeps is advanced in place instead:
-    the request's running block moves on to the next column, no copy, no new
-    block. In the prompt the edges caching keeps (its replay boundary,
-    prefill checkpoints, shared-prefix junctions) are kept whatever this
-    says; a prefill chunk that ends on another edge is crossed in place
-    unless this is ``EVERY``.
-    """
-
-    #: Every edge, the prompt's included (vLLM's align mode): one copy of the
-    #: whole state per state block of output, each superseded by the next.
+    #: Every edge, the prompt's included (vLLM's align mode).
     EVERY = "every"
-    #: Only the last edge the request's token budget (``max_tokens``) lets it
-    #: reach: one copy per request, the turn end a follow-up resumes from
-    #: when the reply ran to its budget. A reply that stops earlier (end of
-    #: sequence, a stop string) keeps no turn end; a follow-up then resumes
-    #: from the prompt's own checkpoint, as with upstream's defaults.
+    #: Only the last edge the token budget (``max_tokens``) lets the request
+    #: reach: one copy, the turn end of a reply that ran to its budget.
     BUDGET_END = "budget_end"
     #: None: decode never copies.
     NONE = "none"
 
 
-#: Decode edges pooled mode keeps: the turn-end hits of replies that run to
-#: their budget at one copy per request, where ``EVERY`` copies a state at
-#: each edge, almost all superseded one block later
+#: Decode edges kept: one copy per request, where ``EVERY`` copies at each edge
 #: (benchmarks/results/sim-20261127-decode-copies.md).
 DECODE_EDGES = DecodeEdges.BUDGET_END
 
 
 def budget_end_edge(request: Request, block: int) -> int:
     """The last state block edge a request reaches before its token budget
-    ends it: the last multiple of ``block`` up to the tokens it computes (all
-    but its last sampled token). Crossed while decoding, it costs one copy;
-    a reply that ends on it leaves the state in the running block, no copy.
-    """
+    ends it (it computes all but its last sampled token)."""
     return (request.num_prompt_tokens + request.max_tokens - 1) // block * block
 
 
@@ -227,15 +181,14 @@ def replay_positions(
 
 def decode_checkpoint_edge(num_tokens: int, block: int, prompt_len: int) -> int | None:
     """The decode checkpoint a group caching ``num_tokens`` holds: its last
-    edge past the prompt. Up to it, the last block is the prompt's own
-    checkpoint, which no decode edge may supersede (a resent prompt hits it)."""
+    edge past the prompt (up to the prompt, the prompt's own checkpoint,
+    which no decode edge may supersede)."""
     edge = num_tokens // block * block
     return edge if edge > prompt_len else None
 
 
 class StatePositions(NamedTuple):
-    """One caching call's positions in a state group: the boundaries for
-    upstream's ``cache_blocks``, prefill checkpoints, a turn end or not."""
+    """One caching call's positions in a state group."""
 
     boundaries: tuple[int, ...]
     prefill: range
@@ -244,8 +197,8 @@ class StatePositions(NamedTuple):
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """One coordinator's positions and ranks (module docstring); upstream's
-    coordinator holds the retention interval, given per call."""
+    """One coordinator's positions and ranks (the retention interval, which
+    upstream's coordinator holds, is given per call)."""
 
     #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
     retain_turn_ends: bool = False
@@ -285,7 +238,7 @@ class CheckpointPolicy:
         retention_interval: int | None,
     ) -> bool:
         """Whether an align-mode state group caches ``num_tokens`` as a
-        decode checkpoint (``block``: the group's state block)."""
+        decode checkpoint."""
         if (
             not self.retain_turn_ends
             or retention_interval is None
@@ -308,9 +261,8 @@ class CheckpointPolicy:
         replay: tuple[int, ...],
         align: bool,
     ) -> StatePositions:
-        """What a group caching ``num_tokens`` of ``request`` keeps: the
-        prompt's ``replay`` boundaries, and in an align-mode state group its
-        prefill checkpoints and the turn end, if ``num_tokens`` is one."""
+        """What a group caching ``num_tokens`` keeps: the ``replay``
+        boundaries and, in align mode, prefill checkpoints and a turn end."""
         turn_end = align and self.keeps_turn_end(
             request, num_tokens, block, retention_interval
         )
@@ -331,11 +283,8 @@ class CheckpointPolicy:
         scheduler_block: int,
         use_eagle: bool,
     ) -> bool:
-        """Whether a request crossing the state block edge ``edge`` must keep
-        the state there in a block of its own (else it may cross in place):
-        every edge with ``EVERY`` (vLLM's align mode), under dense retention
-        or on the retention interval; in the prompt its replay boundaries,
-        a junction, the prefill checkpoints; past it the turn end."""
+        """Whether a request crossing ``edge`` must keep the state there in a
+        block of its own (else it may cross in place)."""
         if self.decode_edges is DecodeEdges.EVERY:
             return True
         if retention_interval is None or interval_keeps(retention_interval, edge):
@@ -352,17 +301,15 @@ class CheckpointPolicy:
     def keeps_superseded(
         self, previous_tokens: int, held: bool, retention_interval: int | None
     ) -> bool:
-        """Whether a decode checkpoint a later one replaced stays cached
-        (held by another request, or on the retention interval); else it
-        serves no hit and ranks :attr:`~.eviction.Entry.SUPERSEDED`."""
+        """Whether a replaced decode checkpoint stays cached (held, or on the
+        retention interval); else it ranks ``Entry.SUPERSEDED``."""
         return interval_keeps(retention_interval, previous_tokens) or held
 
     def prompt_entry(
         self, num_tokens: int, num_prompt_tokens: int, block: int, positions: range
     ) -> Entry | None:
-        """How the state a prefill chunk ending at ``num_tokens`` leaves ranks
-        once freed (``positions``: the prompt's prefill checkpoints); None: no
-        checkpoint of this policy, upstream's order."""
+        """How the state a prefill chunk ending at ``num_tokens`` ranks once
+        freed; None: no checkpoint of this policy (upstream's order)."""
         if num_tokens == prompt_checkpoint(num_prompt_tokens, block):
             return Entry.PROMPT
         if num_tokens not in positions:
@@ -373,7 +320,6 @@ class CheckpointPolicy:
 
 
 def saved_tokens(kept_at: int, position: int) -> int:
-    """Prompt tokens a hit on a checkpoint at ``position`` saves: those past
-    the previous state its request kept or started from (``kept_at``), which
-    a hit there would have to recompute."""
+    """Prompt tokens a hit at ``position`` saves: those past the state its
+    request kept or started from (``kept_at``)."""
     return max(0, position - kept_at)
