@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 #: Inverse share of the arena one prompt's prefill checkpoints may hold, so
 #: that one prompt cannot fill the state pool
-#: (benchmarks/results/bench-20261126-real-ratio-and-skip-layers.md).
+#: (benchmarks/results/sim-20261126-mooncake-80tq.md).
 ARENA_SHARE_INVERSE = 4
 
 
