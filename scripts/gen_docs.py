@@ -21,7 +21,8 @@ that are fast and print the same on every host may be marked (:data:`RUNNERS`):
 ``vllm-hybrid plan`` on configs and presets (no weights, no engine), and the
 scripts that render results committed under ``benchmarks/results/``
 (simulator runs with ``--offline``, which reads their JSON and never
-simulates; a GPU run's kernel timings). They run in this process from the
+simulates; a GPU run's kernel timings), and pooled mode's eviction order
+rendered from its policy module. They run in this process from the
 repository root, so vLLM is imported once for all of them.
 
 Usage: python scripts/gen_docs.py [--check | --write] [FILE.md ...]
@@ -55,6 +56,7 @@ RUNNERS: dict[tuple[str, str], bool] = {
     ("python", "scripts/simulation_tables.py"): True,
     ("python", "scripts/decode_copies_table.py"): True,
     ("python", "scripts/gpu/report.py"): False,
+    ("python", "scripts/eviction_order.py"): False,
 }
 #: The displayed command is wrapped before an option past this width.
 WRAP_WIDTH = 80

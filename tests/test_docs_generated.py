@@ -25,6 +25,7 @@ DOCS = {
     "docs/plan.md": 2,
     "docs/simulation.md": 4,
     "docs/benchmarks.md": 1,
+    "docs/pooled-mode.md": 1,
 }
 
 
