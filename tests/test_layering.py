@@ -1,6 +1,6 @@
 """The package's structure, checked from the source: import graph and sizes.
 
-Rules (docs/overlay.md has the map): no import cycle between modules (the
+Rules (docs/architecture.md has the map): no import cycle between modules (the
 rules between packages are in ``test_package_layers.py``); inside
 ``vllm_hybrid.v1.core.pooled`` a module imports only from the layers below
 it, and does not reach a higher layer through an object it was handed (a

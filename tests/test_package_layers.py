@@ -5,7 +5,7 @@ Every package counts (each module of the package root, such as ``logger`` or
 core (``vllm_hybrid.v1.core``) never imports metrics, tools or the plugin;
 the options (``vllm_hybrid.config``) never import pooled mode, which reads
 them; the core writes no file and sets no environment variable (it hands
-values to the layers above, which carry them). docs/overlay.md has the map
+values to the layers above, which carry them). docs/architecture.md has the map
 of the packages.
 
 Imports that break a rule would be listed in :data:`ALLOWED` (none today), each
