@@ -286,6 +286,12 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
 #: private methods are in SUBCLASSES).
 PRIVATE_ATTRIBUTES: list[PrivateAttribute] = [
     PrivateAttribute(
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "_preempt_request",
+        "benchmarks/pooled/admission.py (the admission probe hears each "
+        "preemption; it wraps the method on the instance and calls it)",
+    ),
+    PrivateAttribute(
         "vllm.v1.core.block_pool:BlockHashToBlockMap",
         "_cache",
         "pooled.block_pool (cached keys, blocks of a key)",

@@ -144,7 +144,7 @@ ALLOWED_HANDOFFS: dict[tuple[str, str], str] = {
         "the step's moves travel to the workers on the SchedulerOutput "
         "(registry: ADDED_ATTRIBUTES)"
     ),
-    ("retention", "setattr kv_cache_config"): (
+    ("turn_ends", "setattr kv_cache_config"): (
         "hybrid_kv.retain_turn_ends on a single-pool plan, for the factory "
         "that builds its coordinator (registry: ADDED_ATTRIBUTES)"
     ),
