@@ -12,7 +12,7 @@ replacement modules reach upstream's object through
 from __future__ import annotations
 
 from vllm_hybrid.patches.cuda_graph_entries import CUDA_GRAPH_PATCHES
-from vllm_hybrid.patches.entry import PatchEntry
+from vllm_hybrid.patches.entry import AddedSymbol, PatchEntry
 from vllm_hybrid.patches.state_read_entries import STATE_READ_PATCHES
 from vllm_hybrid.patches.token_move_entries import TOKEN_MOVE_PATCHES
 from vllm_hybrid.patches.v2_runner_entries import V2_RUNNER_PATCHES
@@ -54,6 +54,7 @@ PATCHES: list[PatchEntry] = [
             "When upstream unifies non-divisible pages without padding "
             "attention pages and without raising for MLA."
         ),
+        placement="body",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_groups",
@@ -76,6 +77,7 @@ PATCHES: list[PatchEntry] = [
             "With the unify_kv_cache_spec_page_size entry, or when upstream "
             "passes vllm_config to the page unification."
         ),
+        placement="body",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_capacity",
@@ -100,6 +102,7 @@ PATCHES: list[PatchEntry] = [
             "https://github.com/vllm-project/vllm/issues/40691"
         ),
         removal="When upstream counts only token groups in the token capacity.",
+        placement="top",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:update_kv_cache_capacity",
@@ -121,6 +124,31 @@ PATCHES: list[PatchEntry] = [
             "https://github.com/vllm-project/vllm/issues/40691"
         ),
         removal="With the get_kv_cache_capacity entry.",
+        placement="top",
+    ),
+    PatchEntry(
+        target="vllm.v1.worker.gpu_worker:Worker.initialize_from_config",
+        replacement="vllm_hybrid.v1.worker.routed_experts:initialize_from_config",
+        bindings=(),
+        why=(
+            "The routed-experts store (AuxOutput connector) is sized from "
+            "aux_output_config.max_bytes when the model runner builds it inside "
+            "initialize_from_config; unset, upstream derives it from the "
+            "scheduler block size, the LCM of every group's block size, which "
+            "state groups inflate far past the token slots that exist. A "
+            "--worker-cls subclass would need the user to select it; the "
+            "platform picks the worker class."
+        ),
+        how=(
+            "Class attribute on Worker replaced (CPUWorker inherits it). The "
+            "replacement sets max_bytes from the token groups' slots "
+            "(routed_experts_store_bytes) when routed-experts capture is on and "
+            "the user left max_bytes unset, then calls upstream's method "
+            "unchanged."
+        ),
+        upstream_status="none",
+        removal="When upstream sizes the store from the token groups.",
+        placement="before",
     ),
     # -- pooled mode (per-pool KV at natural page sizes) ---------------------
     PatchEntry(
@@ -148,6 +176,7 @@ PATCHES: list[PatchEntry] = [
             "When upstream keeps separate pools per page kind for hybrid "
             "models, or exposes block-size alignment as a platform option."
         ),
+        placement="top",
     ),
     PatchEntry(
         target="vllm.platforms.interface:Platform._align_heterogeneous_kv_block_size",
@@ -172,6 +201,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the _align_hybrid_block_size entry.",
+        placement="top",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
@@ -190,6 +220,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When upstream plans per-pool KV caches for hybrid models.",
+        placement="after",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
@@ -214,6 +245,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the get_kv_cache_configs entry.",
+        placement="body",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
@@ -278,6 +310,7 @@ PATCHES: list[PatchEntry] = [
             "When the CPU platform selects registered backends (or honours "
             "--attention-backend) or upstream ships a CPU TurboQuant backend."
         ),
+        placement="top",
     ),
     # -- align mode's state copies (V1 model runner) -------------------------
     PatchEntry(
@@ -306,6 +339,7 @@ PATCHES: list[PatchEntry] = [
             "shift, so the case does not arise there)"
         ),
         removal="When preprocess_mamba skips copies of a block onto itself.",
+        placement="top",
     ),
     # -- speculative decoding on hybrids without Triton (CPU) ---------------
     *(
@@ -334,6 +368,7 @@ PATCHES: list[PatchEntry] = [
             upstream_status="none (vLLM 0.32's CPU platform overrides 11 "
             "kernels, not this one)",
             removal="When the CPU platform registers a host version of it.",
+            placement="body",
         )
         for kernel in (
             "precopy_mamba_align_fused_kernel",
@@ -363,6 +398,7 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When the CPU worker allocates intermediate tensors without a "
         "warm-up run.",
+        placement="after",
     ),
     PatchEntry(
         target="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_spec_forward",
@@ -389,6 +425,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When upstream's CPU spec-decode conv handles drafts of any length.",
+        placement="top",
     ),
     PatchEntry(
         target="vllm.v1.attention.selector:_cached_get_attn_backend",
@@ -409,6 +446,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When upstream validates the cache dtype on every platform.",
+        placement="after",
     ),
     # -- full CUDA graphs sized to the states the KV cache holds -------------
     *CUDA_GRAPH_PATCHES,
@@ -436,6 +474,7 @@ PATCHES: list[PatchEntry] = [
             "When vLLM validates additional_config through a plugin hook in "
             "the front-end process."
         ),
+        placement="after",
     ),
     # -- server shutdown under load -------------------------------------------
     PatchEntry(
@@ -459,6 +498,22 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When AsyncLLM.shutdown fails or finishes the requests in flight.",
+        placement="after",
+    ),
+]
+
+#: Names the overlay adds to upstream modules, so that they are reachable at
+#: vLLM's own path (applied and reverted with :data:`PATCHES`).
+ADDED_SYMBOLS: list[AddedSymbol] = [
+    AddedSymbol(
+        target="vllm.v1.core.kv_cache_utils:token_capacity_kv_cache_groups",
+        source=("vllm_hybrid.v1.core.token_capacity:token_capacity_kv_cache_groups"),
+        why=(
+            "Which KV cache groups count as tokens is a question of vLLM's "
+            "KV cache utilities (the capacity report, the routed-experts store "
+            "and the scheduler need it); callers written against vLLM find it "
+            "at the name vLLM would give it."
+        ),
     ),
 ]
 
@@ -486,5 +541,6 @@ CLI_PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When the CPU wheel's distribution is named vllm, or vLLM's "
         "CLI stops reading its own distribution metadata.",
+        placement="body",
     ),
 ]
