@@ -11,8 +11,9 @@ replacement modules reach upstream's object through
 
 from __future__ import annotations
 
+from vllm_hybrid.patches.capacity_entries import ROUTED_EXPERTS_PATCHES
 from vllm_hybrid.patches.cuda_graph_entries import CUDA_GRAPH_PATCHES
-from vllm_hybrid.patches.entry import AddedSymbol, PatchEntry
+from vllm_hybrid.patches.entry import PatchEntry
 from vllm_hybrid.patches.state_read_entries import STATE_READ_PATCHES
 from vllm_hybrid.patches.token_move_entries import TOKEN_MOVE_PATCHES
 from vllm_hybrid.patches.v2_runner_entries import V2_RUNNER_PATCHES
@@ -126,30 +127,7 @@ PATCHES: list[PatchEntry] = [
         removal="With the get_kv_cache_capacity entry.",
         placement="top",
     ),
-    PatchEntry(
-        target="vllm.v1.worker.gpu_worker:Worker.initialize_from_config",
-        replacement="vllm_hybrid.v1.worker.routed_experts:initialize_from_config",
-        bindings=(),
-        why=(
-            "The routed-experts store (AuxOutput connector) is sized from "
-            "aux_output_config.max_bytes when the model runner builds it inside "
-            "initialize_from_config; unset, upstream derives it from the "
-            "scheduler block size, the LCM of every group's block size, which "
-            "state groups inflate far past the token slots that exist. A "
-            "--worker-cls subclass would need the user to select it; the "
-            "platform picks the worker class."
-        ),
-        how=(
-            "Class attribute on Worker replaced (CPUWorker inherits it). The "
-            "replacement sets max_bytes from the token groups' slots "
-            "(routed_experts_store_bytes) when routed-experts capture is on and "
-            "the user left max_bytes unset, then calls upstream's method "
-            "unchanged."
-        ),
-        upstream_status="none",
-        removal="When upstream sizes the store from the token groups.",
-        placement="before",
-    ),
+    *ROUTED_EXPERTS_PATCHES,
     # -- pooled mode (per-pool KV at natural page sizes) ---------------------
     PatchEntry(
         target="vllm.platforms.interface:Platform._align_hybrid_block_size",
@@ -499,21 +477,6 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When AsyncLLM.shutdown fails or finishes the requests in flight.",
         placement="after",
-    ),
-]
-
-#: Names the overlay adds to upstream modules, so that they are reachable at
-#: vLLM's own path (applied and reverted with :data:`PATCHES`).
-ADDED_SYMBOLS: list[AddedSymbol] = [
-    AddedSymbol(
-        target="vllm.v1.core.kv_cache_utils:token_capacity_kv_cache_groups",
-        source=("vllm_hybrid.v1.core.token_capacity:token_capacity_kv_cache_groups"),
-        why=(
-            "Which KV cache groups count as tokens is a question of vLLM's "
-            "KV cache utilities (the capacity report, the routed-experts store "
-            "and the scheduler need it); callers written against vLLM find it "
-            "at the name vLLM would give it."
-        ),
     ),
 ]
 

@@ -21,7 +21,8 @@ import importlib
 from typing import Any
 
 from vllm_hybrid.logger import init_logger
-from vllm_hybrid.patches.entries import ADDED_SYMBOLS, CLI_PATCHES, PATCHES
+from vllm_hybrid.patches.capacity_entries import ADDED_SYMBOLS
+from vllm_hybrid.patches.entries import CLI_PATCHES, PATCHES
 from vllm_hybrid.patches.entry import AddedSymbol, PatchEntry
 from vllm_hybrid.patches.subclasses import (
     ADDED_ATTRIBUTES,

@@ -13,25 +13,22 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_hybrid.patches.entries import ADDED_SYMBOLS, PATCHES
+from vllm_hybrid.patches.capacity_entries import ADDED_SYMBOLS
+from vllm_hybrid.patches.entries import PATCHES
 from vllm_hybrid.patches.entry import PatchEntry
 from vllm_hybrid.patches.subclasses import ADDED_ATTRIBUTES
 from vllm_hybrid.tools.fork import wiring
 from vllm_hybrid.tools.fork.code import ForkError, Origin
 from vllm_hybrid.tools.fork.modules import PACKAGE, OverlayModule, overlay_modules
 from vllm_hybrid.tools.fork.options import CONFIG_CLASS, variable_rows
-from vllm_hybrid.tools.fork.placement import (
-    Placed,
-    Replacement,
-    find_replacement,
-    place,
-)
-from vllm_hybrid.tools.fork.plan import COMMITS, commit_index, commit_of_target
+from vllm_hybrid.tools.fork.placement import Placed, place
+from vllm_hybrid.tools.fork.plan import COMMITS, commit_index
 from vllm_hybrid.tools.fork.rewrite import (
     merge_definitions,
     plan_removal,
     render_module,
 )
+from vllm_hybrid.tools.fork.shapes import Replacement, find_replacement
 from vllm_hybrid.tools.fork.source import Source, bound_names, loaded_names
 from vllm_hybrid.tools.fork.symbols import Home, SymbolTable
 from vllm_hybrid.tools.fork.tests import package_inits
@@ -67,6 +64,9 @@ class ForkBuild:
     #: ``upstream_root``); the series reads them from its first commit while
     #: the tree itself changes.
     read_upstream: object = None
+    #: Whether this repository's tests go along (off where only the fork's
+    #: code matters, which saves reading every test module).
+    with_tests: bool = True
     modules: list[OverlayModule] = field(init=False)
     table: SymbolTable = field(init=False)
     origins: dict[str, Origin] = field(init=False)
@@ -76,9 +76,11 @@ class ForkBuild:
 
     def __post_init__(self) -> None:
         self._upstream_texts: dict[str, str] = {}
+        self._removals: dict[str, object] = {}
+        self._rendered: dict[str, str] = {}
         self._upstream_sources: dict[str, Source] = {}
         package = self.repo_root / PACKAGE
-        self.modules = overlay_modules(package, self.upstream_root / "vllm")
+        self.modules = overlay_modules(package, lambda p: self._exists(f"vllm/{p}"))
         by_name = {m.name: m for m in self.modules}
         self.table = SymbolTable(by_name)
         self.text = TextRules(self.modules)
@@ -100,14 +102,54 @@ class ForkBuild:
             if origin is None:
                 raise ForkError(f"{entry.replacement}: module not in the fork")
             rep = find_replacement(entry, origin)
-            index = commit_index(commit_of_target(entry.target).key)
-            self.replacements.append((index, rep))
+            self.replacements.append((self.entry_commit(rep), rep))
             self._relocate_replacement(rep)
         self.symbols = self._added_symbols()
         self.merged = self._merged_definitions()
-        self.tests, self.tests_left = select_tests(
-            self, self.repo_root / "tests", self._exists
-        )
+        self.tests, self.tests_left = [], {}
+        if self.with_tests:
+            self.tests, self.tests_left = select_tests(
+                self, self.repo_root / "tests", self._exists
+            )
+
+    # -- commits ---------------------------------------------------------------
+
+    def module_commit(self, name: str) -> int | None:
+        """The commit index of the overlay module ``name`` (None: not in the
+        fork)."""
+        module = self.table.modules.get(name)
+        if module is None or module.commit is None:
+            return None
+        return commit_index(module.commit.key)
+
+    def entry_commit(self, rep: Replacement) -> int:
+        """The commit of the module the replacement is defined in, or the
+        latest commit of a module its code reads (through the definitions of
+        its own module it calls), whichever is later."""
+        origin = rep.origin
+        index = self.module_commit(origin.name)
+        if index is None:
+            raise ForkError(f"{rep.entry.replacement}: its module is not in the fork")
+        body = [s for s in origin.source.tree.body if not isinstance(s, ast.Import)]
+        own = {n: s for s in body for n in bound_names(s) if not _is_import(s)}
+        seen, todo = set(), list(_reads(rep))
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            binding = origin.bindings.get(name)
+            if binding is None:
+                continue
+            if binding.defined and name in own and name not in rep.names:
+                todo += loaded_names([own[name]])
+                continue
+            for module in (f"{binding.module}.{binding.attr}", binding.module):
+                found = self.module_commit(module)
+                if found is not None:
+                    index = max(index, found)
+                    break
+        return index
 
     # -- names -----------------------------------------------------------------
 
@@ -201,6 +243,11 @@ class ForkBuild:
         return found
 
     def _removal(self, origin: Origin):
+        if origin.name not in self._removals:
+            self._removals[origin.name] = self._plan_removal(origin)
+        return self._removals[origin.name]
+
+    def _plan_removal(self, origin: Origin):
         taken_names, taken_stmts = set(), []
         for _, rep in self.replacements:
             if rep.origin is origin:
@@ -301,6 +348,11 @@ class ForkBuild:
         out.update(inits)
         return out
 
+    def _exists_module(self, name: str) -> bool:
+        """Whether vLLM's tree (as published) has the module ``name``."""
+        base = name.replace(".", "/")
+        return self._exists(f"{base}.py") or self._exists(f"{base}/__init__.py")
+
     def _exists(self, path: str) -> bool:
         return (
             (self.upstream_root / path).exists()
@@ -316,6 +368,11 @@ class ForkBuild:
         return True
 
     def _render(self, module: OverlayModule, refs: dict[str, Home]) -> str:
+        if module.name not in self._rendered:
+            self._rendered[module.name] = self._render_once(module, refs)
+        return self._rendered[module.name]
+
+    def _render_once(self, module: OverlayModule, refs: dict[str, Home]) -> str:
         origin = self.origins[module.name]
         removal = self._removal(origin)
         bodies = wiring.FORK_BODIES.get(module.name, {})
@@ -361,14 +418,12 @@ class ForkBuild:
         elif step == "environment":
             wiring.wire_environment(touch("vllm.envs"))
         elif step == "attention_backend":
-            from vllm_hybrid.v1.attention.backends import cpu_turboquant_attn
-
-            home = self.table.home(
-                cpu_turboquant_attn.__name__, "CPUTurboQuantAttentionBackend"
-            )
+            module = f"{PACKAGE}.v1.attention.backends.cpu_turboquant_attn"
+            name = _constant(self.origins[module], "BACKEND_NAME")
+            home = self.table.home(module, "CPUTurboQuantAttentionBackend")
             wiring.wire_backend(
                 touch("vllm.v1.attention.backends.registry"),
-                cpu_turboquant_attn.BACKEND_NAME,
+                name,
                 f"{home.module}.{home.name}",
             )
         elif step == "cpu_kernel":
@@ -393,10 +448,20 @@ class _Text:
         self.tree = ast.Module(body=[], type_ignores=[])
 
 
+def _constant(origin: Origin, name: str) -> str:
+    """The string a module binds ``name`` to at top level."""
+    stmt = origin.source.top_level_bindings[name]
+    return ast.literal_eval(stmt.value)
+
+
 def _replace_docstring(text: str, doc: str) -> str:
     node = ast.parse(text).body[0]
     lines = text.splitlines(keepends=True)
     return '"""' + doc.rstrip("\n") + '\n"""\n' + "".join(lines[node.end_lineno :])
+
+
+def _is_import(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, (ast.Import, ast.ImportFrom))
 
 
 def _is_docstring(stmt: ast.stmt) -> bool:

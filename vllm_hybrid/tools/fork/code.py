@@ -49,10 +49,16 @@ class Origin:
 
     def __post_init__(self) -> None:
         self.bindings = module_bindings(self.source, self.name)
+        self._registry: set[str] | None = None
 
     def registry_names(self) -> set[str]:
         """Names this module binds to the registry (``upstream_of``,
         ``repair``), at top level or inside functions."""
+        if self._registry is None:
+            self._registry = self._find_registry_names()
+        return set(self._registry)
+
+    def _find_registry_names(self) -> set[str]:
         names = {
             name
             for name, b in self.bindings.items()
@@ -281,7 +287,7 @@ def def_header(
         if id(ann) in skip:
             continue
         names = {n.id for n in ast.walk(ann) if isinstance(n, ast.Name)} - BUILTINS
-        missing = {n for n in names if n not in runtime}
+        missing = set()
         for name in sorted(names):
             home = home_of(origin, name, table)
             if home is None:
@@ -291,8 +297,17 @@ def def_header(
                 )
             if home.module == target.name and home.name == name:
                 continue
-            if not target.binds(name, home):
-                module.type_imports.append(import_text(home, name))
+            if target.binds(name, home):
+                if name not in runtime:
+                    missing.add(name)  # bound for type checking only
+                continue
+            if not home.module.startswith("vllm"):
+                # the standard library and third parties: no cycle to fear
+                module.imports.append(import_text(home, name))
+                continue
+            module.type_imports.append(import_text(home, name))
+            if name not in runtime:
+                missing.add(name)
         if missing and not module.has_future_annotations:
             a, b = src.span(ann)
             edits.append(Edit(a, b, repr(src.segment(ann))))

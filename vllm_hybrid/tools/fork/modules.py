@@ -10,6 +10,7 @@ modules at paths vLLM has are vLLM's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,14 +63,17 @@ def dotted(package: str, path: str) -> str:
     return ".".join(parts)
 
 
-def overlay_modules(package_root: Path, upstream_root: Path) -> list[OverlayModule]:
+def overlay_modules(
+    package_root: Path, upstream_has: Callable[[str], bool]
+) -> list[OverlayModule]:
     """Every module of the overlay (``package_root``), placed against vLLM's
-    package at ``upstream_root``. Raises LookupError for a module that no
-    commit rule covers or that would overwrite one of vLLM's modules."""
+    package (``upstream_has(path)``: whether ``vllm/path`` exists there).
+    Raises LookupError for a module that no commit rule covers or that would
+    overwrite one of vLLM's modules."""
     modules = []
     for file in sorted(package_root.rglob("*.py")):
         path = file.relative_to(package_root).as_posix()
-        at_upstream = (upstream_root / path).exists()
+        at_upstream = upstream_has(path)
         if path.endswith("__init__.py") and at_upstream:
             modules.append(OverlayModule(path, None, None))
             continue
@@ -87,7 +91,7 @@ def overlay_modules(package_root: Path, upstream_root: Path) -> list[OverlayModu
             if target == MERGE:
                 modules.append(OverlayModule(path, commit, path, merged=True))
                 continue
-            if (upstream_root / target).exists():
+            if upstream_has(target):
                 raise LookupError(f"{target} (for vllm_hybrid/{path}) exists in vLLM")
             modules.append(OverlayModule(path, commit, target))
             continue

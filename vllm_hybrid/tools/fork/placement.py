@@ -31,8 +31,19 @@ from vllm_hybrid.tools.fork.code import (
     def_header,
     home_of,
     imports_for,
-    is_upstream_call,
     move,
+)
+from vllm_hybrid.tools.fork.shapes import (
+    Func,
+    Replacement,
+    binds_call,
+    body_of,
+    bound_locally,
+    has_yield,
+    is_dispatch,
+    is_tail,
+    returns_in,
+    upstream_calls,
 )
 from vllm_hybrid.tools.fork.source import (
     BUILTINS,
@@ -46,141 +57,6 @@ from vllm_hybrid.tools.fork.source import (
 )
 from vllm_hybrid.tools.fork.symbols import SymbolTable
 from vllm_hybrid.tools.fork.upstream import UpstreamModule
-
-Func = ast.FunctionDef | ast.AsyncFunctionDef
-
-
-@dataclass
-class Replacement:
-    """Where an entry's replacement is in the overlay."""
-
-    entry: PatchEntry
-    origin: Origin
-    #: The function that is the replacement (None for an object).
-    func: Func | None
-    #: The statement binding an object replacement.
-    assign: ast.Assign | None
-    #: Top-level names of the overlay module that the replacement takes.
-    names: set[str]
-    #: Top-level statements that only exist for the registry's binding.
-    helpers: list[ast.stmt]
-
-
-def find_replacement(entry: PatchEntry, origin: Origin) -> Replacement:
-    name = entry.replacement.split(":", 1)[1]
-    tree = origin.source.tree
-    defs = {
-        s.name: s
-        for s in tree.body
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
-    if name in defs:
-        return Replacement(entry, origin, defs[name], None, {name}, [])
-    assign = next(
-        (
-            s
-            for s in tree.body
-            if isinstance(s, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)
-        ),
-        None,
-    )
-    if assign is None:
-        raise ForkError(f"{entry.replacement}: no definition found")
-    value = assign.value
-    if isinstance(value, ast.Call) and _callee(value) == "classmethod":
-        value = value.args[0]
-    if isinstance(value, ast.Name) and value.id in defs:
-        func = defs[value.id]
-        helpers = [assign] + [
-            s
-            for s in tree.body
-            if s is not assign
-            and isinstance(s, ast.Assign)
-            and any(
-                isinstance(t, ast.Attribute)
-                and isinstance(t.value, ast.Name)
-                and t.value.id == func.name
-                for t in s.targets
-            )
-        ]
-        return Replacement(entry, origin, func, None, {name, func.name}, helpers)
-    return Replacement(entry, origin, None, assign, {name}, [])
-
-
-def _callee(call: ast.Call) -> str | None:
-    return call.func.id if isinstance(call.func, ast.Name) else None
-
-
-def _body(func: Func) -> list[ast.stmt]:
-    doc = docstring_node(func.body)
-    return func.body[1:] if doc is not None else list(func.body)
-
-
-def _up_calls(nodes: list[ast.AST], registry: set[str]) -> list[ast.Call]:
-    return [
-        n
-        for node in nodes
-        for n in ast.walk(node)
-        if is_upstream_call(n, registry) is not None
-    ]
-
-
-def _passes_through(call: ast.Call, up: ast.Call, func: Func) -> bool:
-    """``call`` calls upstream's object (``up``, maybe ``.__func__``) with
-    exactly the replacement's own parameters."""
-    callee = call.func
-    if isinstance(callee, ast.Attribute) and callee.attr == "__func__":
-        callee = callee.value
-    if callee is not up:
-        return False
-    names = parameter_names(func)
-    given: dict[str, str] = {}
-    positional = [n for n in names if not n.startswith("*")][
-        : len(func.args.posonlyargs) + len(func.args.args)
-    ]
-    for i, arg in enumerate(call.args):
-        if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
-            given["*" + arg.value.id] = "*" + arg.value.id
-        elif isinstance(arg, ast.Name) and i < len(positional):
-            given[positional[i]] = arg.id
-        else:
-            return False
-    for kw in call.keywords:
-        if not isinstance(kw.value, ast.Name):
-            return False
-        key = "**" + kw.value.id if kw.arg is None else kw.arg
-        given[key] = "**" + kw.value.id if kw.arg is None else kw.value.id
-    return given == {n: n for n in names}
-
-
-def _returns(nodes: list[ast.stmt]) -> list[ast.Return]:
-    found = []
-    stack = list(nodes)
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.Return):
-            found.append(node)
-        if isinstance(
-            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
-        ):
-            continue
-        stack.extend(ast.iter_child_nodes(node))
-    return found
-
-
-def _has_yield(func: Func) -> bool:
-    return any(isinstance(n, (ast.Yield, ast.YieldFrom)) for n in ast.walk(func))
-
-
-def _bound_locally(func: Func) -> set[str]:
-    names = set()
-    for node in ast.walk(func):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-    return names - set(n.lstrip("*") for n in parameter_names(func))
 
 
 @dataclass
@@ -233,33 +109,33 @@ def _place_inline(
 ) -> Placed | str:
     func, origin = rep.func, rep.origin
     registry = origin.registry_names()
-    body = _body(func)
-    ups = _up_calls(body, registry)
+    body = body_of(func)
+    ups = upstream_calls(body, registry)
     if len(ups) != 1:
         return "it reads upstream's object more than once"
     if parameter_names(func) != parameter_names(up):
         return "its parameters are not upstream's"
-    if _has_yield(up):
+    if has_yield(up):
         return "upstream's definition is a generator"
     up_call = ups[0]
     index = next(i for i, s in enumerate(body) if up_call in list(ast.walk(s)))
     stmt = body[index]
     pre, rest, post, dispatch = body[:index], [], [], None
-    up_body = _body(up)
-    up_returns = _returns(up_body)
+    up_body = body_of(up)
+    up_returns = returns_in(up_body)
     kind = None
-    if index == len(body) - 1 and _is_tail(stmt, up_call, func):
+    if index == len(body) - 1 and is_tail(stmt, up_call, func):
         if isinstance(stmt, ast.Expr) and any(r.value is not None for r in up_returns):
             return "it drops the value upstream's body returns"
         kind = "top"
     elif (
         isinstance(stmt, ast.If)
         and not stmt.orelse
-        and _is_dispatch(stmt, up_call, func)
+        and is_dispatch(stmt, up_call, func)
     ):
         dispatch, rest = stmt, body[index + 1 :]
         kind = "top"
-    elif rep.entry.placement == "after" and _binds_call(stmt, up_call, func):
+    elif rep.entry.placement == "after" and binds_call(stmt, up_call, func):
         post = body[index + 1 :]
         final = up_body[-1] if up_body else None
         if isinstance(stmt, ast.Assign):
@@ -283,8 +159,8 @@ def _place_inline(
         and not (n == "logger" and "logger" in target.bindings)
         and not target.binds(n, home_of(origin, n, table) or _nowhere(n))
     }
-    our_bound = _bound_locally(func) | imported
-    up_free, up_bound = free_names(up), _bound_locally(up)
+    our_bound = bound_locally(func) | imported
+    up_free, up_bound = free_names(up), bound_locally(up)
     clash = (ours - imported) & up_bound
     clash |= {n for n in our_bound & up_free if n not in ours}
     clash |= {n for n in imported & up_free}
@@ -381,33 +257,6 @@ def _refuse(rep: Replacement):
     return upstream
 
 
-def _is_tail(stmt: ast.stmt, up_call: ast.Call, func: Func) -> bool:
-    value = stmt.value if isinstance(stmt, (ast.Return, ast.Expr)) else None
-    return isinstance(value, ast.Call) and _passes_through(value, up_call, func)
-
-
-def _is_dispatch(stmt: ast.If, up_call: ast.Call, func: Func) -> bool:
-    """``if C: return upstream(...)`` or ``if C: upstream(...); return``."""
-    inner = stmt.body
-    if len(inner) == 1:
-        return isinstance(inner[0], ast.Return) and _is_tail(inner[0], up_call, func)
-    return (
-        len(inner) == 2
-        and isinstance(inner[0], ast.Expr)
-        and _is_tail(inner[0], up_call, func)
-        and isinstance(inner[1], ast.Return)
-        and inner[1].value is None
-    )
-
-
-def _binds_call(stmt: ast.stmt, up_call: ast.Call, func: Func) -> bool:
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-        return isinstance(stmt.value, ast.Call) and _passes_through(
-            stmt.value, up_call, func
-        )
-    return isinstance(stmt, ast.Expr) and _is_tail(stmt, up_call, func)
-
-
 def _inverted(origin: Origin, test: ast.expr) -> str:
     seg = origin.source.segment
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -446,7 +295,7 @@ def _place_with_default(
         rep.origin, func, module, target, table, public, method=owner is not None
     )
     doc = docstring_node(func.body)
-    body = _body(func)
+    body = body_of(func)
     free = free_names(func) - registry
     moved = move(
         origin,

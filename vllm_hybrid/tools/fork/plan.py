@@ -1,9 +1,12 @@
 """The fork's commits: one per fix, in an order that builds.
 
-Which modules and registry entries a commit holds is written as path and
-target patterns, not as lists of today's files: a module added later lands in
-the commit its path says, and a test fails when a module or entry matches no
-commit, or when a commit imports a module that only a later one adds.
+Which modules a commit holds is written as path patterns, not as lists of
+today's files: a module added later lands in the commit its path says, and a
+test fails when a module matches no commit, or when a commit imports a module
+that only a later one adds. A registry entry lands in the commit of the
+module its replacement is defined in, or in a later one where its code reads
+a module a later commit adds (:meth:`.build.ForkBuild.entry_commit`); the
+targets themselves are written in the registry only.
 A path written out in full wins over any pattern; otherwise the first
 commit with a matching pattern takes the module.
 """
@@ -25,8 +28,6 @@ class ForkCommit:
     body: str
     #: Patterns over module paths relative to the ``vllm_hybrid`` package.
     modules: tuple[str, ...] = ()
-    #: Patterns over registry targets (``module:attr``).
-    targets: tuple[str, ...] = ()
     #: Changes to vLLM's own files that are not registry entries
     #: (:mod:`.wiring`).
     wiring: tuple[str, ...] = ()
@@ -61,11 +62,9 @@ COMMITS: tuple[ForkCommit, ...] = (
             "largest page, attention blocks scale by whole numbers and only "
             "state pages are padded, within limits that are options."
         ),
-        modules=("v1/core/page_unification.py",),
-        targets=(
-            "vllm.v1.core.kv_cache_utils:unify_kv_cache_spec_page_size",
-            "vllm.v1.core.kv_cache_utils:get_kv_cache_groups",
-        ),
+        # the dispatch helpers of kv_cache_utils join vLLM's module with the
+        # first fix written there
+        modules=("v1/core/page_unification.py", "v1/core/kv_cache_utils.py"),
     ),
     ForkCommit(
         key="pools",
@@ -83,10 +82,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "v1/core/pooled/*",
             "platforms/hybrid_block_size.py",
             "v1/worker/pooled_views.py",
-        ),
-        targets=(
-            "vllm.platforms.interface:Platform._align_hybrid_block_size",
-            "vllm.platforms.interface:Platform._align_heterogeneous_kv_block_size",
         ),
     ),
     ForkCommit(
@@ -106,12 +101,7 @@ COMMITS: tuple[ForkCommit, ...] = (
             "v1/core/pooled/retention.py",
             "v1/core/pooled/engine.py",
             "v1/core/kv_cache_coordinator.py",
-            "v1/core/kv_cache_utils.py",
             "v1/core/sched/*",
-        ),
-        targets=(
-            "vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
-            "vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
         ),
     ),
     ForkCommit(
@@ -129,11 +119,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "module and the capacity report also covers pooled plans."
         ),
         modules=("v1/core/token_capacity.py", "v1/worker/routed_experts.py"),
-        targets=(
-            "vllm.v1.core.kv_cache_utils:get_kv_cache_capacity",
-            "vllm.v1.core.kv_cache_utils:update_kv_cache_capacity",
-            "vllm.v1.worker.gpu_worker:Worker.initialize_from_config",
-        ),
     ),
     ForkCommit(
         key="workers",
@@ -153,15 +138,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "v1/worker/v2_warmup.py",
             "v1/attention/backends/gdn_reads.py",
             "model_executor/layers/mamba/gdn_out_of_place.py",
-        ),
-        targets=(
-            "vllm.v1.worker.gpu.warmup:*",
-            "vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.*",
-            "vllm.v1.worker.mamba_utils:collect_mamba_copy_meta",
-            "vllm.v1.attention.backends.gdn_attn:*",
-            "vllm.model_executor.layers.mamba.gdn.*",
-            "vllm.v1.worker.gpu.model_states.*",
-            "vllm.v1.worker.gpu_worker:Worker.execute_model",
         ),
     ),
     ForkCommit(
@@ -183,10 +159,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "platforms/cpu.py",
             "v1/attention/selector.py",
         ),
-        targets=(
-            "vllm.platforms.cpu:CpuPlatform.get_attn_backend_cls",
-            "vllm.v1.attention.selector:_cached_get_attn_backend",
-        ),
         wiring=("attention_backend", "cpu_kernel"),
     ),
     ForkCommit(
@@ -199,11 +171,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "holds, the piecewise graphs stay, and one log line names the cap."
         ),
         modules=("v1/worker/cudagraph_capacity.py",),
-        targets=(
-            "vllm.config.compilation:*",
-            "vllm.v1.cudagraph_dispatcher:*",
-            "vllm.v1.worker.gpu.cudagraph_utils:*",
-        ),
     ),
     ForkCommit(
         key="cpu_spec",
@@ -220,10 +187,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "v1/worker/cpu_mamba_align.py",
             "model_executor/layers/mamba/ops/cpu/*",
         ),
-        targets=(
-            "vllm.v1.worker.mamba_utils:*_kernel",
-            "vllm.model_executor.layers.mamba.ops.cpu.*",
-        ),
     ),
     ForkCommit(
         key="cpu_pp",
@@ -235,7 +198,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "the second stage failed its first step, for any model."
         ),
         modules=("v1/worker/cpu_worker.py",),
-        targets=("vllm.v1.worker.cpu_worker:*",),
     ),
     ForkCommit(
         key="frontend",
@@ -248,7 +210,6 @@ COMMITS: tuple[ForkCommit, ...] = (
             "ends with an error."
         ),
         modules=("v1/engine/*",),
-        targets=("vllm.engine.arg_utils:*", "vllm.v1.engine.async_llm:*"),
     ),
 )
 
@@ -288,16 +249,6 @@ def commit_of_module(path: str) -> ForkCommit | None:
     raise LookupError(
         f"vllm_hybrid/{path} belongs to no commit of the fork: add a pattern to "
         "COMMITS or NOT_IN_FORK in vllm_hybrid/tools/fork/plan.py"
-    )
-
-
-def commit_of_target(target: str) -> ForkCommit:
-    for commit in COMMITS:
-        if _first_match(target, commit.targets):
-            return commit
-    raise LookupError(
-        f"registry entry {target} belongs to no commit of the fork: add a "
-        "pattern to COMMITS in vllm_hybrid/tools/fork/plan.py"
     )
 
 

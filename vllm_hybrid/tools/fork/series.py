@@ -33,6 +33,9 @@ class Series:
     base: str
     commits: list[str]
     patches: list[Path]
+    #: What the commits were computed with (their files, how entries were
+    #: written, which tests went along).
+    build: ForkBuild | None = None
 
 
 def git(root: Path, *args: str, stdin: str | None = None, raw: bool = False) -> str:
@@ -112,7 +115,7 @@ def write_series(sdist: Path, out_dir: Path, repo_root: Path) -> Series:
     patches_dir = out_dir / PATCHES_DIR
     git(out_dir, "format-patch", "-q", "-o", str(patches_dir), f"{base}..HEAD")
     patches = sorted(patches_dir.glob("*.patch"))
-    return Series(out_dir, base, commits, patches)
+    return Series(out_dir, base, commits, patches, build)
 
 
 def _version(root: Path) -> str:

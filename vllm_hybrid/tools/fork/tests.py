@@ -13,7 +13,8 @@ write them (``from tests.v1.core.pooled.test_arena import ...``).
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+import fnmatch
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_hybrid.tools.fork.code import ForkError, Origin
@@ -21,9 +22,37 @@ from vllm_hybrid.tools.fork.modules import PACKAGE, dotted
 from vllm_hybrid.tools.fork.rewrite import Removal, render_module
 from vllm_hybrid.tools.fork.source import Edit, Source, apply_edits
 
-#: Test modules that import what the fork has but check this repository
-#: rather than code (its files, its registry's effect), and why they stay.
-NOT_FORK_TESTS: dict[str, str] = {}
+#: Test modules (``path``, patterns allowed) and tests (``path::name``) that
+#: import what the fork has but test what only the overlay has, and why
+#: they stay. Tests that patch the registry's ``upstream_of``, set options
+#: through ``--additional-config`` or read a name the fork drops are found
+#: without a row.
+NOT_FORK_TESTS: dict[str, str] = {
+    "kernels/*": (
+        "the kernel tier runs upstream's Triton kernels in Triton's interpreter, "
+        "in a process of its own this repository's tests/kernels/conftest.py sets up"
+    ),
+    "ops/test_tq_native.py::test_native_kernel_is_built": (
+        "checks that this repository's install built the kernel; in the fork "
+        "vLLM's CMake builds it"
+    ),
+    "v1/core/test_retention.py::"
+    "test_only_align_mode_state_groups_beside_attention_keep_turn_ends": (
+        "reads KVCacheConfig.retain_turn_ends as absent on configs nothing "
+        "marked; the fork declares the field (False)"
+    ),
+    "v1/worker/test_v2_self_copies.py::"
+    "test_the_replacements_take_upstreams_parameters": (
+        "compares the registry's replacements with upstream's signatures; the "
+        "fork has no replacements"
+    ),
+}
+
+#: Text in a test that ties it to the overlay's mechanism, and why.
+_OVERLAY_ONLY = {
+    "upstream_of": "patches the registry's lookup of upstream's object",
+    "additional_config": "sets options through --additional-config",
+}
 
 
 @dataclass
@@ -34,6 +63,8 @@ class ForkTest:
     fork_path: str
     commit: int
     text: str
+    #: Its tests that stay here (name -> why).
+    left_out: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,7 +87,12 @@ def select(
         for p in sorted(tests_root.rglob("*.py"))
     }
     by_name = _importable_names(modules)
-    skipped: dict[str, str] = dict(NOT_FORK_TESTS)
+    skipped: dict[str, str] = {
+        path: why
+        for path in modules
+        for pattern, why in NOT_FORK_TESTS.items()
+        if "::" not in pattern and fnmatch.fnmatchcase(path, pattern)
+    }
     commits: dict[str, int] = {}
     own_commit = {m.name: i for i, m in _commit_indices(build)}
     fixtures_of_skipped: set[str] = set()
@@ -193,10 +229,63 @@ def _judge(module, modules, by_name, build, own_commit, skipped, commits):
     return None, commit
 
 
+def overlay_only_tests(build, module: _Module) -> dict[str, str]:
+    """Top-level tests of ``module`` that test what only the overlay has."""
+    found = {}
+    src = module.source
+    modules = _overlay_module_aliases(build, src)
+    for stmt in src.tree.body:
+        if not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+            continue
+        if not stmt.name.lower().startswith("test"):
+            continue
+        row = NOT_FORK_TESTS.get(f"{module.path}::{stmt.name}")
+        text = src.segment(stmt)
+        why = row or next((w for key, w in _OVERLAY_ONLY.items() if key in text), None)
+        if why is None:
+            for node in ast.walk(stmt):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in modules
+                    and build.table.home(modules[node.value.id], node.attr) is None
+                ):
+                    why = f"reads {node.value.id}.{node.attr}, which the fork has not"
+                    break
+        if why is not None:
+            found[stmt.name] = why
+    return found
+
+
+def _overlay_module_aliases(build, src: Source) -> dict[str, str]:
+    """Names a test module binds to overlay modules -> the module."""
+    found = {}
+    for stmt in src.tree.body:
+        if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").startswith(PACKAGE):
+            for alias in stmt.names:
+                name = f"{stmt.module}.{alias.name}"
+                if name in build.table.modules:
+                    found[alias.asname or alias.name] = name
+        elif isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                if alias.name.startswith(PACKAGE) and alias.asname:
+                    found[alias.asname] = alias.name
+    return found
+
+
 def _render(build, module: _Module, test: ForkTest, homes, by_name) -> str:
     origin = Origin(_module_key(test.path), module.source)
+    test.left_out = overlay_only_tests(build, module)
+    removal = Removal(
+        statements={
+            id(s)
+            for s in module.source.tree.body
+            if isinstance(s, (ast.FunctionDef, ast.ClassDef))
+            and s.name in test.left_out
+        }
+    )
     text = render_module(
-        origin, _module_key(test.fork_path), build.table, Removal(), {}, {}
+        origin, _module_key(test.fork_path), build.table, removal, {}, {}
     )
     source = Source(text)
     edits = []

@@ -30,6 +30,8 @@ PHRASES: tuple[tuple[str, str], ...] = (
     (r"--additional-config \{ADDITIONAL_CONFIG_KEY\}\.", ENGINE_ARG + "."),
     (r"--additional-config \{ADDITIONAL_CONFIG_KEY\}", ENGINE_ARG),
     (r"--additional-config hybrid_kv\.", ENGINE_ARG + "."),
+    (r"--additional-config hybrid_kv\b", ENGINE_ARG),
+    (r"\bOverlayConfigError\b", "HybridKVConfigError"),
     (r"--additional-config", ENGINE_ARG),
     (r"the overlay's ", "the "),
     (r"The overlay's ", "The "),
