@@ -122,6 +122,9 @@ def test_options_are_a_vllm_config_and_an_engine_argument(series):
     assert fields == {r.field: r.default for r in options.option_rows()}
     args = (series.root / "vllm/engine/arg_utils.py").read_text()
     assert f'"{options.ENGINE_ARG}", **vllm_kwargs["{options.CONFIG_FIELD}"]' in args
+    # the fork's words never touch vLLM's own text: its --additional-config stays
+    assert args.count(f'"{options.ENGINE_ARG}"') == 1
+    assert '"--additional-config", **vllm_kwargs["additional_config"]' in args
     assert f"{options.CONFIG_FIELD}=self.{options.CONFIG_FIELD}," in args
     envs = (series.root / "vllm/envs.py").read_text()
     for row in options.variable_rows():

@@ -74,6 +74,37 @@ def test_the_forks_environment_is_vllm_without_the_overlay(fork_python, tmp_path
     assert done.stdout.split()[-2:] == ["True", "True"]
 
 
+def test_the_forks_engine_arguments_parse(fork_python, tmp_path):
+    """``--hybrid-kv-config`` next to vLLM's own ``--additional-config``; a
+    bad value is one error naming the option."""
+    probe = """
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+for argv in (
+    ["--hybrid-kv-config.pooled", "false"],
+    ["--hybrid-kv-config", '{"prefill_checkpoint_interval": 512}'],
+    ["--additional-config", '{"x": 1}'],
+):
+    config = parser.parse_args(argv).hybrid_kv_config
+    print(config.pooled, config.prefill_checkpoint_interval)
+parser.parse_args(["--hybrid-kv-config", '{"prefill_checkpoint_interval": -1}'])
+"""
+    done = subprocess.run(
+        [str(fork_python), "-c", probe],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-3:] == ["False None", "True 512", "True None"]
+    assert (
+        "--hybrid-kv-config.prefill_checkpoint_interval must be a whole number"
+        in done.stderr
+    )
+
+
 def _greedy(python: Path, model: Path, dtype: str, out: Path, env: dict) -> str:
     prompts = same_tokens_prompts(0, range(10, 500))
     done = subprocess.run(

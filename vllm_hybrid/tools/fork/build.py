@@ -36,22 +36,6 @@ from vllm_hybrid.tools.fork.tests import select as select_tests
 from vllm_hybrid.tools.fork.text import TextRules
 from vllm_hybrid.tools.fork.upstream import UpstreamModule
 
-#: vLLM's modules each wiring step edits.
-WIRING_MODULES = {
-    "config_field": ("vllm.config.vllm", "vllm.config", "vllm.engine.arg_utils"),
-    "environment": ("vllm.envs",),
-    "attention_backend": ("vllm.v1.attention.backends.registry",),
-}
-
-
-@dataclass
-class Item:
-    """Something a commit adds: ``kind`` says what, ``commit`` its index."""
-
-    kind: str
-    commit: int
-    payload: object
-
 
 @dataclass
 class ForkBuild:
@@ -338,9 +322,9 @@ class ForkBuild:
                 wiring.declare_attribute(touch(attribute.cls.split(":")[0]), attribute)
         for commit in COMMITS[:upto]:
             for step in commit.wiring:
-                self._wire(step, touch, out)
+                wiring.wire(self, step, touch, out)
         for module in upstream.values():
-            out[module.path] = self.text(module.render())
+            out[module.path] = module.render(self.text)
         for test in self.tests:
             if test.commit < upto:
                 out[test.fork_path] = test.text
@@ -411,47 +395,8 @@ class ForkBuild:
                 return commit_index(module.commit.key)
         raise ForkError(f"{attribute.cls}.{attribute.name}: no module in 'where'")
 
-    def _wire(self, step: str, touch, out: dict[str, str]) -> None:
-        if step == "config_field":
-            modules = {name: touch(name) for name in WIRING_MODULES[step]}
-            wiring.wire_config(modules)
-        elif step == "environment":
-            wiring.wire_environment(touch("vllm.envs"))
-        elif step == "attention_backend":
-            module = f"{PACKAGE}.v1.attention.backends.cpu_turboquant_attn"
-            name = _constant(self.origins[module], "BACKEND_NAME")
-            home = self.table.home(module, "CPUTurboQuantAttentionBackend")
-            wiring.wire_backend(
-                touch("vllm.v1.attention.backends.registry"),
-                name,
-                f"{home.module}.{home.name}",
-            )
-        elif step == "cpu_kernel":
-            for path, text in wiring.kernel_sources(self.repo_root).items():
-                out[path] = self.text(text)
-            cmake_path = "cmake/cpu_extension.cmake"
-            module = UpstreamModule("cmake", cmake_path, _Text(self._text(cmake_path)))
-            wiring.wire_cpu_kernel(module)
-            out[cmake_path] = module.render()
-        else:
-            raise ForkError(f"unknown wiring step {step!r}")
-
     def entries_of(self, index: int) -> list[PatchEntry]:
         return [rep.entry for i, rep in self.replacements if i == index]
-
-
-class _Text:
-    """A non-Python file for :class:`UpstreamModule`'s text edits."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.tree = ast.Module(body=[], type_ignores=[])
-
-
-def _constant(origin: Origin, name: str) -> str:
-    """The string a module binds ``name`` to at top level."""
-    stmt = origin.source.top_level_bindings[name]
-    return ast.literal_eval(stmt.value)
 
 
 def _replace_docstring(text: str, doc: str) -> str:
@@ -502,4 +447,4 @@ def _closure(origin: Origin, name: str) -> list[ast.stmt]:
     return [s for s in body if set(bound_names(s)) & names]
 
 
-__all__ = ["CONFIG_CLASS", "ForkBuild", "Item"]
+__all__ = ["CONFIG_CLASS", "ForkBuild"]

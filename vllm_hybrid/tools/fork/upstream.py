@@ -9,6 +9,7 @@ never edit each other's output.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_hybrid.tools.fork.source import Edit, Source, apply_edits
@@ -59,11 +60,13 @@ class UpstreamModule:
                     names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
         return names
 
-    def render(self) -> str:
+    def render(self, words: Callable[[str], str] = str) -> str:
+        """vLLM's text with the changes; ``words`` rewrites the text the
+        changes insert (never vLLM's own)."""
         text = self.source.text
-        edits = list(self.edits)
-        imports = _unique(self.imports)
-        type_imports = _unique(self.type_imports)
+        edits = [Edit(e.start, e.end, words(e.new)) for e in self.edits]
+        imports = _unique([words(line) for line in self.imports])
+        type_imports = _unique([words(line) for line in self.type_imports])
         anchor = self._after_imports()
         block = ""
         if imports:
@@ -85,7 +88,7 @@ class UpstreamModule:
         if self.appended:
             end = len(text)
             tail = "" if text.endswith("\n") else "\n"
-            tail += "".join(f"\n\n{piece.rstrip()}\n" for piece in self.appended)
+            tail += "".join(f"\n\n{words(piece).rstrip()}\n" for piece in self.appended)
             edits.append(Edit(end, end, tail))
         return apply_edits(text, edits)
 

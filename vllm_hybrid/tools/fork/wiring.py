@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 from vllm_hybrid.patches.entry import AddedAttribute
-from vllm_hybrid.tools.fork.code import ForkError
+from vllm_hybrid.tools.fork.code import ForkError, Origin
 from vllm_hybrid.tools.fork.options import (
     CONFIG_CLASS,
     CONFIG_FIELD,
@@ -41,6 +41,9 @@ CPU_KERNEL_FILES = {
 }
 #: The operator namespace of the kernel: the overlay's own library, vLLM's.
 OP_NAMESPACE = ("vllm_hybrid_tq", "_C_turboquant")
+
+#: vLLM's modules the options' wiring edits.
+CONFIG_MODULES = ("vllm.config.vllm", "vllm.config", "vllm.engine.arg_utils")
 
 #: Function bodies the fork writes differently from the overlay, because
 #: what they read is vLLM's own in the fork.
@@ -363,3 +366,52 @@ def function_exists(module: UpstreamModule, attr_path: str) -> bool:
     except LookupError:
         return False
     return True
+
+
+def wire(build, step: str, touch, out: dict[str, str]) -> None:
+    """Run the wiring step ``step`` of :data:`.plan.COMMITS` for ``build``:
+    ``touch(name)`` gives vLLM's module ``name`` to change, ``out`` takes
+    files written whole."""
+    if step == "config_field":
+        modules = {name: touch(name) for name in CONFIG_MODULES}
+        wire_config(modules)
+    elif step == "environment":
+        wire_environment(touch("vllm.envs"))
+    elif step == "attention_backend":
+        module = "vllm_hybrid.v1.attention.backends.cpu_turboquant_attn"
+        name = _constant(build.origins[module], "BACKEND_NAME")
+        home = build.table.home(module, "CPUTurboQuantAttentionBackend")
+        wire_backend(
+            touch("vllm.v1.attention.backends.registry"),
+            name,
+            f"{home.module}.{home.name}",
+        )
+    elif step == "cpu_kernel":
+        for path, text in kernel_sources(build.repo_root).items():
+            out[path] = build.text(text)
+        cmake_path = "cmake/cpu_extension.cmake"
+        module = UpstreamModule("cmake", cmake_path, _Text(build._text(cmake_path)))
+        wire_cpu_kernel(module)
+        out[cmake_path] = module.render(build.text)
+    else:
+        raise ForkError(f"unknown wiring step {step!r}")
+
+
+class _Text:
+    """A non-Python file for :class:`UpstreamModule`'s text edits."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tree = ast.Module(body=[], type_ignores=[])
+
+
+def _constant(origin: Origin, name: str) -> str:
+    """The string a module binds ``name`` to at top level."""
+    stmt = origin.source.top_level_bindings[name]
+    return ast.literal_eval(stmt.value)
+
+
+def _constant(origin, name: str) -> str:
+    """The string a module binds ``name`` to at top level."""
+    stmt = origin.source.top_level_bindings[name]
+    return ast.literal_eval(stmt.value)
