@@ -24,6 +24,11 @@ class Materialized:
 def materialize(
     out_dir: Path, sdist: Path | None = None, *, wheel: bool = False
 ) -> Materialized:
+    if not (REPO_ROOT / "csrc").is_dir():
+        raise FileNotFoundError(
+            f"{REPO_ROOT} has no csrc/: vllm-hybrid fork runs from a checkout of "
+            "this repository (it reads its tests and kernel sources too)"
+        )
     archive = find_sdist(sdist)
     series = write_series(archive, out_dir, REPO_ROOT)
     built = None
