@@ -193,7 +193,9 @@ def compare(on: dict, off: dict, deviations: list[Deviation]) -> tuple[str, bool
             )
         )
     else:
-        lines.append(f"Every test has the same outcome with the overlay on and {other}.")
+        lines.append(
+            f"Every test has the same outcome with the overlay on and {other}."
+        )
     stale = [d.pattern for d in deviations if d.pattern not in listed_seen]
     if stale:
         lines.append("")

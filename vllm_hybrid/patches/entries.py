@@ -255,6 +255,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the get_kv_cache_coordinator entry.",
+        placement="top",
     ),
     # -- pooled mode on Model Runner V2 (CUDA default) ---------------------
     *V2_RUNNER_PATCHES,

@@ -160,6 +160,8 @@ class ForkBuild:
                 self.table.dropped[(origin.name, name)] = (
                     f"it is the body of {attr_path} in the fork"
                 )
+                cls, attr = attr_path.split(".")
+                self.table.methods[(origin.name, name)] = (module, cls, attr)
             else:
                 self.table.relocated[(origin.name, name)] = Home(module, attr_path)
 

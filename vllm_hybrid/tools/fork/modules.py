@@ -24,6 +24,7 @@ MERGE = "merge"
 AT_UPSTREAM_PATHS: dict[str, str] = {
     "v1/core/kv_cache_utils.py": MERGE,
     "v1/core/kv_cache_coordinator.py": MERGE,
+    "v1/core/kv_cache_manager.py": MERGE,
     "v1/worker/cpu_worker.py": MERGE,
     "v1/core/sched/scheduler.py": "v1/core/sched/pooled_scheduler.py",
     "v1/core/sched/async_scheduler.py": "v1/core/sched/pooled_async_scheduler.py",

@@ -30,9 +30,9 @@ class ForkOption:
     overlay: str
     #: What it does, for the config field's docstring and the docs.
     doc: str
-    #: The ``HybridKVConfig`` field it becomes (options only), its type and
-    #: default as written in the fork. None means unset: the overlay's
-    #: default (or its environment fallback) applies, as in the overlay.
+    #: The ``HybridKVConfig`` field it becomes (options only): its type and
+    #: its default, an expression of the options' module (the overlay's own
+    #: default constant where it has one).
     annotation: str | None = None
     default: str | None = None
     #: The fork's environment variable (declared in ``vllm/envs.py``), or
@@ -83,6 +83,14 @@ FORK_OPTIONS: tuple[ForkOption, ...] = (
         default="True",
     ),
     ForkOption(
+        "hybrid_kv.token_moves",
+        "Pooled KV caches: live attention blocks next to the arena's boundary "
+        "may move to free blocks elsewhere so that the state pool can grow "
+        "(off with a KV connector).",
+        annotation="bool",
+        default="True",
+    ),
+    ForkOption(
         "hybrid_kv.prefill_checkpoint_interval",
         "Pooled KV caches in align mode: tokens between the states kept during "
         "a prefill; None picks it from the state page and the budget, 0 keeps "
@@ -93,17 +101,16 @@ FORK_OPTIONS: tuple[ForkOption, ...] = (
     ForkOption(
         "hybrid_kv.max_page_padding_pct",
         "Single shared pool: the most padding page unification may add to a "
-        "state page, in percent of the page; None: VLLM_KV_MAX_PAGE_PADDING_PCT, "
-        "else 2.",
-        annotation="float | None",
-        default="None",
+        "state page, in percent of the page.",
+        annotation="float",
+        default="DEFAULT_MAX_PAGE_PADDING_PCT",
     ),
     ForkOption(
         "hybrid_kv.max_page_growth",
         "Single shared pool: the largest common page as a multiple of the "
-        "model's largest page; None: VLLM_KV_MAX_PAGE_GROWTH, else 16.",
-        annotation="float | None",
-        default="None",
+        "model's largest page.",
+        annotation="float",
+        default="DEFAULT_MAX_PAGE_GROWTH",
     ),
     ForkOption(
         "$VLLM_HYBRID_KV",
@@ -120,16 +127,6 @@ FORK_OPTIONS: tuple[ForkOption, ...] = (
         env="VLLM_CPU_TQ_NATIVE",
     ),
     ForkOption(
-        "$VLLM_HYBRID_MAX_PAGE_PADDING_PCT",
-        "The environment's max_page_padding_pct, where the config sets none.",
-        env="VLLM_KV_MAX_PAGE_PADDING_PCT",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_MAX_PAGE_GROWTH",
-        "The environment's max_page_growth, where the config sets none.",
-        env="VLLM_KV_MAX_PAGE_GROWTH",
-    ),
-    ForkOption(
         "$VLLM_HYBRID_STATS_DIR",
         "Where the engine core leaves per-pool usage for the frontend's "
         "/metrics gauges.",
@@ -139,47 +136,6 @@ FORK_OPTIONS: tuple[ForkOption, ...] = (
         "$VLLM_HYBRID_SKIP_NATIVE",
         "Skips building the TurboQuant CPU kernel at install.",
         dropped="the kernel builds with vLLM's own CMake, like every CPU kernel",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_DECODE_EDGES",
-        "Pooled KV caches: which state block edges a decoding request keeps a "
-        "state at (budget_end, every, none).",
-        env="VLLM_KV_DECODE_EDGES",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_ADMISSION_GROWTH",
-        "Pooled KV caches: admission's growth reserve in state pages of tokens.",
-        env="VLLM_KV_ADMISSION_GROWTH",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_PREFILL_PACING",
-        "Pooled KV caches: how many prompt tokens a step computes "
-        "(state_page, fill, deep_page).",
-        env="VLLM_KV_PREFILL_PACING",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_STATE_EVICTION_WINDOW",
-        "Pooled KV caches: oldest cached state blocks among which the state "
-        "pool evicts the one farthest from the boundary.",
-        env="VLLM_KV_STATE_EVICTION_WINDOW",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_ARENA_SPLIT",
-        "Pooled KV caches: when the arena's boundary moves (costed, misses, "
-        "recency, demand).",
-        env="VLLM_KV_ARENA_SPLIT",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_BOUNDARY_CLEAR",
-        "Pooled KV caches: state blocks' worth of token ids next to the "
-        "boundary kept clear of new token blocks.",
-        env="VLLM_KV_BOUNDARY_CLEAR",
-    ),
-    ForkOption(
-        "$VLLM_HYBRID_TOKEN_MOVES",
-        "Pooled KV caches: 0 keeps live token blocks where they are instead of "
-        "moving them off the boundary.",
-        env="VLLM_KV_TOKEN_MOVES",
     ),
 )
 
@@ -201,6 +157,7 @@ def missing_rows() -> list[str]:
     """Options and variables the overlay declares that have no row (the
     test's check), and rows the overlay no longer declares."""
     from vllm_hybrid import envs
+    from vllm_hybrid.config import hybrid_kv
     from vllm_hybrid.config.hybrid_kv import KNOWN_OPTIONS
 
     declared = {f"hybrid_kv.{name}" for name in KNOWN_OPTIONS}
@@ -213,6 +170,23 @@ def missing_rows() -> list[str]:
     for row in FORK_OPTIONS:
         if row.is_option and (row.annotation is None or row.default is None):
             problems.append(f"{row.overlay}: an option needs its field's type")
+        elif row.is_option and row.name in KNOWN_OPTIONS:
+            default = eval(row.default, vars(hybrid_kv))  # noqa: S307 - table text
+            if default != overlay_default(row.name):
+                problems.append(
+                    f"{row.overlay}: the fork's default {default!r} is not the "
+                    f"overlay's {overlay_default(row.name)!r}"
+                )
         if not row.is_option and (row.env is None) == (row.dropped is None):
             problems.append(f"{row.overlay}: needs exactly one of env and dropped")
     return problems
+
+
+def overlay_default(name: str) -> object:
+    """The overlay's default of the ``hybrid_kv`` option ``name``."""
+    from vllm_hybrid.config.hybrid_kv import HybridKVOptions
+
+    options = HybridKVOptions()
+    if hasattr(options.page_limits, name):
+        return getattr(options.page_limits, name)
+    return getattr(options, name)

@@ -101,6 +101,7 @@ COMMITS: tuple[ForkCommit, ...] = (
             "v1/core/pooled/retention.py",
             "v1/core/pooled/engine.py",
             "v1/core/kv_cache_coordinator.py",
+            "v1/core/kv_cache_manager.py",
             "v1/core/sched/*",
         ),
     ),

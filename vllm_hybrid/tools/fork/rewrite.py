@@ -240,11 +240,18 @@ def _import_edits(
             if not node.module.startswith("vllm_hybrid"):
                 continue
             lines = []
+            nested = node.col_offset > 0
             for alias in node.names:
                 bound = alias.asname or alias.name
                 if node.module == REGISTRY_MODULE or bound in removal.names:
                     continue
                 home = table.home(node.module, alias.name)
+                method = table.methods.get((node.module, alias.name))
+                if home is None and method is not None and nested:
+                    # a replacement that is the method itself in the fork
+                    module, cls, attr = method
+                    lines += [f"from {module} import {cls}", f"{bound} = {cls}.{attr}"]
+                    continue
                 if home is None:
                     raise ForkError(
                         f"{origin.name} imports {node.module}.{alias.name}, but "

@@ -101,6 +101,9 @@ class SymbolTable:
     relocated: dict[tuple[str, str], Home] = field(default_factory=dict)
     #: (overlay module, name) -> why the fork has no such name.
     dropped: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: (overlay module, name) -> (module, class, method): a replacement that
+    #: is a method of one of vLLM's classes in the fork.
+    methods: dict[tuple[str, str], tuple[str, str, str]] = field(default_factory=dict)
 
     def home(self, module: str, name: str | None) -> Home | None:
         """The fork's home of ``from module import name`` (``name`` None:

@@ -160,7 +160,9 @@ def _scan(root: Path, path: Path) -> _Module:
     for node in ast.walk(source.tree):
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             for alias in node.names:
-                imports.add(f"{node.module}:{alias.name}")
+                # ">" marks an import inside a function
+                mark = ">" if node.col_offset else ":"
+                imports.add(f"{node.module}{mark}{alias.name}")
             siblings.add(node.module.split(".")[0])
         elif isinstance(node, ast.Import):
             for alias in node.names:
@@ -201,10 +203,13 @@ def _judge(module, modules, by_name, build, own_commit, skipped, commits):
     """(why it stays, or None; its commit once known)."""
     commit = -1
     for imported in module.imports:
-        name, _, attr = imported.partition(":")
+        nested = ">" in imported
+        name, _, attr = imported.replace(">", ":").partition(":")
         top = name.split(".")[0]
         if top == PACKAGE:
             home = build.table.home(name, attr or None)
+            if home is None and nested and (name, attr) in build.table.methods:
+                home = name  # bound to the method inside the function
             if home is None:
                 return (
                     f"imports {name}.{attr}: {build.table.why_dropped(name, attr)}",

@@ -143,7 +143,7 @@ def config_class() -> str:
         "@config",
         f"class {CONFIG_CLASS}:",
         '    """KV cache options of hybrid models (attention layers next to',
-        '    Mamba/GDN state layers); unset fields (None) take their defaults."""',
+        '    Mamba/GDN state layers), checked by the one parser of them all."""',
         "",
     ]
     for row in option_rows():
