@@ -26,4 +26,3 @@ def test_the_gpu_workflow_runs_the_four_named_checks():
     for name, command in STEPS.items():
         assert command in by_name.get(name, ""), name
     assert "gpu" in yaml.safe_load(WORKFLOW.read_text())["jobs"]["gpu"]["runs-on"]
-
