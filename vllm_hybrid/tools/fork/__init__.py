@@ -8,7 +8,7 @@ The modules, bottom up: :mod:`.source` (text and tree of a module),
 :mod:`.modules` and :mod:`.symbols` (where each module and name goes),
 :mod:`.code`, :mod:`.placement`, :mod:`.rewrite`, :mod:`.upstream` and
 :mod:`.wiring` (writing the code there), :mod:`.text` (words),
-:mod:`.build` (the files after each commit), :mod:`.tests` (the tests that
+:mod:`.build` (the files after each commit), :mod:`.suite` (the tests that
 go along), :mod:`.series` (git), :mod:`.checks` (the structure points),
 :mod:`.sdist` and :mod:`.wheel` (the archive in, a wheel out) and
 :mod:`.cli`.

@@ -30,9 +30,9 @@ from vllm_hybrid.tools.fork.rewrite import (
 )
 from vllm_hybrid.tools.fork.shapes import Replacement, find_replacement
 from vllm_hybrid.tools.fork.source import Source, bound_names, loaded_names
+from vllm_hybrid.tools.fork.suite import package_inits
+from vllm_hybrid.tools.fork.suite import select as select_tests
 from vllm_hybrid.tools.fork.symbols import Home, SymbolTable
-from vllm_hybrid.tools.fork.tests import package_inits
-from vllm_hybrid.tools.fork.tests import select as select_tests
 from vllm_hybrid.tools.fork.text import TextRules
 from vllm_hybrid.tools.fork.upstream import UpstreamModule
 
