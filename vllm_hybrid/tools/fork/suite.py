@@ -229,6 +229,11 @@ def _judge(module, modules, by_name, build, own_commit, skipped, commits):
             commit = max(commit, commits[sibling])
         elif top in ("sitecustomize", "suite_order", "import_graph"):
             return f"imports {top}, a helper of this repository's suite", None
+        elif top != "tests" and (
+            (build.repo_root / top).is_dir()
+            or (build.repo_root / f"{top}.py").is_file()
+        ):
+            return f"imports {top}, this repository's own (not vLLM's)", None
     if commit < 0:
         return "imports none of the fork's modules", None
     return None, commit
