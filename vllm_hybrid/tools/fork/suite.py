@@ -202,7 +202,7 @@ def _sibling(path: str, name: str, by_name: dict[str, dict[str, str]]) -> str | 
 def _judge(module, modules, by_name, build, own_commit, skipped, commits):
     """(why it stays, or None; its commit once known)."""
     commit = -1
-    for imported in module.imports:
+    for imported in sorted(module.imports):
         nested = ">" in imported
         name, _, attr = imported.replace(">", ":").partition(":")
         top = name.split(".")[0]
