@@ -102,6 +102,7 @@ COMMITS: tuple[ForkCommit, ...] = (
             "v1/core/pooled/engine.py",
             "v1/core/kv_cache_coordinator.py",
             "v1/core/kv_cache_manager.py",
+            "v1/core/turn_ends.py",
             "v1/core/sched/*",
         ),
     ),
