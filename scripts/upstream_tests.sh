@@ -7,6 +7,11 @@
 #
 #   bash scripts/upstream_tests.sh [PYTEST_ARGS]  fetch (if needed), run both modes, compare
 #   bash scripts/upstream_tests.sh fetch          only fetch and extract
+#   bash scripts/upstream_tests.sh --fork PYTHON [PYTEST_ARGS]
+#       the overlay on against the fork: PYTHON is the interpreter of an
+#       environment with the fork's wheel and no vllm-hybrid (vllm-hybrid fork
+#       --wheel; tests/tools/test_fork_wheel.py makes one); deviations are
+#       the "Deviations of the fork" rows of docs/upstream-tests.md
 #
 # vLLM's tests are not part of this repository: they are extracted from the
 # vLLM sdist on the package index into .upstream-tests/ (git-ignored, reused
@@ -53,16 +58,21 @@ fetch() {
   rm -rf "$tmp"
 }
 
-# run_mode on|off: vLLM's tests/v1/core and the selection in one pytest
+# run_mode on|off|fork: vLLM's tests/v1/core and the selection in one pytest
 # process (one import of vLLM; the selection runs after tests/v1/core).
 run_mode() {
-  local mode=$1 switch rc start
-  if [ "$mode" = on ]; then switch=(env -u VLLM_HYBRID_KV); else switch=(env VLLM_HYBRID_KV=0); fi
+  local mode=$1 switch rc start python=$PY path="$ROOT/tests_upstream:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+  case $mode in
+    on) switch=(env -u VLLM_HYBRID_KV) ;;
+    off) switch=(env VLLM_HYBRID_KV=0) ;;
+    # nothing of this repository's package on the fork's path
+    fork) switch=(env -u VLLM_HYBRID_KV); python=$FORK_PY; path="$ROOT/tests_upstream:$DEPS" ;;
+  esac
   start=$SECONDS
   set +e
   (cd "$SRC" && "${switch[@]}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-    PYTHONPATH="$ROOT/tests_upstream:$DEPS${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout --foreground -k 30 "$RUN_TIMEOUT" "$PY" -m pytest tests/v1/core "${SELECTED[@]}" \
+    PYTHONPATH="$path" \
+    timeout --foreground -k 30 "$RUN_TIMEOUT" "$python" -m pytest tests/v1/core "${SELECTED[@]}" \
     -q -p no:cacheprovider \
     -p upstream_overlay --overlay="$mode" --outcomes-json="$RESULTS/$mode.json" \
     "${PYTEST_ARGS[@]}" >"$RESULTS/$mode.log" 2>&1)
@@ -83,6 +93,12 @@ run_mode() {
 
 fetch
 [ "${1:-}" = fetch ] && exit 0
+OTHER=off
+if [ "${1:-}" = --fork ]; then
+  OTHER=fork
+  FORK_PY=${2:?--fork needs the python of the fork environment}
+  shift 2
+fi
 PYTEST_ARGS=("$@")
 # The registry's selection outside tests/v1/core; fails on a "Not run" row
 # that matches no selected test. (tests/test_upstream_selection.py checks
@@ -97,9 +113,9 @@ mkdir -p "$RESULTS"
 # threads of one run took the other's core.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 run_mode on & on_pid=$!
-run_mode off & off_pid=$!
+run_mode "$OTHER" & off_pid=$!
 wait "$on_pid" && on_ok=0 || on_ok=1
 wait "$off_pid" && off_ok=0 || off_ok=1
 [ "$on_ok$off_ok" = 00 ] || exit 1
 "$PY" "$ROOT/tests_upstream/compare_outcomes.py" \
-  "$RESULTS/on.json" "$RESULTS/off.json" "$ROOT/docs/upstream-tests.md"
+  "$RESULTS/on.json" "$RESULTS/$OTHER.json" "$ROOT/docs/upstream-tests.md"

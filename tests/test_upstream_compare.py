@@ -122,3 +122,40 @@ def test_an_on_run_without_the_overlay_fails():
 def test_unknown_outcomes_in_the_table_are_rejected():
     with pytest.raises(ValueError, match="unknown outcome"):
         co.parse_deviations("| `t.py::a` | broke | passed | why |")
+
+
+FORK_STATE = {"active": False, "reason": "vllm-hybrid not installed", "applied": []}
+
+
+def test_the_forks_rows_are_read_for_the_fork_only():
+    text = (
+        "| `tests/a.py::t` | failed | passed | why |\n\n"
+        f"## {co.FORK_SECTION}\n\n"
+        "| `tests/b.py::t` | passed | failed | why |\n"
+    )
+    assert [d.pattern for d in co.parse_deviations(text)] == ["tests/a.py::t"]
+    assert [d.pattern for d in co.parse_deviations(text, fork=True)] == [
+        "tests/b.py::t"
+    ]
+
+
+def test_a_fork_run_is_compared_with_the_overlay_on():
+    on = _record("on", {"tests/x.py::t": "passed", "tests/y.py::t": "failed"})
+    fork = _record(
+        "fork",
+        {"tests/x.py::t": "passed", "tests/y.py::t": "failed"},
+        {**FORK_STATE, "fork": True},
+    )
+    report, ok = co.compare(on, fork, [])
+    assert ok, report
+    assert "same outcomes on/fork" in report
+    fork["tests"]["tests/x.py::t"]["outcome"] = "failed"
+    assert not co.compare(on, fork, [])[1]
+
+
+def test_a_fork_run_without_the_forks_vllm_fails():
+    on = _record("on", {"tests/x.py::t": "passed"})
+    fork = _record("fork", {"tests/x.py::t": "passed"}, {**FORK_STATE, "fork": False})
+    report, ok = co.compare(on, fork, [])
+    assert not ok
+    assert "no HybridKVConfig" in report

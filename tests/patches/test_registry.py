@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -26,13 +27,17 @@ from vllm_hybrid import plugin
 from vllm_hybrid.patches.entry import PrivateAttribute, SubclassEntry
 from vllm_hybrid.patches.registry import (
     ADDED_ATTRIBUTES,
+    ADDED_SYMBOLS,
     CLI_PATCHES,
     INSTANCE_REWRITES,
     PATCHES,
     PRIVATE_ATTRIBUTES,
     SUBCLASSES,
     PatchEntry,
+    applied,
+    apply_all,
     load_object,
+    revert_all,
     upstream,
 )
 
@@ -370,3 +375,43 @@ def test_instance_rewrites_name_attributes_upstream_sets(entry):
     for name in entry.attributes:
         probe = PrivateAttribute(entry.cls, name, entry.where)
         assert _has_private_attribute(probe), f"{entry.cls} no longer sets {name}"
+
+
+@pytest.mark.parametrize("entry", ADDED_ATTRIBUTES, ids=lambda e: e.name)
+def test_added_attribute_types_resolve_in_the_class_module(entry):
+    """The declared type (what the attribute becomes in the fork) names only
+    what the upstream class's module has."""
+    module = importlib.import_module(entry.cls.split(":")[0])
+    namespace = {**vars(module)}
+    eval(entry.annotation, namespace)  # noqa: S307 - registry text
+    eval(entry.default, namespace)  # noqa: S307
+
+
+def _module_source_names(module_name: str) -> set[str]:
+    """Top-level names the installed module's source defines or imports."""
+    spec = importlib.util.find_spec(module_name)
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("symbol", ADDED_SYMBOLS, ids=lambda s: s.target)
+def test_added_symbols_are_new_to_upstream_and_bound_while_active(symbol):
+    assert symbol.name not in _module_source_names(symbol.home_module)
+    module = importlib.import_module(symbol.home_module)
+    already_applied = bool(applied())
+    apply_all()
+    try:
+        assert getattr(module, symbol.name) is load_object(symbol.source)
+    finally:
+        if not already_applied:
+            revert_all()
+    if not already_applied:
+        assert not hasattr(module, symbol.name)

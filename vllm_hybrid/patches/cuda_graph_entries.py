@@ -49,6 +49,7 @@ CUDA_GRAPH_PATCHES: list[PatchEntry] = [
             "When upstream sizes full decode graphs to the states its KV cache "
             "holds instead of refusing."
         ),
+        placement="after",
     ),
     PatchEntry(
         target="vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.initialize_cudagraph_keys",
@@ -71,6 +72,7 @@ CUDA_GRAPH_PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the resolve_cudagraph_mode_and_sizes entry.",
+        placement="after",
     ),
     PatchEntry(
         target=("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager._init_candidates"),
@@ -95,5 +97,6 @@ CUDA_GRAPH_PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the resolve_cudagraph_mode_and_sizes entry.",
+        placement="after",
     ),
 ]

@@ -11,6 +11,8 @@ replacement modules reach upstream's object through
 
 from __future__ import annotations
 
+from vllm_hybrid.patches.allocation_entries import ALLOCATION_PATCHES
+from vllm_hybrid.patches.capacity_entries import ROUTED_EXPERTS_PATCHES
 from vllm_hybrid.patches.cuda_graph_entries import CUDA_GRAPH_PATCHES
 from vllm_hybrid.patches.entry import PatchEntry
 from vllm_hybrid.patches.state_read_entries import STATE_READ_PATCHES
@@ -54,6 +56,7 @@ PATCHES: list[PatchEntry] = [
             "When upstream unifies non-divisible pages without padding "
             "attention pages and without raising for MLA."
         ),
+        placement="body",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_groups",
@@ -76,6 +79,7 @@ PATCHES: list[PatchEntry] = [
             "With the unify_kv_cache_spec_page_size entry, or when upstream "
             "passes vllm_config to the page unification."
         ),
+        placement="body",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_capacity",
@@ -100,6 +104,7 @@ PATCHES: list[PatchEntry] = [
             "https://github.com/vllm-project/vllm/issues/40691"
         ),
         removal="When upstream counts only token groups in the token capacity.",
+        placement="top",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:update_kv_cache_capacity",
@@ -121,7 +126,9 @@ PATCHES: list[PatchEntry] = [
             "https://github.com/vllm-project/vllm/issues/40691"
         ),
         removal="With the get_kv_cache_capacity entry.",
+        placement="top",
     ),
+    *ROUTED_EXPERTS_PATCHES,
     # -- pooled mode (per-pool KV at natural page sizes) ---------------------
     PatchEntry(
         target="vllm.platforms.interface:Platform._align_hybrid_block_size",
@@ -148,6 +155,7 @@ PATCHES: list[PatchEntry] = [
             "When upstream keeps separate pools per page kind for hybrid "
             "models, or exposes block-size alignment as a platform option."
         ),
+        placement="top",
     ),
     PatchEntry(
         target="vllm.platforms.interface:Platform._align_heterogeneous_kv_block_size",
@@ -172,6 +180,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the _align_hybrid_block_size entry.",
+        placement="top",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_utils:get_kv_cache_configs",
@@ -190,6 +199,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When upstream plans per-pool KV caches for hybrid models.",
+        placement="after",
     ),
     PatchEntry(
         target="vllm.v1.core.kv_cache_coordinator:get_kv_cache_coordinator",
@@ -214,38 +224,9 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the get_kv_cache_configs entry.",
+        placement="body",
     ),
-    PatchEntry(
-        target="vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
-        replacement="vllm_hybrid.v1.core.kv_cache_manager:allocate_slots",
-        bindings=(),
-        why=(
-            "Upstream passes only a block count from the coordinator's count "
-            "(get_num_blocks_to_allocate) to its allocation "
-            "(allocate_new_blocks). Pooled admission decides more: where the "
-            "arena's boundary goes, which live token blocks move off it, "
-            "whether a running request advances its state in place, the "
-            "growth reserve a waiting request must leave. Without a way to "
-            "hand that decision on, the count had to carry it out itself or "
-            "leave it in a field for the allocation. The manager is built "
-            "inside the scheduler's constructor, so scheduler_cls cannot "
-            "give it another class, and a user's scheduler class would miss "
-            "a subclass."
-        ),
-        how=(
-            "Class attribute on KVCacheManager replaced; a dispatch at the "
-            "top: any coordinator but a pooled one calls upstream's method "
-            "(via upstream()) with the same arguments. Over a pooled "
-            "coordinator the same steps run in the same order (hit trimming, "
-            "the full-sequence check, skipped blocks freed, new computed "
-            "blocks, allocation, caching); the count and check are the "
-            "coordinator's admit(), a value the allocation (allocate()) "
-            "carries out; the watermark and reserved_blocks are kept free "
-            "as upstream keeps them, the boundary moving for them."
-        ),
-        upstream_status="none",
-        removal="With the get_kv_cache_coordinator entry.",
-    ),
+    *ALLOCATION_PATCHES,
     # -- pooled mode on Model Runner V2 (CUDA default) ---------------------
     *V2_RUNNER_PATCHES,
     # -- prefill chunks reading their state out of place (CUDA) ------------
@@ -278,6 +259,7 @@ PATCHES: list[PatchEntry] = [
             "When the CPU platform selects registered backends (or honours "
             "--attention-backend) or upstream ships a CPU TurboQuant backend."
         ),
+        placement="top",
     ),
     # -- align mode's state copies (V1 model runner) -------------------------
     PatchEntry(
@@ -306,6 +288,7 @@ PATCHES: list[PatchEntry] = [
             "shift, so the case does not arise there)"
         ),
         removal="When preprocess_mamba skips copies of a block onto itself.",
+        placement="top",
     ),
     # -- speculative decoding on hybrids without Triton (CPU) ---------------
     *(
@@ -334,6 +317,7 @@ PATCHES: list[PatchEntry] = [
             upstream_status="none (vLLM 0.32's CPU platform overrides 11 "
             "kernels, not this one)",
             removal="When the CPU platform registers a host version of it.",
+            placement="body",
         )
         for kernel in (
             "precopy_mamba_align_fused_kernel",
@@ -363,6 +347,7 @@ PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When the CPU worker allocates intermediate tensors without a "
         "warm-up run.",
+        placement="after",
     ),
     PatchEntry(
         target="vllm.model_executor.layers.mamba.ops.cpu.gdn_attention:_spec_forward",
@@ -389,6 +374,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When upstream's CPU spec-decode conv handles drafts of any length.",
+        placement="top",
     ),
     PatchEntry(
         target="vllm.v1.attention.selector:_cached_get_attn_backend",
@@ -409,6 +395,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When upstream validates the cache dtype on every platform.",
+        placement="after",
     ),
     # -- full CUDA graphs sized to the states the KV cache holds -------------
     *CUDA_GRAPH_PATCHES,
@@ -436,6 +423,7 @@ PATCHES: list[PatchEntry] = [
             "When vLLM validates additional_config through a plugin hook in "
             "the front-end process."
         ),
+        placement="after",
     ),
     # -- server shutdown under load -------------------------------------------
     PatchEntry(
@@ -459,6 +447,7 @@ PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="When AsyncLLM.shutdown fails or finishes the requests in flight.",
+        placement="after",
     ),
 ]
 
@@ -486,5 +475,6 @@ CLI_PATCHES: list[PatchEntry] = [
         upstream_status="none",
         removal="When the CPU wheel's distribution is named vllm, or vLLM's "
         "CLI stops reading its own distribution metadata.",
+        placement="body",
     ),
 ]

@@ -4,6 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: How a replacement sits in upstream's definition. The overlay binds the
+#: replacement over upstream's object either way; ``vllm-hybrid fork`` writes
+#: it into vLLM's own source in this shape.
+PLACEMENTS: dict[str, str] = {
+    "top": (
+        "a dispatch at the top of upstream's body: code that may return "
+        "before upstream's body runs"
+    ),
+    "before": "code before upstream's body that never returns early",
+    "after": (
+        "upstream's body first (optionally after code at the top), then code "
+        "that sees its result"
+    ),
+    "body": (
+        "the replacement is the whole body; upstream's definition stays as a "
+        "private fallback that it calls"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class PatchEntry:
@@ -12,7 +31,8 @@ class PatchEntry:
     ``target`` and ``replacement`` are ``"module:attr"`` or
     ``"module:Class.attr"`` paths. ``bindings`` lists the modules that hold a
     module-level name binding of the target (``from home import attr``);
-    they are rebound together with the home module.
+    they are rebound together with the home module. ``placement`` is one of
+    :data:`PLACEMENTS`: how the replacement sits in upstream's definition.
     """
 
     target: str
@@ -22,6 +42,14 @@ class PatchEntry:
     how: str
     upstream_status: str
     removal: str
+    placement: str
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"{self.target}: placement {self.placement!r} is not one of "
+                f"{sorted(PLACEMENTS)}"
+            )
 
     @property
     def home_module(self) -> str:
@@ -85,6 +113,33 @@ class AddedAttribute:
     name: str
     where: str
     why: str
+    #: The type the attribute is declared with where it becomes a field of
+    #: the class (``vllm-hybrid fork``); names must resolve in the class's
+    #: module.
+    annotation: str
+    #: The value the overlay's readers assume while it is unset (their
+    #: ``getattr`` default), which a dataclass field gets as its default.
+    default: str = "None"
+
+
+@dataclass(frozen=True)
+class AddedSymbol:
+    """A name the overlay adds to an upstream module, so that it is
+    reachable where vLLM would define it (``target``, ``module:name``, must
+    not exist upstream); ``source`` is the overlay's object.
+    """
+
+    target: str
+    source: str
+    why: str
+
+    @property
+    def home_module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def name(self) -> str:
+        return self.target.split(":", 1)[1]
 
 
 @dataclass(frozen=True)

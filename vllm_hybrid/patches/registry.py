@@ -21,8 +21,9 @@ import importlib
 from typing import Any
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.patches.capacity_entries import ADDED_SYMBOLS
 from vllm_hybrid.patches.entries import CLI_PATCHES, PATCHES
-from vllm_hybrid.patches.entry import PatchEntry
+from vllm_hybrid.patches.entry import AddedSymbol, PatchEntry
 from vllm_hybrid.patches.subclasses import (
     ADDED_ATTRIBUTES,
     INSTANCE_REWRITES,
@@ -138,7 +139,23 @@ def apply_all(entries: list[PatchEntry] | None = None) -> list[PatchEntry]:
     for entry, original, replacement in pending:
         _originals[entry.target] = original
         _set(entry, replacement)
+    if entries is None:
+        _add_symbols()
     return [entry for entry, _, _ in pending]
+
+
+def _add_symbols() -> None:
+    """Bind every :data:`ADDED_SYMBOLS` name in its upstream module."""
+    for symbol in ADDED_SYMBOLS:
+        module = importlib.import_module(symbol.home_module)
+        setattr(module, symbol.name, load_object(symbol.source))
+
+
+def _remove_symbols() -> None:
+    for symbol in ADDED_SYMBOLS:
+        module = importlib.import_module(symbol.home_module)
+        if symbol.name in vars(module):
+            delattr(module, symbol.name)
 
 
 def lost_sites() -> list[str]:
@@ -185,7 +202,9 @@ def repair() -> list[str]:
 
 
 def revert_all() -> None:
-    """Put every upstream object back, in reverse order of application."""
+    """Put every upstream object back, in reverse order of application, and
+    take the added names away again."""
+    _remove_symbols()
     for entry in reversed([*PATCHES, *CLI_PATCHES]):
         original = _originals.pop(entry.target, None)
         if original is not None:
@@ -194,6 +213,8 @@ def revert_all() -> None:
 
 __all__ = [
     "ADDED_ATTRIBUTES",
+    "ADDED_SYMBOLS",
+    "AddedSymbol",
     "CLI_PATCHES",
     "INSTANCE_REWRITES",
     "PATCHES",

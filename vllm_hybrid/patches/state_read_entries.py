@@ -43,6 +43,7 @@ STATE_READ_PATCHES: list[PatchEntry] = [
             "When upstream's gated-DeltaNet layer reads and writes a prefill "
             "row's state in two blocks of its own accord."
         ),
+        placement="after",
     ),
     PatchEntry(
         target=(
@@ -64,6 +65,7 @@ STATE_READ_PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the build entry.",
+        placement="after",
     ),
     PatchEntry(
         target=(
@@ -92,6 +94,7 @@ STATE_READ_PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the build entry.",
+        placement="top",
     ),
     PatchEntry(
         target=(
@@ -117,6 +120,7 @@ STATE_READ_PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the build entry.",
+        placement="body",
     ),
 ]
 
@@ -126,48 +130,57 @@ STATE_READ_ATTRIBUTES: list[AddedAttribute] = [
         name="read_state_columns",
         where="vllm_hybrid.v1.attention.backends.gdn_reads (build)",
         why="Per non-speculative row, the state block column the step reads.",
+        annotation="torch.Tensor | None",
     ),
     AddedAttribute(
         cls="vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadata",
         name="read_state_indices",
         where="vllm_hybrid.v1.attention.backends.gdn_reads (build)",
         why="Per non-speculative row, the state block id the step reads.",
+        annotation="torch.Tensor | None",
     ),
     AddedAttribute(
         cls="vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadataBuilder",
         name="read_min_tokens",
         where="vllm_hybrid.v1.attention.backends.gdn_reads (_min_tokens)",
         why="The shortest chunk that reads out of place, or None; once per builder.",
+        annotation="int | None",
     ),
     AddedAttribute(
         cls="vllm.v1.worker.gpu.model_states.mamba_hybrid:MambaHybridModelState",
         name="read_min_tokens",
         where="vllm_hybrid.v1.worker.mamba_copies (_min_chunk_tokens)",
         why="The same, once per V2 model state.",
+        annotation="int | None",
     ),
     AddedAttribute(
         cls="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext",
         name="pooled_reads_elsewhere",
         where="vllm_hybrid.v1.worker.mamba_copies (initialize_from_forward_context)",
         why="Whether every state layer's core reads prefill rows out of place.",
+        annotation="bool",
+        default="False",
     ),
     AddedAttribute(
         cls="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext",
         name="pooled_query_lens",
         where="vllm_hybrid.v1.worker.mamba_copies (preprocess_state)",
         why="Per batch row of the current step, its scheduled tokens.",
+        annotation="torch.Tensor | None",
     ),
     AddedAttribute(
         cls="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext",
         name="pooled_min_tokens",
         where="vllm_hybrid.v1.worker.mamba_copies (preprocess_state)",
         why="The shortest prefill chunk that reads out of place.",
+        annotation="int | None",
     ),
     AddedAttribute(
         cls="vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadataBuilder",
         name="read_state_indices_buffer",
         where="vllm_hybrid.v1.attention.backends.gdn_reads (_staged)",
         why="Full CUDA graphs' buffer of the read ids, beside upstream's write ids.",
+        annotation="torch.Tensor | None",
     ),
 ]
 

@@ -190,32 +190,6 @@ SUBCLASSES: list[SubclassEntry] = [
         upstream_status="none",
         removal="With the get_kv_cache_configs entry.",
     ),
-    SubclassEntry(
-        base="vllm.v1.worker.gpu_worker:Worker",
-        subclass="vllm_hybrid.v1.worker.gpu_worker:HybridWorker",
-        overrides=("initialize_from_config",),
-        why=(
-            "The routed-experts store is sized from aux_output_config.max_bytes "
-            "inside initialize_from_config; unset, upstream derives it from the "
-            "scheduler block size, which state groups inflate."
-        ),
-        how=(
-            "Opt-in through --worker-cls; the override sets max_bytes from the "
-            "attention pool's token slots (unless the user set it), then calls "
-            "upstream's method."
-        ),
-        upstream_status="none",
-        removal="When upstream sizes the store from the token groups.",
-    ),
-    SubclassEntry(
-        base="vllm.v1.worker.cpu_worker:CPUWorker",
-        subclass="vllm_hybrid.v1.worker.cpu_worker:HybridCPUWorker",
-        overrides=("initialize_from_config",),
-        why="As HybridWorker, for the CPU platform.",
-        how="The same mixin as HybridWorker.",
-        upstream_status="none",
-        removal="With the HybridWorker entry.",
-    ),
 ]
 
 #: Upstream objects whose attributes the overlay re-points after upstream
@@ -267,6 +241,7 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
             "pooled config, which run_fused_precopy compares to drop copies "
             "of a block onto itself; upstream keeps only their addresses."
         ),
+        annotation="tuple[torch.Tensor, ...] | None",
     ),
     AddedAttribute(
         cls="vllm.v1.kv_cache_interface:KVCacheConfig",
@@ -277,6 +252,8 @@ ADDED_ATTRIBUTES: list[AddedAttribute] = [
             "from the engine core's planning to the scheduler's coordinator "
             "factory, which sees no VllmConfig (pooled plans have the field)."
         ),
+        annotation="bool",
+        default="False",
     ),
     *STATE_READ_ATTRIBUTES,
     *TOKEN_MOVE_ATTRIBUTES,

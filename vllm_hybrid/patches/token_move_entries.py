@@ -49,6 +49,7 @@ TOKEN_MOVE_PATCHES: list[PatchEntry] = [
             "offers a worker or model-runner hook that runs before the step's "
             "state update."
         ),
+        placement="before",
     ),
 ]
 
@@ -66,5 +67,6 @@ TOKEN_MOVE_ATTRIBUTES: list[AddedAttribute] = [
             "pickled with the output to multiprocess workers (a dataclass "
             "without slots keeps its instance dict)."
         ),
+        annotation="dict[int, int] | None",
     ),
 ]

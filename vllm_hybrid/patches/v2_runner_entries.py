@@ -41,6 +41,7 @@ V2_RUNNER_PATCHES: list[PatchEntry] = [
             "When upstream's warm-up sizes and numbers its blocks per KV cache "
             "group's pool, or pooled mode's config exposes one id space."
         ),
+        placement="body",
     ),
     PatchEntry(
         target=(
@@ -67,6 +68,7 @@ V2_RUNNER_PATCHES: list[PatchEntry] = [
         ),
         upstream_status="none",
         removal="With the run_fused_precopy entry.",
+        placement="after",
     ),
     PatchEntry(
         target="vllm.v1.worker.mamba_utils:MambaSpecDecodeGPUContext.run_fused_precopy",
@@ -101,5 +103,6 @@ V2_RUNNER_PATCHES: list[PatchEntry] = [
             "When the pre-copy kernel skips copies of a block onto itself "
             "(equal block ids, no bias)."
         ),
+        placement="before",
     ),
 ]

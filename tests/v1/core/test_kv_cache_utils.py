@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -975,35 +976,61 @@ def test_apply_store_bytes_only_when_enabled_and_unset(
 def test_worker_sizes_store_before_the_runner_builds_it(
     store_config: VllmConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.v1.worker.gpu_worker import Worker
-
-    from vllm_hybrid.v1.worker.gpu_worker import HybridWorker
+    """The registry's ``Worker.initialize_from_config`` sets the size, then
+    runs upstream's method (here a stand-in that records what it sees)."""
+    from vllm_hybrid.patches.registry import upstream_of
 
     seen: list[int | None] = []
     monkeypatch.setattr(
-        Worker,
-        "initialize_from_config",
-        lambda self, cfg: seen.append(self.vllm_config.aux_output_config.max_bytes),
+        routed_experts,
+        "upstream_of",
+        lambda module, name: (
+            (
+                lambda self, cfg: seen.append(
+                    self.vllm_config.aux_output_config.max_bytes
+                )
+            )
+            if (module, name) == (routed_experts.__name__, "initialize_from_config")
+            else upstream_of(module, name)
+        ),
     )
     aux = store_config.aux_output_config
     monkeypatch.setattr(aux, "enable_return_routed_experts", True)
     monkeypatch.setattr(aux, "max_bytes", None)
-    worker = object.__new__(HybridWorker)
-    worker.vllm_config = store_config
-    worker.initialize_from_config(kv_config(100, ATTN, ALIGN_STATE))
+    worker = SimpleNamespace(vllm_config=store_config)
+    routed_experts.initialize_from_config(worker, kv_config(100, ATTN, ALIGN_STATE))
     assert seen == [409_600]
 
 
-def test_worker_classes_put_the_hook_before_vllms_worker() -> None:
+def test_every_worker_class_runs_the_store_sizing(patched: None) -> None:
+    """The GPU and CPU workers reach the replacement without --worker-cls."""
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_hybrid.v1.worker.cpu_worker import HybridCPUWorker
-    from vllm_hybrid.v1.worker.gpu_worker import HybridWorker, RoutedExpertsStoreSizing
+    for cls in (Worker, CPUWorker):
+        assert cls.initialize_from_config is routed_experts.initialize_from_config
 
-    for cls, base in ((HybridWorker, Worker), (HybridCPUWorker, CPUWorker)):
-        mro = cls.__mro__
-        assert mro.index(RoutedExpertsStoreSizing) < mro.index(base)
+
+def test_token_groups_are_reachable_at_vllms_name(patched: None) -> None:
+    import vllm.v1.core.kv_cache_utils as upstream_utils
+
+    found = upstream_utils.token_capacity_kv_cache_groups
+    assert found is token_capacity.token_capacity_kv_cache_groups
+    config = kv_config(100, ATTN, ALIGN_STATE)
+    assert [g.kv_cache_spec for g in found(None, config)] == [ATTN]
+
+
+def test_the_added_name_leaves_with_the_overlay() -> None:
+    import vllm.v1.core.kv_cache_utils as upstream_utils
+
+    already_applied = bool(registry.applied())
+    registry.apply_all()
+    registry.revert_all()
+    try:
+        assert not hasattr(upstream_utils, "token_capacity_kv_cache_groups")
+    finally:
+        if already_applied:
+            registry.apply_all()
 
 
 def test_cpu_rejects_routed_experts_without_model_runner_v2(

@@ -504,3 +504,36 @@ def conv_state_rows(startup: Startup, config: PooledKVCacheConfig) -> int:
     MambaBase.bind_kv_cache(layer, bound[group.layer_names[0]])
     conv_state = layer.kv_cache[0]
     return conv_state.size(0)
+
+
+# ---------------------------------------------------------------------------
+# Worker: vLLM's initialize_from_config
+# ---------------------------------------------------------------------------
+
+
+class RecordingRunner:
+    """Stands in for the model runner inside ``Worker.initialize_from_config``:
+    records the routed-experts store size the AuxOutput connector would be
+    built with (the runner reads it once, in ``initialize_kv_cache``)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.store_bytes: list[int | None] = []
+
+    def initialize_kv_cache(self, kv_cache_config: Any, **kwargs: Any) -> None:
+        self.store_bytes.append(self.vllm_config.aux_output_config.max_bytes)
+
+
+def initialize_worker(vllm_config: Any, kv_cache_config: Any) -> RecordingRunner:
+    """vLLM's GPU ``Worker.initialize_from_config``, called as the executor
+    calls it on the worker vLLM's platform picks (no ``--worker-cls``), on a
+    worker whose model runner is a :class:`RecordingRunner`."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = object.__new__(Worker)
+    worker.vllm_config = vllm_config
+    worker.cache_config = vllm_config.cache_config
+    worker.model_config = vllm_config.model_config
+    worker.model_runner = RecordingRunner(vllm_config)
+    Worker.initialize_from_config(worker, kv_cache_config)
+    return worker.model_runner

@@ -1,1 +1,2 @@
-"""Worker classes of the overlay, selected through vLLM's ``worker_cls`` setting."""
+"""Worker-side code of the overlay: replacements on vLLM's workers and model
+runners, and the checks of pooled tensor views."""

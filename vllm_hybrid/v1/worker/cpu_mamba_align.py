@@ -254,27 +254,29 @@ def postprocess_mamba_fused(
 
 class HostFallbackKernel:
     """Stands in for one of upstream's Triton kernels: ``self[grid]`` is
-    upstream's launch when Triton can run in this process, else ``host``
-    (called with the launch arguments, grid ignored)."""
+    ``triton_kernel``'s launch when Triton can run in this process, else
+    ``host`` (called with the launch arguments, grid ignored)."""
 
-    def __init__(self, name: str, host: Any) -> None:
-        self.name = name
+    def __init__(self, triton_kernel: Any, host: Any) -> None:
+        self.triton_kernel = triton_kernel
         self.host = host
 
     def __getitem__(self, grid: Any) -> Any:
         from vllm.triton_utils import HAS_TRITON
 
         if HAS_TRITON:
-            return upstream_of(__name__, self.name)[grid]
+            return self.triton_kernel[grid]
         return self.host
 
     def __repr__(self) -> str:
-        return f"HostFallbackKernel({self.name})"
+        return f"HostFallbackKernel({self.host.__name__})"
 
 
 precopy_mamba_align_fused_kernel = HostFallbackKernel(
-    "precopy_mamba_align_fused_kernel", precopy_mamba_align_fused
+    upstream_of(__name__, "precopy_mamba_align_fused_kernel"),
+    precopy_mamba_align_fused,
 )
 postprocess_mamba_fused_kernel = HostFallbackKernel(
-    "postprocess_mamba_fused_kernel", postprocess_mamba_fused
+    upstream_of(__name__, "postprocess_mamba_fused_kernel"),
+    postprocess_mamba_fused,
 )

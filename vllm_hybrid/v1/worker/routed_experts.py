@@ -4,7 +4,9 @@ The store keeps one object per hash block of routing so that a prefix-cache
 hit can replay the routing of its tokens. Upstream sizes it from the
 scheduler block size, the LCM of every group's block size, which state groups
 can inflate far beyond the token slots that exist; here it covers exactly the
-token slots of the attention groups.
+token slots of the attention groups. The registry's replacement of
+``Worker.initialize_from_config`` (which ``CPUWorker`` inherits) sets the size
+before the model runner builds the connector, so a plain ``vllm serve`` gets it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from vllm_hybrid.logger import init_logger
+from vllm_hybrid.patches.registry import upstream_of
 from vllm_hybrid.v1.core.token_capacity import token_capacity_kv_cache_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_worker import Worker
 
 logger = init_logger(__name__)
 
@@ -100,3 +104,11 @@ def apply_routed_experts_store_bytes(
         f"{token_slots(vllm_config, kv_cache_config):,}",
     )
     return max_bytes
+
+
+def initialize_from_config(self: Worker, kv_cache_config: KVCacheConfig) -> None:
+    """Upstream's ``Worker.initialize_from_config``, with the routed-experts
+    store sized from the token groups first: the model runner reads the size
+    once, when it builds the AuxOutput connector inside this method."""
+    apply_routed_experts_store_bytes(self.vllm_config, kv_cache_config)
+    upstream_of(__name__, "initialize_from_config")(self, kv_cache_config)
