@@ -67,14 +67,6 @@ FORK_OPTIONS: tuple[ForkOption, ...] = (
         default="True",
     ),
     ForkOption(
-        "hybrid_kv.couple_prefix_caches",
-        "With pooled KV caches and prefix caching, evict attention blocks no "
-        "cached state checkpoint needs and checkpoints whose attention prefix "
-        "is gone.",
-        annotation="bool",
-        default="True",
-    ),
-    ForkOption(
         "hybrid_kv.retain_turn_ends",
         "With prefix caching in align mode, keep the state at the last state "
         "block edge each request reached while decoding (the state a "
