@@ -37,8 +37,9 @@ from vllm_hybrid.tools.simulate.report import best_runs, flat_figures
 
 HEADER = (
     "| case | engine | state copies | copied, GB | preemptions | prefill tokens "
-    "| hit rate | TPOT p50 / p99, ms (modeled) | TTFT p50 / p99, s (modeled) |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| hit rate | TPOT p50 / p99, ms (modeled) | TTFT p50 / p99, s (modeled) "
+    "| scheduler CPU per step, ms (this host) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -84,11 +85,14 @@ def _ratios(figures: dict, reference: dict, *keys: str) -> str:
 
 def row(case: str, label: str, summary: dict, reference: dict | None) -> str:
     if "error" in summary:
-        return f"| {case} | {label} | failed | | | | | | |"
+        return f"| {case} | {label} | failed | | | | | | | |"
     figures = flat_figures(summary)
-    c, m = figures["counted"], figures["modeled"]
-    ref_c = flat_figures(reference)["counted"] if reference else {}
-    ref_m = flat_figures(reference)["modeled"] if reference else {}
+    c, m, h = figures["counted"], figures["modeled"], figures["host"]
+    ref = flat_figures(reference) if reference else {}
+    ref_c, ref_m = ref.get("counted", {}), ref.get("modeled", {})
+    cpu = "-" if h["cpu_mean_ms"] is None else f"{h['cpu_mean_ms']:.2f}"
+    if reference is not None and h["cpu_mean_ms"] is not None:
+        cpu += _ratio(h["cpu_mean_ms"], ref["host"]["cpu_mean_ms"])
     tpot = _pair(m.get("tpot_p50_ms"), m.get("tpot_p99_ms"), 1, "{:.1f}")
     ttft = _pair(m.get("ttft_p50"), m.get("ttft_p99"), 1, "{:.2f}")
     if reference is not None:
@@ -100,7 +104,7 @@ def row(case: str, label: str, summary: dict, reference: dict | None) -> str:
     return (
         f"| {case} | {label} | {c['copies_moved']:,} | {c['copy_gb']:,.0f} "
         f"| {c['preemptions']:,} | {prefill} | {c['hit_rate'] or 0:.3f} "
-        f"| {tpot} | {ttft} |"
+        f"| {tpot} | {ttft} | {cpu} |"
     )
 
 

@@ -580,10 +580,17 @@ def test_summary_rows_give_prefill_ratio_to_upstream_best() -> None:
     }
     rows = render_summary(engines, "80 GB tq").splitlines()
     assert rows == [
-        "| 80 GB tq | upstream-best (ub) | 0.500 | 100 | 10 | 0 | 2 | 0.50 / 2.00 |",
-        "| 80 GB tq | pooled | 0.600 | 80 (0.800x) | 10 | 0 | 2 | 0.50 / 2.00 |",
-        "| 80 GB tq | single-pool | failed | | | | | |",
+        "| 80 GB tq | upstream-best (ub) | 0.500 | 100 | 10 | 0 | 2 | 0.50 / 2.00 | - |",
+        "| 80 GB tq | pooled | 0.600 | 80 (0.800x) | 10 | 0 | 2 | 0.50 / 2.00 | - |",
+        "| 80 GB tq | single-pool | failed | | | | | | |",
     ]
+    # the scheduler's CPU per step, with its ratio where both runs recorded it
+    for name, mean in (("upstream-best", 0.5), ("pooled", 0.6)):
+        run = engines[name]["runs"][engines[name]["best"]]
+        run["host"] = {"scheduler_cpu_ms_per_step": {"mean": mean, "p99": 1.0}}
+    rows = render_summary(engines, "80 GB tq").splitlines()
+    assert rows[0].endswith("| 0.50 / 2.00 | 0.50 |")
+    assert rows[1].endswith("| 0.50 / 2.00 | 0.60 (1.20x) |")
     assert SUMMARY_HEADER.count("|") == 2 * (rows[0].count("|"))
 
 

@@ -266,15 +266,20 @@ def render_table(engines: Mapping[str, Any]) -> str:
 #: Columns of :func:`render_summary` (one row per engine).
 SUMMARY_HEADER = (
     "| case | engine | hit rate | prefill tokens | peak running | preemptions "
-    "| state copies, GB | TTFT p50 / p99, s (modeled) |\n"
-    "|---|---|---|---|---|---|---|---|"
+    "| state copies, GB | TTFT p50 / p99, s (modeled) "
+    "| scheduler CPU per step, ms (this host) |\n"
+    "|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def _reference(runs: Mapping[str, Any]) -> tuple[str | None, dict]:
-    """The engine ratios are taken to, and its counted figures."""
+    """The engine ratios are taken to, and its counted figures with the
+    scheduler's CPU per step (``cpu_mean_ms``) among them."""
     reference = next((r for r in REFERENCE if r in runs), None)
-    return reference, flat_figures(runs[reference])["counted"] if reference else {}
+    if reference is None:
+        return None, {}
+    figures = flat_figures(runs[reference])
+    return reference, {**figures["counted"], **figures["host"]}
 
 
 def _count_cell(
@@ -288,6 +293,18 @@ def _count_cell(
     text = f"{value:,}"
     if compare and engine_ratio_defined(ref.get(key)):
         text += f" ({value / ref[key]:.3f}x)"
+    return text
+
+
+def _cpu_cell(host: Mapping[str, Any], ref: Mapping[str, Any], compare: bool) -> str:
+    """The scheduler's mean CPU per step in ms, with its ratio to the
+    reference engine's when ``compare``; "-" where a run did not record it."""
+    value = host.get("cpu_mean_ms")
+    if value is None:
+        return "-"
+    text = f"{value:.2f}"
+    if compare and ref.get("cpu_mean_ms"):
+        text += f" ({value / ref['cpu_mean_ms']:.2f}x)"
     return text
 
 
@@ -308,15 +325,17 @@ def render_summary(engines: Mapping[str, Any], case: str) -> str:
     for name, summary in runs.items():
         label = engine_label(engines, name)
         if "error" in summary:
-            lines.append(f"| {case} | {label} | failed | | | | | |")
+            lines.append(f"| {case} | {label} | failed | | | | | | |")
             continue
         figures = flat_figures(summary)
         c, m = figures["counted"], figures["modeled"]
-        prefill = _count_cell(c, ref, "prefill_tokens", name != reference)
+        compare = name != reference
+        prefill = _count_cell(c, ref, "prefill_tokens", compare)
         lines.append(
             f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {prefill} "
             f"| {c['peak_running']:,} | {c['preemptions']:,} "
-            f"| {c['copy_gb']:,.0f} | {_ttft_cell(m)} |"
+            f"| {c['copy_gb']:,.0f} | {_ttft_cell(m)} "
+            f"| {_cpu_cell(figures['host'], ref, compare)} |"
         )
     return "\n".join(lines)
 
@@ -324,8 +343,9 @@ def render_summary(engines: Mapping[str, Any], case: str) -> str:
 #: Columns of :func:`render_floor_summary` (one row per engine).
 FLOOR_HEADER = (
     "| case | engine | hit rate | prefill tokens | floor | above the floor "
-    "| peak running | preemptions | TTFT p50 / p99, s (modeled) |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| peak running | preemptions | TTFT p50 / p99, s (modeled) "
+    "| scheduler CPU per step, ms (this host) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -339,7 +359,7 @@ def render_floor_summary(engines: Mapping[str, Any], case: str) -> str:
     for name, summary in runs.items():
         label = engine_label(engines, name)
         if "error" in summary:
-            lines.append(f"| {case} | {label} | failed | | | | | | |")
+            lines.append(f"| {case} | {label} | failed | | | | | | | |")
             continue
         figures = flat_figures(summary)
         c, m = figures["counted"], figures["modeled"]
@@ -350,7 +370,7 @@ def render_floor_summary(engines: Mapping[str, Any], case: str) -> str:
         lines.append(
             f"| {case} | {label} | {c['hit_rate'] or 0:.3f} | {prefill} | {floor} "
             f"| {above} | {c['peak_running']:,} | {c['preemptions']:,} "
-            f"| {_ttft_cell(m)} |"
+            f"| {_ttft_cell(m)} | {_cpu_cell(figures['host'], ref, compare)} |"
         )
     return "\n".join(lines)
 
