@@ -580,7 +580,8 @@ def test_summary_rows_give_prefill_ratio_to_upstream_best() -> None:
     }
     rows = render_summary(engines, "80 GB tq").splitlines()
     assert rows == [
-        "| 80 GB tq | upstream-best (ub) | 0.500 | 100 | 10 | 0 | 2 | 0.50 / 2.00 | - |",
+        "| 80 GB tq | upstream-best (ub) | 0.500 | 100 | 10 | 0 | 2 "
+        "| 0.50 / 2.00 | - |",
         "| 80 GB tq | pooled | 0.600 | 80 (0.800x) | 10 | 0 | 2 | 0.50 / 2.00 | - |",
         "| 80 GB tq | single-pool | failed | | | | | | |",
     ]
