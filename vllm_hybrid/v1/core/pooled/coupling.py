@@ -170,20 +170,6 @@ class PrefixCacheCoupling:
         size = links.token_groups[get_group_id(key)]
         return (block.block_hash_num_tokens or 0) % size == 0
 
-    def check(self) -> None:
-        """Raise AssertionError if links, caches and free queues disagree,
-        or an event was left unhandled (a pool called around its handle)."""
-        if self.pending:
-            raise AssertionError(f"unhandled prefix-cache events: {self.pending}")
-        token, state = self.pools[PoolKind.TOKEN], self.pools[PoolKind.STATE]
-        self.links.check(state.cached_keys(), set(token.cached_keys()))
-        for kind, pool in self.pools.items():
-            for i in pool.free_block_queue.cached_ids():
-                if self.is_dead(kind, pool.blocks[i]):
-                    raise AssertionError(
-                        f"{kind.value}: dead block {i} kept in the prefix cache"
-                    )
-
     def _evict_dead_keys(
         self, kind: PoolKind, keys: list[BlockHashWithGroupId]
     ) -> None:
