@@ -2,17 +2,22 @@
 segments and the prefix-cache coupling agree.
 
 Tests and test scripts call :func:`check_invariants` after every step or
-workload; the package itself never does.
+workload; the package itself never does. :func:`ensure` and
+:func:`can_allocate` drive the boundary directly, one way at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
 from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks, StateKey, TokenKey
+from vllm_hybrid.v1.core.pooled.policy.eviction import Reach
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 
@@ -175,3 +180,30 @@ def needed_by(links: CheckpointLinks) -> dict[TokenKey, set[StateKey]]:
         for token_key in keys:
             users.setdefault(token_key, set()).add(state_key)
     return users
+
+
+def can_allocate(
+    boundary: ArenaBoundary,
+    need_token: int,
+    need_state: int,
+    keep: Sequence[KVCacheBlock] = (),
+) -> bool:
+    """Whether both pools can hand out that many blocks, reaching every
+    free block and counting at most one boundary move. Changes nothing."""
+    return boundary._plan(need_token, need_state, keep, Reach.ANY) is not None
+
+
+def ensure(
+    boundary: ArenaBoundary,
+    need_token: int,
+    need_state: int,
+    keep: Sequence[KVCacheBlock] = (),
+    reach: Reach = Reach.ANY,
+) -> bool:
+    """Make both pools have that many free blocks within ``reach``, moving
+    the boundary if needed, all or nothing: one way of the boundary's plan,
+    carried out. Returns whether it succeeded."""
+    found = boundary._plan(need_token, need_state, keep, reach)
+    if found is not None:
+        boundary.carry_out(found)
+    return found is not None

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pooled_invariants import check_invariants, needed_by, needs
+from pooled_invariants import check_invariants, ensure, needed_by, needs
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -376,7 +376,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         n = len(hashes)
         points = data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="ckpt")
         tok, sta = arena.token_pool, arena.state_pool
-        if not arena.boundary.ensure(n, len(points)):
+        if not ensure(arena.boundary, n, len(points)):
             return
         # Like a request: reuse the cached prefix, compute the rest.
         hit: list[KVCacheBlock] = []
@@ -412,7 +412,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         retention evicts that previous decode checkpoint."""
         req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="who")]
         arena = self.arena
-        if not arena.boundary.ensure(1, 1):
+        if not ensure(arena.boundary, 1, 1):
             return
         tok, sta = arena.token_pool, arena.state_pool
         n = len(req.attn)
@@ -457,7 +457,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         """Plain allocations that pop (and so evict) LRU cached blocks."""
         pool = self.arena.state_pool if state_side else self.arena.token_pool
         need = (n, 0) if pool.side is PoolKind.TOKEN else (0, n)
-        if not self.arena.boundary.ensure(*need):
+        if not ensure(self.arena.boundary, *need):
             return
         self.held.append((pool, pool.get_new_blocks(n)))
 

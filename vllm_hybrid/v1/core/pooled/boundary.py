@@ -162,13 +162,6 @@ class ArenaBoundary:
     def token_limit(self) -> int:
         return self.layout.token_limit_at(self._state_floor)
 
-    def can_allocate(
-        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
-    ) -> bool:
-        """Whether both pools can hand out that many blocks, counting at most
-        one boundary move. Changes nothing."""
-        return self._plan(need_token, need_state, keep, Reach.ANY) is not None
-
     def plan(
         self,
         need_token: int,
@@ -214,22 +207,6 @@ class ArenaBoundary:
             move_live_blocks(self.token_pool, plan.moves, self.moves, self.coupling)
         if plan.target != self._state_floor:
             self._move_to(plan.target)
-
-    def ensure(
-        self,
-        need_token: int,
-        need_state: int,
-        keep: Sequence[KVCacheBlock] = (),
-        reach: Reach = Reach.ANY,
-    ) -> bool:
-        """Make both pools have at least that many free blocks within
-        ``reach``, moving the boundary if needed; all-or-nothing, returns
-        whether it succeeded (:meth:`plan` and :meth:`carry_out` of one way)."""
-        found = self._plan(need_token, need_state, keep, reach)
-        if found is None:
-            return False
-        self.carry_out(found)
-        return True
 
     # -- the move rule ------------------------------------------------------
 
