@@ -12,17 +12,13 @@ calls nothing above it and knows nothing of the other pool's rules.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import count
-from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
-
-if TYPE_CHECKING:
-    pass
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.events import (
@@ -373,65 +369,40 @@ class ArenaBlockPool(BlockPool):
             collector.block_metrics[new] = collector.block_metrics.pop(old)
         self.free_block_queue.append_n([free])
 
-    def resize(self, owned_ids: range) -> None:
+    def resize(
+        self, owned_ids: range, settle: Callable[[], None] | None = None
+    ) -> None:
         """Own ``owned_ids`` from now on (a boundary move).
 
-        Ids leaving must be free; their cached entries are evicted (with the
-        usual ``BlockRemoved`` events), their clean blocks leave at once.
-        Ids arriving come from the other pool and must be clean from this
-        pool's view; they join as clean blocks. Three steps (:meth:`leaving`,
-        :meth:`release_clean` and :meth:`release` of each cached one,
-        :meth:`take_over`), which the boundary drives itself when the caches
-        are coupled, so the coupling handles what one leaving block's
-        eviction made dead before the next one's.
+        Ids leaving must be free; whoever reads one until its reuse is told.
+        Clean ones leave at once; cached ones leave the prefix cache one at a
+        time (upstream's ``BlockRemoved`` events), each followed by
+        ``settle``, so that the coupling handles what one eviction made dead
+        before the next block leaves. Ids arriving come from the other pool,
+        clean from this pool's view, and join the free queue.
         """
-        leaving = self.leaving(owned_ids)
-        cached = [b for b in leaving if self.is_cached(b)]
-        self.release_clean([b for b in leaving if not self.is_cached(b)])
-        for block in cached:
-            self.release(block)
-        self.take_over(owned_ids)
-
-    def leaving(self, owned_ids: range) -> list[KVCacheBlock]:
-        """The blocks a move to ``owned_ids`` takes from this pool; whoever
-        reads one until its reuse is told now."""
-        blocks = self.blocks
+        blocks, queue = self.blocks, self.free_block_queue
         leaving = [blocks[i] for r in _minus(self._owned_ids, owned_ids) for i in r]
         if self._reuse_watchers:
             self._notify_reuse(leaving)
-        return leaving
-
-    def release(self, block: KVCacheBlock) -> None:
-        """A leaving block (:meth:`leaving`) out of the prefix cache and the
-        free queue."""
-        assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-        self._maybe_evict_cached_block(block)
-        self.free_block_queue.remove(block)
-
-    def is_cached(self, block: KVCacheBlock) -> bool:
-        """Whether ``block`` holds a prefix-cache key."""
-        return (
-            block.block_hash is not None
-            or block.block_id in self.cached_block_hashes_by_block
-        )
-
-    def release_clean(self, blocks: list[KVCacheBlock]) -> None:
-        """Leaving blocks that hold no prefix-cache key, out of the free
-        queue at once (nothing to evict, no event)."""
-        for block in blocks:
+        clean: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
+        for block in leaving:
             assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-        self.free_block_queue.remove_clean(blocks)
-
-    def take_over(self, owned_ids: range) -> None:
-        """Own ``owned_ids``, the leaving blocks released: the arriving ones
-        join the free queue as clean blocks."""
-        blocks = self.blocks
+            keyed = block.block_id in self.cached_block_hashes_by_block
+            (cached if keyed or block.block_hash is not None else clean).append(block)
+        queue.remove_clean(clean)
+        for block in cached:
+            self._maybe_evict_cached_block(block)
+            queue.remove(block)
+            if settle is not None:
+                settle()
         arriving = [blocks[i] for r in _minus(owned_ids, self._owned_ids) for i in r]
         for block in arriving:
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids
-        self.free_block_queue.append_n(arriving)
-        self.free_block_queue.hold_clean_from(self._held_from())
+        queue.append_n(arriving)
+        queue.hold_clean_from(self._held_from())
 
 
 def _minus(ids: range, other: range) -> tuple[range, ...]:

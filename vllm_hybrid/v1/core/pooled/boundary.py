@@ -31,10 +31,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
-from vllm_hybrid.v1.core.pooled.coupling import (
-    PrefixCacheCoupling,
-    resize_settled,
-)
+from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.moves import TokenMoves, move_live_blocks, plan_moves
 from vllm_hybrid.v1.core.pooled.policy.eviction import (
@@ -343,16 +340,17 @@ class ArenaBoundary:
         old_token, old_state = self.token_pool.owned_ids, self.state_pool.owned_ids
         new_token = self.layout.token_ids_at(target)
         new_state = self.layout.state_ids_at(target)
+        settle = None if self.coupling is None else self.coupling.settle
         if target > self._state_floor:
             grown = PoolKind.TOKEN
             gained = range(max(old_token.stop, new_token.start), new_token.stop)
-            resize_settled(self.state_pool, new_state, self.coupling)
-            resize_settled(self.token_pool, new_token, self.coupling)
+            self.state_pool.resize(new_state, settle)
+            self.token_pool.resize(new_token, settle)
         else:
             grown = PoolKind.STATE
             gained = range(new_state.start, old_state.start)
-            resize_settled(self.token_pool, new_token, self.coupling)
-            resize_settled(self.state_pool, new_state, self.coupling)
+            self.token_pool.resize(new_token, settle)
+            self.state_pool.resize(new_state, settle)
         self._state_floor = target
         logger.debug(
             "Arena boundary %d -> %d B: %s pool +%d blocks (token %d, state %d)",

@@ -179,25 +179,6 @@ class PrefixCacheCoupling:
         self.evict_dead(kind, (b for k in keys for b in pool.blocks_with(k)))
 
 
-def resize_settled(
-    pool: ArenaBlockPool, owned_ids: range, coupling: PrefixCacheCoupling | None
-) -> None:
-    """Resize ``pool`` step by step (:meth:`ArenaBlockPool.resize`): the
-    coupling, if any, handles what each leaving block's eviction made dead
-    before the next block leaves."""
-    if coupling is None:
-        pool.resize(owned_ids)
-        return
-    leaving = pool.leaving(owned_ids)
-    cached = [b for b in leaving if pool.is_cached(b)]
-    # clean blocks leave no prefix-cache entry behind: at once, no events
-    pool.release_clean([b for b in leaving if not pool.is_cached(b)])
-    for block in cached:
-        pool.release(block)
-        coupling.settle()
-    pool.take_over(owned_ids)
-
-
 #: Attributes of a :class:`PoolHandle` itself; every other one is the pool's.
 _HANDLE_FIELDS = frozenset({"pool", "coupling"})
 #: The pool's attributes a handle keeps a copy of: read on every prefix
@@ -299,10 +280,6 @@ class PoolHandle:
         blocks = self.pool.advance_in_place(block)
         self._settle()
         return blocks
-
-    def resize(self, owned_ids: range) -> None:
-        """The pool's resize step by step, as the boundary drives it."""
-        resize_settled(self.pool, owned_ids, self.coupling)
 
     def reset_prefix_cache(self) -> bool:
         reset = self.pool.reset_prefix_cache()
