@@ -95,9 +95,7 @@ def test_layout_math_realistic_sizes():
     assert layout.num_state_ids == 3  # 3 * 268288 = 804_864
     assert layout.null_region_bytes == 268_288
     assert layout.first_token_id == 17  # 16 * 16384 = 262_144 < 268_288
-    assert layout.reserved_token_ids == range(1, 17)
     assert layout.first_state_id == 1
-    assert layout.reserved_state_ids == range(1, 1)
     assert layout.initial_state_floor == 2
     assert layout.token_ids_at(2) == range(17, 32)  # 32 * 16384 = 524_288
     assert layout.state_ids_at(2) == range(2, 3)
@@ -116,8 +114,8 @@ def test_layout_math_realistic_sizes():
 def test_layout_state_block_smaller_than_token_block():
     layout = ArenaLayout(100, 10, 4, 1, 1, 52)
     assert (layout.num_token_ids, layout.num_state_ids) == (10, 25)
-    assert layout.reserved_token_ids == range(1, 1)
-    assert layout.reserved_state_ids == range(1, 3)  # bytes 4..12 overlap [0, 10)
+    assert layout.first_token_id == 1
+    assert layout.first_state_id == 3  # bytes 4..12 overlap [0, 10)
     assert layout.initial_state_floor == 13  # 52 B rounds down to 13 * 4
     arena = make_arena(layout)
     assert arena.token_pool.owned_ids == range(1, 5)  # 5 * 10 = 50 <= 52
@@ -127,7 +125,7 @@ def test_layout_state_block_smaller_than_token_block():
 
 def test_small_layout_ownership():
     arena = make_arena()
-    assert SMALL.reserved_token_ids == range(1, 3)
+    assert SMALL.first_token_id == 3
     assert arena.token_pool.owned_ids == range(3, 12)
     assert arena.state_pool.owned_ids == range(5, 10)
     assert (SMALL.min_state_floor, SMALL.max_state_floor) == (2, 8)

@@ -155,10 +155,6 @@ class ArenaBoundary:
         """First byte of the state pool; the token pool ends at or below it."""
         return self.layout.boundary_at(self._state_floor)
 
-    @property
-    def token_limit(self) -> int:
-        return self.layout.token_limit_at(self._state_floor)
-
     def plan(
         self,
         need_token: int,

@@ -137,16 +137,6 @@ class ArenaLayout:
         clear = max(0, self.null_region_bytes - self.state_offset)
         return max(1, cdiv(clear, self.state_block_bytes))
 
-    @property
-    def reserved_token_ids(self) -> range:
-        """Token ids overlapping the null region, other than the null block."""
-        return range(1, self.first_token_id)
-
-    @property
-    def reserved_state_ids(self) -> range:
-        """State ids overlapping the null region, other than the null block."""
-        return range(1, self.first_state_id)
-
     def token_limit_at(self, state_floor: int) -> int:
         """End (exclusive) of the token ids owned when the state pool starts at
         ``state_floor``; may be below ``first_token_id`` (no token blocks)."""
