@@ -3,17 +3,15 @@
 A hit at ``N`` tokens needs every full-attention block of those tokens
 (token pool) and a state checkpoint at exactly ``N`` (state pool); each pool
 evicts by its own order, so without coordination one keeps entries the other
-made useless. :class:`PrefixCacheCoupling` keeps :class:`~.links.
-CheckpointLinks` up to date from the pools' events and evicts the free
-blocks that are dead: a token block no cached checkpoint needs (the tail of
-a finished request past its last checkpoint included), a checkpoint whose
-attention prefix has left the cache. Blocks in use wait until freed; an
-entry that can still serve a hit is never evicted, so hits never drop.
+made useless. :class:`PrefixCacheCoupling` keeps the links up to date from
+the pools' events and evicts the free blocks that are dead: a token block no
+cached checkpoint needs, a checkpoint whose attention prefix left the cache.
+An entry that can still serve a hit is never evicted, so hits never drop.
 
 Everything above the pools holds them through a :class:`PoolHandle`, which
 has the coupling handle an operation's events as soon as it returns;
-operations that evict several blocks are driven a block at a time, so the
-same blocks are evicted as if each event were handled when it happened.
+operations that evict several blocks are driven a block at a time, as if
+each event were handled when it happened.
 """
 
 from __future__ import annotations
@@ -71,11 +69,9 @@ class PrefixCacheCoupling:
     # -- events from the pools ----------------------------------------------
 
     def settle(self, request: Request | None = None) -> None:
-        """Handle the events the pools recorded since the last call, in the
-        order they happened; ``request``: the one whose blocks were being
-        cached, if that is what recorded them. An eviction of the coupling's
-        own records events too; they are handled right after it, before the
-        next event (the order of handling them as they happened)."""
+        """Handle the events the pools recorded since the last call, in order
+        (``request``: the one being cached, if caching recorded them). The
+        coupling's own evictions record events too, handled right after."""
         pending = self.pending
         if not pending:
             return
@@ -97,8 +93,8 @@ class PrefixCacheCoupling:
         request: Request | None,
         num_tokens: int,
     ) -> None:
-        """A pool cached ``key`` for the first ``num_tokens`` tokens of
-        ``request``; a state checkpoint gets linked to its attention prefix."""
+        """A state checkpoint cached for ``num_tokens`` tokens of ``request``
+        gets linked to its attention prefix."""
         if kind is not PoolKind.STATE or self.links.is_linked(key):
             return
         assert request is not None, "a key cached outside cache_full_blocks"
@@ -130,8 +126,7 @@ class PrefixCacheCoupling:
         """Evict the free ones among ``blocks`` of pool ``kind`` that are dead."""
         pool = self.pools[kind]
         if kind is PoolKind.TOKEN:
-            # no checkpoint needs a dead token block's key, so its eviction
-            # makes nothing else dead: every one goes, then one settle
+            # a dead token block's eviction makes nothing else dead
             dead = [
                 block
                 for block in blocks
@@ -189,16 +184,14 @@ _COPIED = ("get_cached_block", "touch", "get_num_free_blocks", "null_block")
 
 
 class PoolHandle:
-    """One arena pool as everything above the pool layer holds it: upstream's
-    managers and ``KVCacheManager``, the coordinator, retention, tests.
+    """One arena pool as everything above the pool layer holds it.
 
     Upstream's managers call the pools directly, so no layer above sees an
     operation end; the handle stands where they look for the pool. Each
     operation that can record prefix-cache events is the pool's, followed by
-    :meth:`PrefixCacheCoupling.settle` (once the arena couples the pools);
-    everything else is the pool's own attribute, read or set through the
-    handle. Blocks keep naming the pool itself (``KVCacheBlock.pool``), which
-    is what upstream's ``free_blocks`` routes by.
+    :meth:`PrefixCacheCoupling.settle`; every other attribute is the pool's,
+    read or set through the handle. Blocks keep naming the pool itself,
+    which upstream's ``free_blocks`` routes by.
     """
 
     pool: ArenaBlockPool
@@ -231,9 +224,8 @@ class PoolHandle:
     # -- operations that record events ------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """The pool's allocation, step by step: every block is taken off the
-        free queue first, then each leaves the prefix cache and the coupling
-        handles what that made dead before the next one does."""
+        """The pool's allocation, settled after each block leaves the
+        prefix cache."""
         pool = self.pool
         blocks = pool.take_free(num_blocks)
         for block in blocks:
@@ -259,8 +251,7 @@ class PoolHandle:
         return key
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        """Upstream's eviction by id, one id at a time: the coupling handles
-        what each eviction made dead before the next, as it always did."""
+        """Upstream's eviction by id, settled after each id."""
         for block_id in block_ids:
             self.pool.evict_blocks({block_id})
             self._settle()
