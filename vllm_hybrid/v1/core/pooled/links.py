@@ -55,9 +55,9 @@ class CheckpointLinks:
         is_cached: Callable[[TokenKey], bool],
     ) -> None:
         """Record a newly cached checkpoint for the first ``num_tokens``
-        tokens of ``block_hashes``, or as broken when one of its full
-        attention blocks is not cached (``is_cached``; keys in the tree are).
-        Idempotent for a key already linked (duplicate blocks share one)."""
+        tokens of ``block_hashes``, or as broken when one of its attention
+        blocks is not cached (``is_cached``). A linked key is left alone
+        (duplicate blocks share one)."""
         if state_key in self.tips:
             return
         chains = self._chains(block_hashes, num_tokens)
@@ -158,7 +158,7 @@ class CheckpointLinks:
         self, state_key: StateKey, skip: TokenKey | None = None
     ) -> list[TokenKey]:
         """Drop a checkpoint; returns the keys no longer needed (but
-        ``skip``), in :meth:`token_keys` order."""
+        ``skip``), each chain's first block first."""
         orphans: list[TokenKey] = []
         nodes, kids, ends = self.nodes, self.kids, self.ends
         for tip in self.tips.pop(state_key, ()):
