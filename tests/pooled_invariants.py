@@ -2,14 +2,23 @@
 segments and the prefix-cache coupling agree.
 
 Tests and test scripts call :func:`check_invariants` after every step or
-workload; the package itself never does.
+workload; the package itself never does. :func:`ensure` and
+:func:`can_allocate` drive the boundary directly, one way at a time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
 from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
+from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
+from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks, StateKey, TokenKey
+from vllm_hybrid.v1.core.pooled.policy.eviction import Reach
+from vllm_hybrid.v1.core.pooled.spec import PoolKind
 
 
 def _require(condition: bool, message: str) -> None:
@@ -48,7 +57,7 @@ def check_invariants(arena: KVArena) -> None:
     for handle in (arena.token_pool, arena.state_pool):
         check_pool(handle.pool)
     if arena.coupling is not None:
-        arena.coupling.check()
+        check_coupling(arena.coupling)
 
 
 def check_pool(pool: ArenaBlockPool) -> None:
@@ -99,10 +108,102 @@ def check_pool(pool: ArenaBlockPool) -> None:
             )
 
 
+def check_coupling(coupling: PrefixCacheCoupling) -> None:
+    """Links, caches and free queues agree, and no event was left unhandled
+    (a pool called around its handle)."""
+    _require(not coupling.pending, f"unhandled prefix-cache events: {coupling.pending}")
+    token = coupling.pools[PoolKind.TOKEN]
+    state = coupling.pools[PoolKind.STATE]
+    check_links(coupling.links, state.cached_keys(), set(token.cached_keys()))
+    for kind, pool in coupling.pools.items():
+        for i in pool.free_block_queue.cached_ids():
+            _require(
+                not coupling.is_dead(kind, pool.blocks[i]),
+                f"{kind.value}: dead block {i} kept in the prefix cache",
+            )
+
+
+def needs(links: CheckpointLinks) -> dict[StateKey, tuple[TokenKey, ...]]:
+    """Every token key each linked checkpoint needs, each group's chain
+    from its first block down to the checkpoint's tip."""
+    out: dict[StateKey, tuple[TokenKey, ...]] = {}
+    for state_key, tips in links.tips.items():
+        keys: list[TokenKey] = []
+        for tip in tips:
+            chain: list[TokenKey] = []
+            token_key: TokenKey | None = tip
+            while token_key is not None:
+                chain.append(token_key)
+                token_key = links.nodes[token_key][0]
+            keys.extend(reversed(chain))
+        out[state_key] = tuple(keys)
+    return out
+
+
+def check_links(
+    links: CheckpointLinks,
+    state_keys: Iterable[StateKey],
+    token_keys: set[TokenKey],
+) -> None:
+    """The links agree with the caches (``state_keys``/``token_keys``: the
+    keys each pool caches now) and their tree is symmetric."""
+    cached_states = set(state_keys)
+    needed_keys = needs(links)
+    for state_key, needed in needed_keys.items():
+        _require(state_key in cached_states, "linked checkpoint not cached")
+        _require(state_key not in links.broken, "checkpoint linked and broken")
+        for token_key in needed:
+            _require(token_key in token_keys, "checkpoint needs an evicted block")
+    ends = {(t, s) for s, tips in links.tips.items() for t in tips}
+    for token_key, state_key in ends:
+        _require(state_key in links.ends[token_key], "links asymmetric")
+    for token_key, users in links.ends.items():
+        _require(bool(users), "empty ends entry")
+        _require(all((token_key, s) in ends for s in users), "asymmetric")
+    for token_key, kids in links.kids.items():
+        _require(bool(kids), "empty kids entry")
+        for kid in kids:
+            _require(links.nodes[kid][0] == token_key, "tree asymmetric")
+    for token_key, (parent, _) in links.nodes.items():
+        _require(token_key in links.ends or token_key in links.kids, "unneeded key")
+        if parent is not None:
+            _require(token_key in links.kids[parent], "tree asymmetric")
+    needed = {token_key for keys in needed_keys.values() for token_key in keys}
+    _require(needed == set(links.nodes), "needed keys disagree")
+    _require(links.broken <= cached_states, "broken key no longer cached")
+
+
 def needed_by(links: CheckpointLinks) -> dict[TokenKey, set[StateKey]]:
     """The checkpoints needing each token key: the links read backwards."""
     users: dict[TokenKey, set[StateKey]] = {}
-    for state_key, keys in links.needs.items():
+    for state_key, keys in needs(links).items():
         for token_key in keys:
             users.setdefault(token_key, set()).add(state_key)
     return users
+
+
+def can_allocate(
+    boundary: ArenaBoundary,
+    need_token: int,
+    need_state: int,
+    keep: Sequence[KVCacheBlock] = (),
+) -> bool:
+    """Whether both pools can hand out that many blocks, reaching every
+    free block and counting at most one boundary move. Changes nothing."""
+    return boundary._plan(need_token, need_state, keep, Reach.ANY) is not None
+
+
+def ensure(
+    boundary: ArenaBoundary,
+    need_token: int,
+    need_state: int,
+    keep: Sequence[KVCacheBlock] = (),
+    reach: Reach = Reach.ANY,
+) -> bool:
+    """Make both pools have that many free blocks within ``reach``, moving
+    the boundary if needed, all or nothing: one way of the boundary's plan,
+    carried out. Returns whether it succeeded."""
+    found = boundary._plan(need_token, need_state, keep, reach)
+    if found is not None:
+        boundary.carry_out(found)
+    return found is not None

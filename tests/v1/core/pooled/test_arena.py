@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pooled_invariants import check_invariants
+from pooled_invariants import can_allocate, check_invariants, ensure
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -95,9 +95,7 @@ def test_layout_math_realistic_sizes():
     assert layout.num_state_ids == 3  # 3 * 268288 = 804_864
     assert layout.null_region_bytes == 268_288
     assert layout.first_token_id == 17  # 16 * 16384 = 262_144 < 268_288
-    assert layout.reserved_token_ids == range(1, 17)
     assert layout.first_state_id == 1
-    assert layout.reserved_state_ids == range(1, 1)
     assert layout.initial_state_floor == 2
     assert layout.token_ids_at(2) == range(17, 32)  # 32 * 16384 = 524_288
     assert layout.state_ids_at(2) == range(2, 3)
@@ -116,8 +114,8 @@ def test_layout_math_realistic_sizes():
 def test_layout_state_block_smaller_than_token_block():
     layout = ArenaLayout(100, 10, 4, 1, 1, 52)
     assert (layout.num_token_ids, layout.num_state_ids) == (10, 25)
-    assert layout.reserved_token_ids == range(1, 1)
-    assert layout.reserved_state_ids == range(1, 3)  # bytes 4..12 overlap [0, 10)
+    assert layout.first_token_id == 1
+    assert layout.first_state_id == 3  # bytes 4..12 overlap [0, 10)
     assert layout.initial_state_floor == 13  # 52 B rounds down to 13 * 4
     arena = make_arena(layout)
     assert arena.token_pool.owned_ids == range(1, 5)  # 5 * 10 = 50 <= 52
@@ -127,7 +125,7 @@ def test_layout_state_block_smaller_than_token_block():
 
 def test_small_layout_ownership():
     arena = make_arena()
-    assert SMALL.reserved_token_ids == range(1, 3)
+    assert SMALL.first_token_id == 3
     assert arena.token_pool.owned_ids == range(3, 12)
     assert arena.state_pool.owned_ids == range(5, 10)
     assert (SMALL.min_state_floor, SMALL.max_state_floor) == (2, 8)
@@ -326,14 +324,14 @@ def test_cache_full_blocks_with_fake_request():
 
 def test_token_pool_grows_on_demand():
     arena = make_arena()
-    assert arena.boundary.can_allocate(14, 0)
+    assert can_allocate(arena.boundary, 14, 0)
     assert arena.boundary_bytes == 50  # can_allocate changes nothing
     assert arena.token_pool.owned_ids == range(3, 12)
     assert arena.state_pool.owned_ids == range(5, 10)
     with pytest.raises(ValueError, match="Cannot get 14 free blocks"):
         arena.token_pool.get_new_blocks(14)  # a pool never moves the boundary
     assert arena.boundary_bytes == 50
-    assert arena.boundary.ensure(14, 0)
+    assert ensure(arena.boundary, 14, 0)
     got = arena.token_pool.get_new_blocks(14)
     assert ids(got) == list(range(3, 17))
     # 14 blocks end at 68 B: the state floor rounds up to 70 B (id 7). The
@@ -346,12 +344,12 @@ def test_token_pool_grows_on_demand():
 
 def test_state_pool_grows_on_demand_and_back():
     arena = make_arena()
-    assert arena.boundary.ensure(0, 7)
+    assert ensure(arena.boundary, 0, 7)
     assert arena.boundary_bytes == 30
     assert arena.token_pool.owned_ids == range(3, 7)  # 7 * 4 = 28 <= 30
     assert arena.state_pool.owned_ids == range(3, 10)
     assert free_order(arena.state_pool) == [9, 8, 7, 6, 5, 4, 3]
-    assert arena.boundary.ensure(9, 0)
+    assert ensure(arena.boundary, 9, 0)
     assert arena.boundary_bytes == 50
     assert arena.token_pool.owned_ids == range(3, 12)
     assert arena.state_pool.owned_ids == range(5, 10)
@@ -360,12 +358,12 @@ def test_state_pool_grows_on_demand_and_back():
 
 def test_min_floors_are_respected():
     arena = make_arena()
-    assert not arena.boundary.can_allocate(0, 9)  # token pool would keep 1 < 2 blocks
-    assert not arena.boundary.ensure(0, 9)
-    assert arena.boundary.ensure(0, 8)
+    assert not can_allocate(arena.boundary, 0, 9)  # token pool would keep 1 < 2 blocks
+    assert not ensure(arena.boundary, 0, 9)
+    assert ensure(arena.boundary, 0, 8)
     assert arena.token_pool.owned_ids == range(3, 5)  # exactly the floor
-    assert not arena.boundary.ensure(18, 0)  # state pool would keep 1 < 2 blocks
-    assert arena.boundary.ensure(17, 0)  # state floor 8: 80 B, token ids 3..19
+    assert not ensure(arena.boundary, 18, 0)  # state pool would keep 1 < 2 blocks
+    assert ensure(arena.boundary, 17, 0)  # state floor 8: 80 B, token ids 3..19
     assert (arena.token_capacity, arena.state_capacity) == (17, 2)
     with pytest.raises(ValueError, match="Cannot get 18 free blocks from the pool"):
         arena.token_pool.get_new_blocks(18)
@@ -374,10 +372,10 @@ def test_min_floors_are_respected():
 
 def test_other_pool_keeps_its_need():
     arena = make_arena()
-    assert arena.boundary.can_allocate(14, 3)  # state floor 7 leaves 3 state blocks
-    assert not arena.boundary.can_allocate(14, 4)
-    assert not arena.boundary.can_allocate(10, 6)  # both short: no move helps
-    assert arena.boundary.ensure(14, 3)
+    assert can_allocate(arena.boundary, 14, 3)  # state floor 7 leaves 3 state blocks
+    assert not can_allocate(arena.boundary, 14, 4)
+    assert not can_allocate(arena.boundary, 10, 6)  # both short: no move helps
+    assert ensure(arena.boundary, 14, 3)
     assert arena.state_pool.get_num_free_blocks() == 3
 
 
@@ -402,15 +400,15 @@ def test_live_token_block_at_boundary_pins_it():
     cache(tok, held[7], b"c")  # id 10, cached and free: evictable
     tok.free_blocks(held[:8])  # keep id 11 live
     before = snapshot(arena)
-    assert not arena.boundary.can_allocate(0, 6)  # would need token ids 10, 11
-    assert not arena.boundary.ensure(0, 6)
+    assert not can_allocate(arena.boundary, 0, 6)  # would need token ids 10, 11
+    assert not ensure(arena.boundary, 0, 6)
     with pytest.raises(ValueError, match="Cannot get 6 free blocks from the pool"):
         arena.state_pool.get_new_blocks(6)
     assert snapshot(arena) == before  # all-or-nothing
     assert tok.get_cached_block(BlockHash(b"c"), [0]) == [tok.blocks[10]]
 
     tok.free_blocks([held[8]])
-    assert arena.boundary.ensure(0, 6)
+    assert ensure(arena.boundary, 0, 6)
     assert arena.boundary_bytes == 40
     assert tok.get_cached_block(BlockHash(b"c"), [0]) is None
     check_invariants(arena)
@@ -423,10 +421,10 @@ def test_live_state_block_at_boundary_pins_it():
     assert ids(held) == [9, 8, 7, 6, 5]
     st_.free_blocks(held[:4])  # keep id 5, the one at the boundary
     before = snapshot(arena)
-    assert not arena.boundary.ensure(10, 0)
+    assert not ensure(arena.boundary, 10, 0)
     assert snapshot(arena) == before
     st_.free_blocks(held[4:])
-    assert arena.boundary.ensure(10, 0)
+    assert ensure(arena.boundary, 10, 0)
     assert arena.boundary_bytes == 60
 
 
@@ -439,7 +437,7 @@ def test_evicting_cached_block_in_the_way_emits_block_removed():
     assert st_.free_block_queue.cached_ids() == [5]
     assert st_.take_events() == []
 
-    assert arena.boundary.ensure(10, 0)
+    assert ensure(arena.boundary, 10, 0)
     assert arena.boundary_bytes == 60
     events = st_.take_events()
     assert events == [
@@ -485,7 +483,7 @@ def test_usage_counts_owned_blocks_only():
     arena = make_arena()
     arena.token_pool.get_new_blocks(3)
     assert arena.token_pool.get_usage() == pytest.approx(3 / 9)
-    assert arena.boundary.ensure(0, 7)  # token pool now owns 4 blocks, 3 used
+    assert ensure(arena.boundary, 0, 7)  # token pool now owns 4 blocks, 3 used
     assert arena.token_pool.get_usage() == pytest.approx(3 / 4)
     assert arena.state_pool.get_usage() == 0.0
 
@@ -640,7 +638,7 @@ class ArenaMachine(RuleBasedStateMachine):
         tok, st_ = self.pools()
         floors = oracle_floors(arena, nt, ns)
         before = snapshot(arena)
-        assert arena.boundary.can_allocate(nt, ns) == bool(floors)
+        assert can_allocate(arena.boundary, nt, ns) == bool(floors)
         assert snapshot(arena) == before
         floor = arena.state_floor
         layout = arena.layout
@@ -656,7 +654,7 @@ class ArenaMachine(RuleBasedStateMachine):
         }
         self.drain_events()
 
-        ok = arena.boundary.ensure(nt, ns)
+        ok = ensure(arena.boundary, nt, ns)
         assert ok == bool(floors)
         if not ok:
             assert snapshot(arena) == before
@@ -696,7 +694,7 @@ class ArenaMachine(RuleBasedStateMachine):
             for i in pool.free_block_queue.protected_ids()
         ]
         before = snapshot(arena)
-        ok = arena.boundary.ensure(nt, ns, reach=Reach.SPARE_PROTECTED)
+        ok = ensure(arena.boundary, nt, ns, reach=Reach.SPARE_PROTECTED)
         assert ok == bool(floors)
         if not ok:
             assert snapshot(arena) == before
@@ -715,7 +713,7 @@ class ArenaMachine(RuleBasedStateMachine):
         need = (n, 0) if side is PoolKind.TOKEN else (0, n)
         feasible = bool(oracle_floors(arena, *need))
         before = snapshot(arena)
-        assert arena.boundary.ensure(*need) == feasible
+        assert ensure(arena.boundary, *need) == feasible
         if not feasible:
             assert snapshot(arena) == before
             with pytest.raises(ValueError, match=f"Cannot get {n} free blocks"):
@@ -875,7 +873,7 @@ def test_token_pool_events_include_the_state_pools():
     held = st_.get_new_blocks(5)
     cache(st_, held[4], b"s5")
     st_.free_blocks(held)
-    assert arena.boundary.ensure(10, 0)  # evicts the cached state block in the way
+    assert ensure(arena.boundary, 10, 0)  # evicts the cached state block in the way
     events = arena.token_pool.take_events()
     assert [type(e) for e in events] == [BlockRemoved]
     assert events[0].group_idx == 1
@@ -891,9 +889,9 @@ def test_a_move_never_takes_a_prefix_hit_about_to_be_reused():
     st_.free_blocks(held)
     hit = st_.blocks[5]
     before = snapshot(arena)
-    assert not arena.boundary.can_allocate(10, 0, keep=[hit])
-    assert not arena.boundary.ensure(10, 0, keep=[hit])
+    assert not can_allocate(arena.boundary, 10, 0, keep=[hit])
+    assert not ensure(arena.boundary, 10, 0, keep=[hit])
     assert snapshot(arena) == before
     assert st_.get_cached_block(BlockHash(b"s5"), [1]) == [hit]
-    assert arena.boundary.ensure(10, 0)  # without the hit, the move evicts it
+    assert ensure(arena.boundary, 10, 0)  # without the hit, the move evicts it
     check_invariants(arena)

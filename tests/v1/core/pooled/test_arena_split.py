@@ -11,7 +11,7 @@ ids 10 and 11, one more token block's room takes state id 5 (token ids
 from __future__ import annotations
 
 import pytest
-from pooled_invariants import check_invariants
+from pooled_invariants import check_invariants, ensure
 from test_arena import cache, make_arena
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
@@ -39,7 +39,7 @@ def _state_pool_full_of_entries(arena: KVArena) -> None:
 def test_the_state_pool_grows_into_clean_token_blocks_instead_of_evicting():
     arena = make_arena()
     _state_pool_full_of_entries(arena)
-    assert arena.boundary.ensure(0, 1)
+    assert ensure(arena.boundary, 0, 1)
     (block,) = arena.state_pool.get_new_blocks(1)
     assert arena.state_floor == 4 and arena.token_capacity == 7
     assert block.block_id == 4 and _cached(arena.state_pool) == 5
@@ -69,7 +69,7 @@ def test_the_state_pool_grows_only_into_token_entries_older_than_its_own(
         token.free_blocks(held[7:])
     token.free_blocks(held[1:7])
     assert [b.block_id for b in held[7:]] == [10, 11]
-    assert arena.boundary.ensure(0, 1)
+    assert ensure(arena.boundary, 0, 1)
     assert arena.state_floor == (4 if filed_first else 5)
     assert _cached(token) == (1 if filed_first else 3)
     arena.state_pool.get_new_blocks(1)
@@ -86,7 +86,7 @@ def test_the_state_pool_leaves_the_token_pool_its_reserve(live):
     arena = make_arena()
     arena.token_pool.get_new_blocks(live)
     _state_pool_full_of_entries(arena)
-    assert arena.boundary.ensure(0, 1)
+    assert ensure(arena.boundary, 0, 1)
     assert arena.state_floor == (4 if live == 2 else 5)
     check_invariants(arena)
 
@@ -101,7 +101,7 @@ def test_the_token_pool_takes_state_blocks_when_the_state_pool_is_staler(
     _cache_free(arena.token_pool, 9, b"token")
     if not state_older:
         _state_pool_full_of_entries(arena)
-    assert arena.boundary.ensure(1, 0)
+    assert ensure(arena.boundary, 1, 0)
     arena.token_pool.get_new_blocks(1)
     if state_older:
         # state id 5 went (its entry with it); token ids 12..14 arrived

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from pooled_invariants import check_invariants
+from pooled_invariants import check_invariants, ensure
 from test_arena import cache, make_arena
 from test_eviction import Driver, use_pooled_manager
 
@@ -57,7 +57,7 @@ def test_the_blocks_next_to_the_boundary_follow_its_moves():
     assert queue.clean_at_boundary_ids() == [9, 10, 11]
     state = arena.state_pool
     state.get_new_blocks(4)  # ids 9..6 live: the token pool can take id 5
-    assert arena.boundary.ensure(10, 0)
+    assert ensure(arena.boundary, 10, 0)
     assert token.owned_ids == range(3, 15)
     assert queue.clean_at_boundary_ids() == [12, 13, 14]
     token.get_new_blocks(12)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from pooled_invariants import check_invariants
+from pooled_invariants import check_invariants, ensure
 from test_arena import SMALL, cache
 from test_arena_split import _cache_free, _cached
 from test_eviction import BLOCK, Driver, use_pooled_manager
@@ -71,7 +71,7 @@ def test_an_entry_that_saves_more_per_byte_outlives_one_that_saves_less(weighed,
     state.rank_entry(boundary_block, Entry.PREFILL_ANCHOR, saves)
     assert state.free_block_queue.policy.saves_of(boundary_block) == saves
     _cache_free(arena.token_pool, 9, b"token")
-    assert arena.boundary.ensure(1, 0)
+    assert ensure(arena.boundary, 1, 0)
     arena.token_pool.get_new_blocks(1)
     if weighed and saves > 40:
         assert arena.state_floor == 5 and _cached(state) == 5

@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pooled_invariants import check_invariants, needed_by
+from pooled_invariants import check_invariants, ensure, needed_by, needs
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -122,7 +122,7 @@ def test_links_unit():
 
     # a checkpoint needs the full attention blocks wholly inside its prefix
     links.link_if_cached(skey(a[1]), a, 40, cached)
-    assert links.needs == {skey(a[1]): (tkey(a[0]), tkey(a[1]))}
+    assert needs(links) == {skey(a[1]): (tkey(a[0]), tkey(a[1]))}
     links.link_if_cached(skey(a[2]), a, 48, cached)
     links.link_if_cached(skey(b[0]), b, 16, cached)
     # Forgetting the deeper checkpoint orphans only the block it alone needed.
@@ -131,7 +131,7 @@ def test_links_unit():
     states, orphans = links.forget_token(tkey(a[0]))
     assert states == [skey(a[1])] and orphans == [tkey(a[1])]
     assert links.broken == {skey(a[1])}
-    assert links.needs == {skey(b[0]): (tkey(b[0]),)}
+    assert needs(links) == {skey(b[0]): (tkey(b[0]),)}
     assert needed_by(links) == {tkey(b[0]): {skey(b[0])}}
     # already linked: stays linked, even when asked with a prefix not cached
     links.link_if_cached(skey(b[0]), b, 16, lambda key: False)
@@ -231,7 +231,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     # The token pool is busy; only the state pool can be reset.
     assert not arena.reset_prefix_cache()
     assert sta.reset_prefix_cache()
-    assert arena.coupling.links.needs == {} and needed_by(arena.coupling.links) == {}
+    assert needs(arena.coupling.links) == {} and needed_by(arena.coupling.links) == {}
     tok.free_blocks(reversed(req.attn))
     # No checkpoint is left, so no attention block can be hit: all evicted.
     assert tok.free_block_queue.cached_ids() == []
@@ -251,7 +251,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
 def test_reset_clears_links():
     arena, _, _ = computed(2, [1])
     assert arena.reset_prefix_cache()
-    assert arena.coupling.links.needs == {} and needed_by(arena.coupling.links) == {}
+    assert needs(arena.coupling.links) == {} and needed_by(arena.coupling.links) == {}
     check_invariants(arena)
 
 
@@ -274,13 +274,13 @@ def test_a_pool_records_its_events_and_the_coupling_acts_when_it_settles():
         *["KeyCached"] * 5,
         "BlocksFreed",
     ]
-    assert coupling.links.needs == {}
+    assert needs(coupling.links) == {}
     assert cached(tok, [tkey(h) for h in hashes]) == [True] * 4
     with pytest.raises(AssertionError, match="unhandled prefix-cache events"):
         check_invariants(arena)
     coupling.settle(req.request)  # what the handle does after caching
     assert coupling.pending == []
-    assert len(coupling.links.needs[skey(hashes[1])]) == 2
+    assert len(needs(coupling.links)[skey(hashes[1])]) == 2
     assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
     assert coupling.evictions == {"token": 2, "state": 0}
     check_invariants(arena)
@@ -376,7 +376,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         n = len(hashes)
         points = data.draw(st.sets(st.integers(0, n - 1), max_size=n), label="ckpt")
         tok, sta = arena.token_pool, arena.state_pool
-        if not arena.boundary.ensure(n, len(points)):
+        if not ensure(arena.boundary, n, len(points)):
             return
         # Like a request: reuse the cached prefix, compute the rest.
         hit: list[KVCacheBlock] = []
@@ -412,7 +412,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         retention evicts that previous decode checkpoint."""
         req = self.live[data.draw(st.integers(0, len(self.live) - 1), label="who")]
         arena = self.arena
-        if not arena.boundary.ensure(1, 1):
+        if not ensure(arena.boundary, 1, 1):
             return
         tok, sta = arena.token_pool, arena.state_pool
         n = len(req.attn)
@@ -457,7 +457,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         """Plain allocations that pop (and so evict) LRU cached blocks."""
         pool = self.arena.state_pool if state_side else self.arena.token_pool
         need = (n, 0) if pool.side is PoolKind.TOKEN else (0, n)
-        if not self.arena.boundary.ensure(*need):
+        if not ensure(self.arena.boundary, *need):
             return
         self.held.append((pool, pool.get_new_blocks(n)))
 

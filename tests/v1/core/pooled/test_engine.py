@@ -108,12 +108,15 @@ def _measure(llm, mode: str, repeat: bool) -> dict:
         out["links"] = None
         if coupling is not None:
             evictions = {k.value: n for k, n in coupling.evictions.items()}
-            out["links"] = {"linked": len(coupling.links.needs), **evictions}
+            out["links"] = {"linked": len(coupling.links.tips), **evictions}
         check_invariants(coord.arena)
         llm.reset_prefix_cache()
         out["free_after"] = {
             kind: (pool.get_num_free_blocks(), pool.owned_capacity)
-            for kind, pool in coord.pools.items()
+            for kind, pool in (
+                ("token", coord.arena.token_pool),
+                ("state", coord.arena.state_pool),
+            )
         }
         check_invariants(coord.arena)
     return out

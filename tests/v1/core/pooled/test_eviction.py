@@ -22,7 +22,7 @@ import random
 
 import pytest
 import torch
-from pooled_invariants import check_invariants
+from pooled_invariants import check_invariants, ensure
 from test_arena import cache, free_order, make_arena
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -90,7 +90,7 @@ def test_serving_without_protected_entries_spares_them():
     free, floor = pool.get_num_free_blocks(), arena.state_floor
     # the state pool alone could serve `free` blocks only with the protected
     # one; sparing it, the arena grows the state pool by one block instead
-    assert arena.boundary.ensure(0, free, reach=Reach.SPARE_PROTECTED)
+    assert ensure(arena.boundary, 0, free, reach=Reach.SPARE_PROTECTED)
     assert arena.state_floor == floor - 1
     got = pool.get_new_blocks(free)
     assert block not in got
@@ -99,7 +99,7 @@ def test_serving_without_protected_entries_spares_them():
     # with nothing left to spare it, it goes like any cached block
     pool.free_blocks(got)
     everything = pool.get_num_free_blocks() + arena.token_pool.get_num_free_blocks()
-    assert not arena.boundary.ensure(0, everything, reach=Reach.SPARE_PROTECTED)
+    assert not ensure(arena.boundary, 0, everything, reach=Reach.SPARE_PROTECTED)
 
 
 def _rivals(policy) -> dict:

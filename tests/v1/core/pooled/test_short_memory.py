@@ -66,8 +66,8 @@ def runs(tiny_model_dir):
             refusal = f"{type(exc).__name__}: {exc}"
         llm.reset_prefix_cache()
         free = {
-            k: (p.get_num_free_blocks(), p.owned_capacity)
-            for k, p in coord.pools.items()
+            p.side: (p.get_num_free_blocks(), p.owned_capacity)
+            for p in (coord.arena.token_pool, coord.arena.state_pool)
         }
         check_invariants(coord.arena)
         return dict(

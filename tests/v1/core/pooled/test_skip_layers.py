@@ -58,8 +58,8 @@ def _run(llm, pooled: bool) -> dict:
         check_invariants(coordinator.arena)
         llm.reset_prefix_cache()
         out["used_after"] = {
-            kind.value: pool.get_num_used_blocks()
-            for kind, pool in coordinator.pools.items()
+            pool.side.value: pool.get_num_used_blocks()
+            for pool in (coordinator.arena.token_pool, coordinator.arena.state_pool)
         }
     return out
 

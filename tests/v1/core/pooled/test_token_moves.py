@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from hypothesis import given
 from hypothesis import strategies as st
-from pooled_invariants import check_invariants
+from pooled_invariants import check_invariants, ensure
 from test_arena import cache, key, make_arena
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
@@ -36,12 +36,12 @@ def test_live_token_blocks_move_so_that_the_state_pool_can_grow():
     held = _boundary_pinned(arena)
     live = held[7:]
     assert [b.block_id for b in live] == [10, 11]
-    assert not arena.boundary.ensure(0, 1)  # moves not allowed: pinned
+    assert not ensure(arena.boundary, 0, 1)  # moves not allowed: pinned
     assert arena.state_floor == 5
 
     heard = []
     arena.allow_token_moves(lambda old, new: heard.append((old, new)))
-    assert arena.boundary.ensure(0, 1)
+    assert ensure(arena.boundary, 0, 1)
     assert arena.state_floor == 4 and arena.token_capacity == 7
     assert [b.block_id for b in live] == [3, 4]  # the first free ones
     assert all(token.blocks[b.block_id] is b and b.ref_cnt == 1 for b in live)
@@ -59,7 +59,7 @@ def test_nothing_moves_when_too_few_token_blocks_are_free_elsewhere():
     arena = make_arena()
     held = _boundary_pinned(arena, free=1)  # only id 3 free outside
     arena.allow_token_moves()
-    assert not arena.boundary.ensure(0, 1)
+    assert not ensure(arena.boundary, 0, 1)
     assert [b.block_id for b in held] == list(range(3, 12))
     assert arena.state_floor == 5
     assert arena.take_token_moves() == {}
@@ -70,9 +70,9 @@ def test_moves_leave_room_for_the_token_need_they_serve_with():
     arena = make_arena()
     _boundary_pinned(arena, free=3)  # ids 3..5 free: two moves leave one
     arena.allow_token_moves()
-    assert not arena.boundary.ensure(2, 1)
+    assert not ensure(arena.boundary, 2, 1)
     assert arena.take_token_moves() == {}
-    assert arena.boundary.ensure(1, 1)
+    assert ensure(arena.boundary, 1, 1)
     assert arena.take_token_moves() == {10: 3, 11: 4}
     check_invariants(arena)
 
@@ -145,7 +145,7 @@ def test_a_worker_applying_the_moves_keeps_the_schedulers_block_ids(ops):
     states: list = state.get_new_blocks(5)  # the state pool starts full
     ops = [("take", 3)] * 3 + ops  # and so does the token pool
     for op, n in ops:
-        if op == "take" and arena.boundary.ensure(n, 0):
+        if op == "take" and ensure(arena.boundary, n, 0):
             blocks = token.get_new_blocks(n)
             requests.append(blocks)
             worker.append(None)  # new this step: ids come with the step
@@ -155,7 +155,7 @@ def test_a_worker_applying_the_moves_keeps_the_schedulers_block_ids(ops):
             blocks = requests.pop(n % len(requests))
             worker.pop(n % (len(worker)))
             token.free_blocks(blocks)
-        elif op == "state" and arena.boundary.ensure(0, n):
+        elif op == "state" and ensure(arena.boundary, 0, n):
             states.extend(state.get_new_blocks(n))
         elif op == "release" and states:
             state.free_blocks([states.pop(n % len(states))])

@@ -1,23 +1,18 @@
 """Admission: how the arena serves one allocation, decided as a value.
 
-A request's next allocation needs new blocks in each KV cache group
-(upstream's managers count them). Pooled mode serves them from two pools
-whose boundary can move, and short of memory a running request may cross a
-state block edge in the block it already owns. :class:`Admitter` decides,
-without changing anything, which of these serves the request and returns the
-decision as an :class:`Admission`; the allocation carries it out
-(:meth:`~.coordinator.PooledCoordinatorMixin.allocate`). Counting the blocks
-an allocation takes (upstream's ``get_num_blocks_to_allocate``) asks the same
-question and changes nothing either.
+A request's next allocation needs new blocks in each KV cache group.
+Pooled mode serves them from two pools whose boundary can move, and short of
+memory a running request may cross a state block edge in the block it
+already owns. :class:`Admitter` decides which, without changing anything, as
+an :class:`Admission` that the allocation carries out; upstream's count
+(``get_num_blocks_to_allocate``) asks the same question.
 
 The ways, in order:
 
-1. A request that holds no blocks yet (waiting or preempted) is admitted
-   only with the growth reserve free beyond its own blocks (``reserve``:
-   upstream's watermark, which the pooled scheduler sets to the running
-   requests' growth and each admission of the step raises by its own,
-   :func:`~.policy.steps.growth_blocks`), the boundary moving for both if
-   needed.
+1. A request that holds no blocks yet is admitted only with the growth
+   reserve free beyond its own blocks (``reserve``: the running requests'
+   growth, :func:`~.policy.steps.growth_blocks`), the boundary moving for
+   both if needed.
 2. A running request at a state block edge nobody keeps
    (``keeps_edge`` says which are kept) advances its state in the block it
    owns: no copy, one state block fewer. Next to the boundary while the
@@ -65,9 +60,8 @@ class Way(Enum):
 
 class Admission(NamedTuple):
     """What the arena does for one allocation: the new blocks of each pool,
-    where the boundary goes, and the running state block of each state group
-    (by group index) that advances in place instead of taking a fresh one.
-    A tuple: one is made per allocation."""
+    the boundary's plan, and the running state block of each state group
+    (by index) that advances in place (a tuple: one per allocation)."""
 
     token_blocks: int
     state_blocks: int
@@ -78,8 +72,7 @@ class Admission(NamedTuple):
     @property
     def token_blocks_taken(self) -> int:
         """Token blocks the allocation takes from those free now, the
-        boundary's move counted (upstream's ``get_num_blocks_to_allocate``;
-        negative when the move gives the token pool more than it takes)."""
+        boundary's move counted (negative when the move gives more)."""
         return self.token_blocks - self.boundary.token_gain
 
 
@@ -89,8 +82,8 @@ KeepsEdge = Callable[[str, int, int], bool]
 
 
 class Admitter:
-    """Admission for one coordinator's managers over its arena (module
-    docstring). Reads the managers and the arena; changes neither."""
+    """Admission for one coordinator's managers over its arena; reads them,
+    changes neither."""
 
     def __init__(
         self,
@@ -126,10 +119,10 @@ class Admitter:
         total_computed_tokens: int,
         reserve: int = 0,
     ) -> Admission | None:
-        """How the arena serves ``needs`` (new blocks per group) for the
-        request; None when it cannot. ``hits`` are the prefix hits the
-        allocation will take (free ones must stay cached); ``reserve`` token
-        blocks must stay free beyond the request's own when it holds none."""
+        """How the arena serves ``needs`` (new blocks per group); None when
+        it cannot. ``hits``: the prefix hits the allocation takes (free ones
+        must stay cached); ``reserve``: token blocks to keep free beyond a
+        request's own when it holds none."""
         boundary = self.arena.boundary
         if not reserve and not any(needs):
             # a step within the blocks it holds (most decode steps)
@@ -182,9 +175,8 @@ class Admitter:
 
     def _pins_boundary(self, in_place: Mapping[int, KVCacheBlock]) -> bool:
         """Whether a running state block the request would advance in place
-        lies next to the boundary while new requests are refused
-        (:data:`~.policy.eviction.RELOCATE_NEAR_BOUNDARY`): it then takes a
-        fresh block, which the state pool hands out away from the boundary."""
+        lies within :data:`~.policy.eviction.RELOCATE_NEAR_BOUNDARY` of the
+        boundary while new requests are refused."""
         if not (self.arena.refusing_new and RELOCATE_NEAR_BOUNDARY):
             return False
         near = self.arena.boundary.state_floor + RELOCATE_NEAR_BOUNDARY
@@ -192,14 +184,8 @@ class Admitter:
 
     def _unkept_edge(self, request_id: str, total_computed_tokens: int) -> bool:
         """Whether the request is crossing a state block edge that no
-        checkpoint policy keeps.
-
-        The request has computed exactly ``total_computed_tokens``, an edge:
-        its running block holds the state there. A fresh block would receive
-        a copy of it and the block left behind would hold a state nobody
-        caches: a decode edge before the turn end, or a prefill chunk that
-        ended on no checkpoint.
-        """
+        checkpoint policy keeps: a copy into a fresh block would leave behind
+        a state nobody caches."""
         block = self._state_block
         if self.keeps_edge is None or block is None or total_computed_tokens % block:
             return False
@@ -210,14 +196,11 @@ class Admitter:
     ) -> dict[int, KVCacheBlock]:
         """Running state block per state group, if the request may advance its
         state in place: every state group needs exactly one new block (a
-        state block edge) and owns its running block alone (every reference
-        to it is one of the request's own slots, :func:`_own_slots`).
+        state block edge) and owns its running block alone.
 
-        At a state block edge align mode hands a running request a fresh
-        state block, copies the running state into it and keeps the old block
-        (a prefix-cache checkpoint) until the next step: two state blocks per
-        request. Advanced in place, that block leaves the prefix cache and
-        its content moves on; only a checkpoint is lost.
+        At an edge align mode copies the running state into a fresh block and
+        keeps the old one (a checkpoint) until the next step: two state
+        blocks per request. Advanced in place, only the checkpoint is lost.
         """
         state = self._state_groups
         if not state or any(needs[i] != 1 for i in state):
@@ -243,12 +226,9 @@ class Admitter:
 def _own_slots(
     blocks: list[KVCacheBlock], manager: SingleTypeKVCacheManager, request_id: str
 ) -> int:
-    """Slots of the request's block table that name its running state block.
-
-    Usually one. After the request advanced in place, the slot it advanced
-    from names the same block until upstream retires it, which happens two
-    steps later (the previous step may still be in flight); the block is
-    then still the request's alone, with one reference per slot.
+    """Slots of the request's block table that name its running state
+    block: one, or two after it advanced in place, until upstream retires
+    the slot it advanced from (the previous step may still be in flight).
     """
     last = blocks[-1]
     retiring = getattr(manager, "last_state_block_idx", {}).get(request_id)

@@ -70,10 +70,9 @@ class KVArena:
         self.token_pool = PoolHandle(token_pool)
         self.boundary = ArenaBoundary(layout, token_pool, state_pool)
         state_pool.weigh_entries(break_even)
-        #: whether the arena refused the latest request that held no blocks
-        #: (:meth:`note_new_request`); while it does, the token pool hands
-        #: out its clean blocks next to the boundary last, and running state
-        #: blocks next to it move away at edges nobody keeps
+        #: whether the arena refused the latest new request; while it does,
+        #: the token pool hands out its clean blocks next to the boundary
+        #: last, and running state blocks next to it move away
         self.refusing_new = False
         token_pool.keep_boundary_clear(
             BOUNDARY_CLEAR_STATE_BLOCKS
@@ -102,8 +101,7 @@ class KVArena:
         return self.token_pool if side is PoolKind.TOKEN else self.state_pool
 
     def usage(self) -> ArenaUsage:
-        """Owned and used blocks of both pools now (what ``/metrics`` and the
-        benchmarks report)."""
+        """Owned and used blocks of both pools now (for ``/metrics``)."""
         layout = self.layout
         pools = tuple(
             PoolUsage(
@@ -138,20 +136,19 @@ class KVArena:
 
     def allow_token_moves(self, *listeners: Callable[[int, int], None]) -> None:
         """Let the boundary move live token blocks out of the state pool's
-        way from now on; each of ``listeners`` hears every block's (old id,
-        new id). Only for schedulers whose workers apply the moves
-        (:meth:`take_token_moves`)."""
+        way (only for schedulers whose workers apply the moves); each of
+        ``listeners`` hears every block's (old id, new id)."""
         self.boundary.allow_moves().listeners.extend(listeners)
 
     def take_token_moves(self) -> dict[int, int]:
         """Old token id -> new token id of the blocks moved since the last
-        call (empty when none moved or moves are not allowed)."""
+        call."""
         moves = self.boundary.moves
         return moves.take() if moves is not None else {}
 
     def reset_prefix_cache(self) -> bool:
-        """Reset both pools' prefix caches, only if every owned block of both
-        pools is free (upstream's single pool semantics)."""
+        """Reset both pools' prefix caches, only if every owned block is free
+        (upstream's semantics)."""
         pools = (self.token_pool, self.state_pool)
         busy = {p.side.value: p.get_num_used_blocks() for p in pools}
         if any(busy.values()):

@@ -1,28 +1,22 @@
 """One pool of the arena: upstream's ``BlockPool`` over a movable id range.
 
-Each pool indexes its whole view of the arena (ids stay stable when the
-boundary moves) but owns, frees and hands out only the ids the arena's
-boundary gives it (:attr:`ArenaBlockPool.owned_ids`, changed through
-:meth:`ArenaBlockPool.resize`). Its free queue keeps the order of
-:mod:`.policy.eviction`. Prefix-cache events that matter to the other pool are
-appended, as values (:data:`CacheEvent`), to a record the coupling gave the
-pool; the coupling handles them after the operation that made them. The pool
-calls nothing above it and knows nothing of the other pool's rules.
+Each pool indexes its whole view of the arena, so ids stay stable when the
+boundary moves, but owns and hands out only the ids the boundary gives it
+(:meth:`ArenaBlockPool.resize`), in the order of :mod:`.policy.eviction`.
+Prefix-cache events that matter to the other pool are appended, as values,
+to a list the coupling gave the pool and handled after the operation; the
+pool calls nothing above it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import count
-from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
-
-if TYPE_CHECKING:
-    pass
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.events import (
@@ -46,10 +40,9 @@ logger = init_logger(__name__)
 class ArenaBlockPool(BlockPool):
     """Upstream ``BlockPool`` for one pool of a :class:`~.arena.KVArena`.
 
-    ``blocks`` spans the pool's whole id space (``num_gpu_blocks`` = NT or NS),
-    so ids are stable across boundary moves and upstream code indexing
-    ``blocks[id]`` or using ``num_gpu_blocks + 1`` as a sentinel keeps working;
-    only the ids in ``owned_ids`` are ever in the free queue or handed out.
+    ``blocks`` spans the pool's whole id space, so upstream code indexing
+    ``blocks[id]`` or using ``num_gpu_blocks + 1`` as a sentinel keeps
+    working; only ``owned_ids`` are ever free or handed out.
     """
 
     def __init__(
@@ -66,20 +59,16 @@ class ArenaBlockPool(BlockPool):
         clock: Iterator[int] | None = None,
     ) -> None:
         self.side = side
-        #: ticks the free queue files cached blocks with (shared by an
-        #: arena's two pools, so that their entries' ages compare)
+        #: the free queue's filing ticks (shared by the arena's two pools)
         self._clock = count() if clock is None else clock
         self._owned_ids = owned_ids
         #: another pool whose KV cache events this one hands out with its own
         self._events_of = events_of
-        #: where this pool appends its prefix-cache events as they happen
-        #: (None: nobody reads them); both pools share the coupling's list
+        #: the coupling's list this pool appends its prefix-cache events to
         self.cache_events: list[CacheEvent] | None = None
-        #: tokens of attention KV one of this pool's blocks holds, when its
-        #: entries are weighed against attention KV (see ``weigh_entries``)
+        #: tokens of attention KV one block holds (``weigh_entries``)
         self._break_even: float | None = None
-        #: token ids next to the boundary whose clean blocks go after the
-        #: cached ones (see ``keep_boundary_clear``)
+        #: token ids next to the boundary filed apart (``keep_boundary_clear``)
         self._clear_ids = 0
         # Upstream builds its linked-list queue over every id and pops id 0 as
         # the null block; keep all of that, then swap in the arena's queue.
@@ -96,9 +85,8 @@ class ArenaBlockPool(BlockPool):
         self.free_block_queue = self._new_free_queue()
 
     def take_events(self) -> list[KVCacheEvent]:
-        """This pool's KV cache events; the token pool, the one upstream's
-        ``KVCacheManager`` reads, also drains the state pool's (events keep
-        their group index, which names the pool)."""
+        """This pool's KV cache events; the token pool, which upstream's
+        ``KVCacheManager`` reads, also drains the state pool's."""
         events = super().take_events()
         if self._events_of is not None:
             events.extend(self._events_of.take_events())
@@ -116,16 +104,15 @@ class ArenaBlockPool(BlockPool):
         return queue
 
     def keep_boundary_clear(self, num_ids: int) -> None:
-        """File the clean blocks among this pool's ``num_ids`` ids next to the
-        boundary apart (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; token
-        pool only), to hand out after its cached ones while the arena refuses
-        requests (:meth:`clear_boundary`)."""
+        """File the clean blocks of the ``num_ids`` ids next to the boundary
+        apart (token pool only), to hand out after the cached ones while the
+        arena refuses requests (:meth:`clear_boundary`)."""
         self._clear_ids = num_ids
         self.free_block_queue.hold_clean_from(self._held_from())
 
     def clear_boundary(self, clearing: bool) -> None:
-        """Hand out the clean blocks next to the boundary after the cached
-        ones while ``clearing`` (:data:`~.policy.eviction.CLEARING_ORDER`)."""
+        """Hand out the clean blocks next to the boundary last while
+        ``clearing`` (:data:`~.policy.eviction.CLEARING_ORDER`)."""
         self.free_block_queue.clearing = clearing
 
     def _held_from(self) -> int | None:
@@ -140,8 +127,7 @@ class ArenaBlockPool(BlockPool):
         self.free_block_queue.policy.break_even = break_even
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Upstream's touch (a prefix hit takes a reference), counting the
-        hit of every cached block for the eviction order."""
+        """Upstream's touch, counting each block's hit for the eviction order."""
         policy = self.free_block_queue.policy
         for block in blocks:
             policy.record_hit(block)
@@ -149,20 +135,17 @@ class ArenaBlockPool(BlockPool):
 
     @property
     def owned_ids(self) -> range:
-        """Ids this pool owns now (the boundary changes them by :meth:`resize`)."""
         return self._owned_ids
 
     @property
     def owned_capacity(self) -> int:
-        """Blocks this pool owns now (null and reserved ids never count)."""
         return len(self._owned_ids)
 
     def get_num_used_blocks(self) -> int:
         return self.owned_capacity - self.get_num_free_blocks()
 
     def get_num_free_within(self, reach: Reach) -> int:
-        """Free blocks an allocation of ``reach`` may take (see
-        :mod:`.policy.eviction`)."""
+        """Free blocks an allocation of ``reach`` may take."""
         return self.free_block_queue.num_free_within(reach)
 
     def get_usage(self) -> float:
@@ -171,14 +154,13 @@ class ArenaBlockPool(BlockPool):
             return 0.0
         return self.get_num_used_blocks() / self.owned_capacity
 
-    # -- prefix-cache events the coupling needs (see .coupling) --------------
+    # -- prefix-cache events the coupling needs ------------------------------
 
     def move_block_hashes(
         self, src_block: KVCacheBlock, dst_block: KVCacheBlock
     ) -> None:
-        """Upstream's re-pointing of ``src_block``'s entries to ``dst_block``
-        (a private copy of a block its request keeps writing): the keys stay
-        cached, so the events their removal and insertion record are
+        """Upstream's re-pointing of a block's entries to its private copy:
+        the keys stay cached, so their removal's and insertion's events are
         dropped."""
         recorded = len(self.cache_events) if self.cache_events is not None else 0
         super().move_block_hashes(src_block, dst_block)
@@ -220,14 +202,11 @@ class ArenaBlockPool(BlockPool):
             events.append(BlocksFreed(self.side, [b for b in blocks if b.pool is self]))
 
     def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:
-        """``block``, a request's running state block, as its new block.
-
-        Used when memory is short and a request advances its recurrent state
-        in the block it already owns instead of copying it into a fresh one:
-        the block gets a second reference (the request's old and new block
-        table slots both name it; upstream frees the old slot next step) and
-        leaves the prefix cache, because its content moves on. No free block
-        is taken.
+        """``block``, a request's running state block, as its new block: the
+        request advances its state in place instead of copying it into a
+        fresh one. The block gets a second reference (old and new block table
+        slots both name it until upstream frees the old one) and leaves the
+        prefix cache, as its content moves on.
         """
         assert block.ref_cnt >= 1 and not block.is_null
         self._maybe_evict_cached_block(block)
@@ -235,19 +214,18 @@ class ArenaBlockPool(BlockPool):
         return [block]
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Upstream's allocation in two steps, :meth:`take_free` then
-        :meth:`claim` of each block, which the pool's handle drives itself so
-        that the coupling handles what one block's eviction made dead before
-        the next block leaves the cache. A pool never moves the boundary
-        (admission secured the room; a pool short of it raises ValueError)."""
+        """Upstream's allocation as :meth:`take_free`, then :meth:`claim` of
+        each block: the pool's handle drives the steps itself, so that the
+        coupling settles between blocks. A pool never moves the boundary;
+        admission secured the room."""
         blocks = self.take_free(num_blocks)
         for block in blocks:
             self.claim(block)
         return blocks
 
     def take_free(self, num_blocks: int) -> list[KVCacheBlock]:
-        """The first ``num_blocks`` of the free queue, out of it, all taken
-        before any leaves the prefix cache (upstream's order)."""
+        """The first ``num_blocks`` free blocks, all out of the queue before
+        any leaves the prefix cache (upstream's order)."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(num_blocks)
@@ -275,17 +253,16 @@ class ArenaBlockPool(BlockPool):
         return evicted
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
-        """Upstream's ``_maybe_evict_cached_block`` under a public name: upstream's
-        managers and retention call that private method on the pool they hold,
-        which is the pool's handle, and the handle calls this."""
+        """Upstream's ``_maybe_evict_cached_block``, public for the pool's
+        handle, on which upstream's managers call the private name."""
         return self._maybe_evict_cached_block(block)
 
     def rank_entry(
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None
     ) -> None:
-        """Put a free cached block where the eviction order wants ``entry``
-        (see :mod:`.policy.eviction`), noting the ``saves`` tokens of recomputation
-        it saves; a block in use is left alone."""
+        """Put a free cached block where the eviction order files ``entry``,
+        with the ``saves`` tokens of recomputation it saves; a block in use
+        is left alone."""
         if block.ref_cnt or block.is_null or block.block_hash is None:
             return
         place = self.free_block_queue.policy.rank(block, entry, saves)
@@ -295,11 +272,8 @@ class ArenaBlockPool(BlockPool):
             self.free_block_queue.place(block, place)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every prefix-cache entry if all owned blocks are free.
-
-        Upstream compares against ``num_gpu_blocks``, which here is the id
-        space, not what the pool owns, so the check and the body are redone.
-        """
+        """Drop every prefix-cache entry if all owned blocks are free
+        (upstream compares with ``num_gpu_blocks``, here the id space)."""
         used = self.get_num_used_blocks()
         if used:
             logger.warning(
@@ -323,8 +297,7 @@ class ArenaBlockPool(BlockPool):
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         if keys:
-            # The other pool may have been reset too, or be busy: what this
-            # pool's keys meant to it goes either way.
+            # what these keys meant to the other pool goes, reset or not
             events.append(KeysLeftCache(self.side, keys))
         logger.info("Prefix cache of the %s pool reset", self.side.value)
         return True
@@ -345,20 +318,19 @@ class ArenaBlockPool(BlockPool):
     # -- boundary moves ------------------------------------------------------
 
     def can_move(self, block: KVCacheBlock) -> bool:
-        """Whether a live block may change its id (:meth:`swap_ids`): not the
-        null block, and no reader of its bytes waits for its reuse by id."""
+        """Whether a live block may change its id (:meth:`swap_ids`): no
+        reader of its bytes waits for its reuse by id."""
         return not block.is_null and block.block_id not in self._reuse_watchers
 
     def swap_ids(self, live: KVCacheBlock, free: KVCacheBlock) -> None:
-        """Swap the ids of ``live`` and a free block (:mod:`.moves`); ``free``
-        leaves the prefix cache and rejoins the free queue clean, the keys,
-        hits and metrics of ``live`` follow it without leaving the cache."""
+        """Swap the ids of ``live`` and a free block (:mod:`.moves`): ``free``
+        rejoins the queue clean; the keys, hits and metrics of ``live``
+        follow it without leaving the cache."""
         assert live.ref_cnt > 0 and free.ref_cnt == 0
         self.free_block_queue.remove(free)
         self._maybe_evict_cached_block(free)
         old, new, num_tokens = live.block_id, free.block_id, live.block_hash_num_tokens
-        # the keys move with the block: the events of their removal and
-        # insertion are dropped
+        # the keys move with the block: their events are dropped
         recorded = len(self.cache_events) if self.cache_events is not None else 0
         keys = self._remove_cached_block_hashes(live)
         self.blocks[old], self.blocks[new] = free, live
@@ -373,71 +345,45 @@ class ArenaBlockPool(BlockPool):
             collector.block_metrics[new] = collector.block_metrics.pop(old)
         self.free_block_queue.append_n([free])
 
-    def resize(self, owned_ids: range) -> None:
+    def resize(
+        self, owned_ids: range, settle: Callable[[], None] | None = None
+    ) -> None:
         """Own ``owned_ids`` from now on (a boundary move).
 
-        Ids leaving must be free; their cached entries are evicted (with the
-        usual ``BlockRemoved`` events), their clean blocks leave at once.
-        Ids arriving come from the other pool and must be clean from this
-        pool's view; they join as clean blocks. Three steps (:meth:`leaving`,
-        :meth:`release_clean` and :meth:`release` of each cached one,
-        :meth:`take_over`), which the boundary drives itself when the caches
-        are coupled, so the coupling handles what one leaving block's
-        eviction made dead before the next one's.
+        Ids leaving must be free; whoever reads one until its reuse is told.
+        Clean ones leave at once; cached ones leave the prefix cache one at a
+        time (upstream's ``BlockRemoved`` events), each followed by
+        ``settle``, so that the coupling handles what one eviction made dead
+        before the next block leaves. Ids arriving come from the other pool,
+        clean from this pool's view, and join the free queue.
         """
-        leaving = self.leaving(owned_ids)
-        cached = [b for b in leaving if self.is_cached(b)]
-        self.release_clean([b for b in leaving if not self.is_cached(b)])
-        for block in cached:
-            self.release(block)
-        self.take_over(owned_ids)
-
-    def leaving(self, owned_ids: range) -> list[KVCacheBlock]:
-        """The blocks a move to ``owned_ids`` takes from this pool; whoever
-        reads one until its reuse is told now."""
-        blocks = self.blocks
+        blocks, queue = self.blocks, self.free_block_queue
         leaving = [blocks[i] for r in _minus(self._owned_ids, owned_ids) for i in r]
         if self._reuse_watchers:
             self._notify_reuse(leaving)
-        return leaving
-
-    def release(self, block: KVCacheBlock) -> None:
-        """A leaving block (:meth:`leaving`) out of the prefix cache and the
-        free queue."""
-        assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-        self._maybe_evict_cached_block(block)
-        self.free_block_queue.remove(block)
-
-    def is_cached(self, block: KVCacheBlock) -> bool:
-        """Whether ``block`` holds a prefix-cache key."""
-        return (
-            block.block_hash is not None
-            or block.block_id in self.cached_block_hashes_by_block
-        )
-
-    def release_clean(self, blocks: list[KVCacheBlock]) -> None:
-        """Leaving blocks that hold no prefix-cache key, out of the free
-        queue at once (nothing to evict, no event)."""
-        for block in blocks:
+        clean: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
+        for block in leaving:
             assert block.ref_cnt == 0, f"block {block.block_id} is in use"
-        self.free_block_queue.remove_clean(blocks)
-
-    def take_over(self, owned_ids: range) -> None:
-        """Own ``owned_ids``, the leaving blocks released: the arriving ones
-        join the free queue as clean blocks."""
-        blocks = self.blocks
+            keyed = block.block_id in self.cached_block_hashes_by_block
+            (cached if keyed or block.block_hash is not None else clean).append(block)
+        queue.remove_clean(clean)
+        for block in cached:
+            self._maybe_evict_cached_block(block)
+            queue.remove(block)
+            if settle is not None:
+                settle()
         arriving = [blocks[i] for r in _minus(owned_ids, self._owned_ids) for i in r]
         for block in arriving:
             assert block.ref_cnt == 0 and block.block_hash is None
         self._owned_ids = owned_ids
-        self.free_block_queue.append_n(arriving)
-        self.free_block_queue.hold_clean_from(self._held_from())
+        queue.append_n(arriving)
+        queue.hold_clean_from(self._held_from())
 
 
 def _minus(ids: range, other: range) -> tuple[range, ...]:
-    """The ids of ``ids`` not in ``other``, as at most two ranges (both are
-    contiguous, step 1): a boundary move touches only the ids it moves, not
-    every id a pool owns."""
+    """The ids of ``ids`` not in ``other``, as at most two ranges, so that a
+    boundary move touches only the ids it moves."""
     if not other or other.stop <= ids.start or other.start >= ids.stop:
         return (ids,)
     below = range(ids.start, min(other.start, ids.stop))

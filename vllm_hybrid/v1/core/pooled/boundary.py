@@ -1,20 +1,17 @@
 """The boundary between the arena's token and state pools: where it starts,
 how far and when it moves, and how a request's blocks are served.
 
-- It starts with room for ``max_num_seqs`` requests' states in the state
-  pool, at most half the arena (:func:`plan_arena_layout`); the token pool
-  keeps :data:`MIN_TOKEN_BLOCKS` and the state pool one lone request's
-  blocks whatever happens (:class:`~.spec.ArenaLayout`'s floors).
-- It moves on demand, by the smallest whole number of state blocks that
-  covers a pool's deficit, and by recency: a pool that would evict an entry
-  takes the other pool's blocks next to the boundary when the other pool's
-  oldest entry is older (:meth:`ArenaBoundary._recency_target`). The ids
-  that change pools must be free and not about to be reused by a prefix
-  hit; where only live token blocks stand in the state pool's way, they
-  move to free ones first (:mod:`.moves`). All or nothing.
-- :meth:`ArenaBoundary.plan` decides without changing anything, trying the
-  ways of :data:`~.policy.eviction.ADMISSION`; :meth:`ArenaBoundary.carry_out`
-  moves.
+- It starts with room for ``max_num_seqs`` requests' states, at most half
+  the arena; the token pool keeps :data:`MIN_TOKEN_BLOCKS` and the state
+  pool one lone request's blocks whatever happens (the layout's floors).
+- It moves on demand, by the fewest state blocks that cover a pool's
+  deficit, and by recency: a pool that would evict an entry takes the other
+  pool's blocks next to the boundary when the other pool's oldest entry is
+  older. The ids that change pools must be free and not about to serve a
+  prefix hit; live token blocks alone in the state pool's way move to free
+  ones first (:mod:`.moves`). All or nothing.
+- :meth:`ArenaBoundary.plan` decides without changing anything;
+  :meth:`ArenaBoundary.carry_out` moves.
 
 A live block next to the boundary pins it until its request ends; blocks
 next to it are handed out last (:mod:`.policy.eviction`), so that needs the
@@ -31,10 +28,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
-from vllm_hybrid.v1.core.pooled.coupling import (
-    PrefixCacheCoupling,
-    resize_settled,
-)
+from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.moves import TokenMoves, move_live_blocks, plan_moves
 from vllm_hybrid.v1.core.pooled.policy.eviction import (
@@ -67,13 +61,9 @@ def plan_arena_layout(
     null_blocks_overlap: bool,
     state_blocks: int,
 ) -> ArenaLayout | None:
-    """The arena geometry with the boundary after ``state_blocks`` state
-    blocks, or None when the floors do not fit at all.
-
-    The wished boundary is only a wish: if it violates a floor, the boundary
-    that leaves the state pool exactly its floor (``lone_state_blocks``) is
-    used instead.
-    """
+    """The arena geometry with ``state_blocks`` state blocks, or else the
+    state pool at its floor (``lone_state_blocks``); None when the floors do
+    not fit at all."""
     arena, sb = arena_bytes, state_block_bytes
     offset = arena % sb if null_blocks_overlap else 0
     wished = arena - state_blocks * sb
@@ -100,9 +90,8 @@ def max_token_blocks(layout: ArenaLayout) -> int:
 
 
 class BoundaryPlan(NamedTuple):
-    """How the arena serves one allocation, decided without changing
-    anything (:meth:`ArenaBoundary.plan`) and carried out later, once
-    (:meth:`ArenaBoundary.carry_out`). A tuple: one is made per allocation."""
+    """How the boundary serves one allocation, planned without changing
+    anything and carried out once (a tuple: one is made per allocation)."""
 
     #: the state floor after the allocation (the current one: no move)
     target: int
@@ -115,9 +104,8 @@ class BoundaryPlan(NamedTuple):
 
 
 class ArenaBoundary:
-    """The boundary of one arena: its position, its moves and admission
-    (module docstring). The pools own the blocks; only this class changes
-    which ids each pool owns (:meth:`ArenaBlockPool.resize`)."""
+    """The boundary of one arena (module docstring): the only owner of which
+    ids each pool owns."""
 
     def __init__(
         self,
@@ -135,8 +123,8 @@ class ArenaBoundary:
         )
         #: handles the prefix-cache events of each resize (set by the arena)
         self.coupling: PrefixCacheCoupling | None = None
-        #: the live token blocks moved out of the state pool's way (None:
-        #: none may move; the scheduler turns moves on, :meth:`allow_moves`)
+        #: live token blocks moved out of the state pool's way (None: none
+        #: may move until the scheduler calls :meth:`allow_moves`)
         self.moves: TokenMoves | None = None
 
     def allow_moves(self) -> TokenMoves:
@@ -158,17 +146,6 @@ class ArenaBoundary:
         """First byte of the state pool; the token pool ends at or below it."""
         return self.layout.boundary_at(self._state_floor)
 
-    @property
-    def token_limit(self) -> int:
-        return self.layout.token_limit_at(self._state_floor)
-
-    def can_allocate(
-        self, need_token: int, need_state: int, keep: Iterable[KVCacheBlock] = ()
-    ) -> bool:
-        """Whether both pools can hand out that many blocks, counting at most
-        one boundary move. Changes nothing."""
-        return self._plan(need_token, need_state, keep, Reach.ANY) is not None
-
     def plan(
         self,
         need_token: int,
@@ -178,13 +155,11 @@ class ArenaBoundary:
     ) -> BoundaryPlan | None:
         """How both pools can hand out a request's new blocks, trying the ways
         of :data:`~.policy.eviction.ADMISSION` in order; None when none can.
-        Changes nothing.
 
-        ``keep`` are free cached blocks about to be reused (prefix hits not
-        yet touched): a move must not evict them or hand their bytes over.
-        ``in_place`` state blocks of the request may be advanced in place
-        instead (0: it may not). A need beyond the state pool's id space is
-        upstream's way of deferring a prefix hit: refused.
+        ``keep``: free cached blocks about to serve a prefix hit, which a
+        move must not evict or hand over. ``in_place``: state blocks of the
+        request that may advance in place instead. A need beyond the state
+        pool's id space is upstream's way of deferring a prefix hit: refused.
         """
         if (
             need_token <= self.token_pool.free_block_queue.num_clean_first()
@@ -215,22 +190,6 @@ class ArenaBoundary:
         if plan.target != self._state_floor:
             self._move_to(plan.target)
 
-    def ensure(
-        self,
-        need_token: int,
-        need_state: int,
-        keep: Sequence[KVCacheBlock] = (),
-        reach: Reach = Reach.ANY,
-    ) -> bool:
-        """Make both pools have at least that many free blocks within
-        ``reach``, moving the boundary if needed; all-or-nothing, returns
-        whether it succeeded (:meth:`plan` and :meth:`carry_out` of one way)."""
-        found = self._plan(need_token, need_state, keep, reach)
-        if found is None:
-            return False
-        self.carry_out(found)
-        return True
-
     # -- the move rule ------------------------------------------------------
 
     def _plan(
@@ -240,10 +199,9 @@ class ArenaBoundary:
         keep: Sequence[KVCacheBlock],
         reach: Reach,
     ) -> BoundaryPlan | None:
-        """A plan that satisfies both needs, or None if none does. Blocks
-        ``reach`` spares count as neither free nor movable. Where token moves
-        are allowed, live token blocks alone in the state pool's way are
-        planned to move elsewhere (:func:`~.moves.plan_moves`)."""
+        """A plan that satisfies both needs within ``reach``, or None. Where
+        token moves are allowed, live token blocks alone in the state pool's
+        way are planned to move (:func:`~.moves.plan_moves`)."""
         token, state = self.token_pool, self.state_pool
         free_token = token.get_num_free_within(reach)
         free_state = state.get_num_free_within(reach)
@@ -305,19 +263,15 @@ class ArenaBoundary:
 
         A pool whose need would evict a cached entry filed in LRU order (its
         *victim*) takes the other pool's free blocks next to the boundary
-        instead, when the other pool's own next LRU victim is older than this
-        one's (or it has none), and the other pool keeps enough free blocks
-        for its own need. The state pool grows only into token blocks that
-        are clean or were filed before its victim, leaving free in the token
-        pool :data:`~.policy.eviction.SPLIT_TOKEN_RESERVE` of the blocks it had at
-        the planned boundary: one state block takes hundreds of token
-        blocks, parts of many cached prefixes, and running requests grow
-        into clean ones. The token pool takes the state blocks next to the
-        boundary whatever their age: the state pool hands out the blocks
-        farthest from the boundary first, so those next to it were often
-        filed recently, and one of them is one entry, traded for the staler
-        pool's; it leaves a state entry that saves more recomputation per
-        byte than attention KV (:func:`~.policy.eviction.worth_more_than_attention`).
+        instead, when the other pool's next victim is older (or it has none)
+        and the other pool keeps enough for its own need. The state pool
+        grows only into token blocks clean or filed before its victim, and
+        leaves the token pool :data:`~.policy.eviction.SPLIT_TOKEN_RESERVE`
+        of its planned blocks: one state block takes hundreds of token
+        blocks, parts of many cached prefixes. The token pool takes state
+        blocks whatever their age (the state pool hands out those far from
+        the boundary first, so the ones next to it are often recent; each is
+        one entry), but not one worth more per byte than attention KV.
         """
         layout = self.layout
         token, state = self.token_pool, self.state_pool
@@ -349,8 +303,7 @@ class ArenaBoundary:
         return None
 
     def _kept(self, keep: Iterable[KVCacheBlock], reach: Reach) -> set[tuple[int, int]]:
-        """(pool, id) of the blocks a move must leave alone; built only when
-        a plan moves the boundary (most plans need no move)."""
+        """(pool, id) of the blocks a move must leave alone."""
         kept = {(id(block.pool), block.block_id) for block in keep}
         for pool in (self.token_pool, self.state_pool):
             kept |= {(id(pool), i) for i in pool.free_block_queue.spared_ids(reach)}
@@ -366,16 +319,17 @@ class ArenaBoundary:
         old_token, old_state = self.token_pool.owned_ids, self.state_pool.owned_ids
         new_token = self.layout.token_ids_at(target)
         new_state = self.layout.state_ids_at(target)
+        settle = None if self.coupling is None else self.coupling.settle
         if target > self._state_floor:
             grown = PoolKind.TOKEN
             gained = range(max(old_token.stop, new_token.start), new_token.stop)
-            resize_settled(self.state_pool, new_state, self.coupling)
-            resize_settled(self.token_pool, new_token, self.coupling)
+            self.state_pool.resize(new_state, settle)
+            self.token_pool.resize(new_token, settle)
         else:
             grown = PoolKind.STATE
             gained = range(new_state.start, old_state.start)
-            resize_settled(self.token_pool, new_token, self.coupling)
-            resize_settled(self.state_pool, new_state, self.coupling)
+            self.token_pool.resize(new_token, settle)
+            self.state_pool.resize(new_state, settle)
         self._state_floor = target
         logger.debug(
             "Arena boundary %d -> %d B: %s pool +%d blocks (token %d, state %d)",
@@ -389,9 +343,8 @@ class ArenaBoundary:
 
 
 def _lru_victim(queue: ArenaFreeBlockQueue, need: int) -> tuple[int, int] | None:
-    """(free blocks handed out before any LRU-filed entry, that entry's
-    filing tick) when a need of ``need`` blocks would evict such an entry,
-    else None. O(need) when it would not."""
+    """(free blocks handed out before any LRU-filed entry, its filing tick)
+    when a need of ``need`` blocks would evict such an entry, else None."""
     if not need:
         return None
     cheap = queue.num_free_before_lru(need)
@@ -414,10 +367,8 @@ def _movable(
     filed_before: int | None = None,
 ) -> bool:
     """Whether every block of ``pool`` at ``ids`` is free, unprotected, not
-    about to be reused (``keep``) and, where the pool weighs its entries
-    (:meth:`ArenaBlockPool.weigh_entries`), worth no more per byte than
-    attention KV; with ``filed_before``, also clean or filed before that
-    tick."""
+    in ``keep``, worth no more per byte than attention KV and, with
+    ``filed_before``, clean or filed before that tick."""
     queue, blocks = pool.free_block_queue, pool.blocks
     kept = {block.block_id for block in keep if block.pool is pool}
     for i in ids:

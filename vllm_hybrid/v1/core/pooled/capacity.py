@@ -1,7 +1,7 @@
-"""Every capacity figure of a KV cache plan, of pooled mode's arena and of
-upstream's single shared pool alike, computed here once so that the engine,
-the CUDA-graph sizing and ``vllm-hybrid plan`` cannot disagree. It sits in
-``pooled/`` because that is the lowest package all its readers may import.
+"""Every capacity figure of a KV cache plan, pooled or upstream's single
+shared pool, computed once so that the engine, the CUDA-graph sizing and
+``vllm-hybrid plan`` cannot disagree (in ``pooled/``: the lowest package all
+its readers may import).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ def max_state_blocks_per_request(spec: MambaSpec) -> int:
 
 
 def min_state_blocks_per_request(spec: MambaSpec) -> int:
-    """State blocks a lone request can run on: in align mode a request
-    short of memory crosses an edge in the block it owns, so the copy target
-    is not needed. The state pool's floor and a CUDA graph row's need;
-    concurrency keeps :func:`max_state_blocks_per_request`."""
+    """State blocks a lone request can run on (the state pool's floor): in
+    align mode a request short of memory crosses an edge in the block it
+    owns, so the copy target is not needed."""
     if spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0:
         return 1 + spec.num_prefill_checkpoint_blocks
     return max_state_blocks_per_request(spec)
@@ -144,8 +143,7 @@ class StateRoom:
 
     def bytes_for(self, requests: int) -> int | None:
         """KV cache bytes that hold ``requests`` requests' states (None:
-        sizes unknown); exact for the arena, whose added state blocks leave
-        the null region and the lowest state floor where they are."""
+        sizes unknown)."""
         if self.arena_bytes is None or self.state_block_bytes is None:
             return None
         missing = requests * self.blocks_per_request - self.state_blocks
@@ -169,7 +167,7 @@ def pooled_state_room(config: PooledKVCacheConfig) -> StateRoom:
 
 def shared_pool_state_room(config: KVCacheConfig) -> StateRoom:
     """Upstream's shared pool: ``num_blocks`` state blocks, one per running
-    request at least; tensor sizes, where present, only add byte figures."""
+    request at least."""
     sizes = [t.size for t in getattr(config, "kv_cache_tensors", None) or ()]
     size = max(sizes) if sizes else None
     return StateRoom(
@@ -187,8 +185,7 @@ def _per_block(size: int, config: KVCacheConfig) -> int:
 
 def shared_block_bytes(config: KVCacheConfig) -> int:
     """Bytes one block id of upstream's shared pool stands for: its groups
-    overlay one backing allocation and an id belongs to one group at a time,
-    so the buffer over the block count. ValueError for several allocations."""
+    overlay one backing allocation, an id belonging to one at a time."""
     sizes = {tensor.size for tensor in config.kv_cache_tensors}
     if len(sizes) != 1:
         raise ValueError(

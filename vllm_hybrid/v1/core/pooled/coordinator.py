@@ -3,10 +3,8 @@
 Upstream's coordinators build one ``BlockPool`` and hand it to every group's
 manager. The pooled coordinators let upstream build everything, then bind each
 manager to the pool of its page kind from a :class:`KVArena`, and admit
-requests across both pools: :meth:`PooledCoordinatorMixin.admit` decides, as
-a value (:mod:`.admission`), and :meth:`PooledCoordinatorMixin.allocate`
-carries the decision out. Upstream's count (``get_num_blocks_to_allocate``)
-asks the same question and changes nothing.
+requests across both pools: :meth:`PooledCoordinatorMixin.admit` decides
+(:mod:`.admission`) and :meth:`PooledCoordinatorMixin.allocate` carries out.
 
 ``KVCacheManager`` keeps reading ``coordinator.block_pool``; it is the token
 pool, so usage, watermark and "free blocks" keep their upstream meaning for
@@ -123,10 +121,9 @@ class PooledCoordinatorMixin:
         prefill_end: int = 0,
         reserve: int = 0,
     ) -> Admission | None:
-        """How the arena serves the request's next allocation (the arguments
-        of upstream's ``get_num_blocks_to_allocate``; ``reserve``: token
-        blocks to keep free beyond a waiting request's own); None when it
-        cannot. Changes nothing."""
+        """How the arena serves the request's next allocation (upstream's
+        ``get_num_blocks_to_allocate`` arguments, and the ``reserve`` of
+        token blocks a waiting request leaves free); None when it cannot."""
         if self.retention_interval != 0:
             prefill_end = 0
         needs = [
@@ -159,10 +156,9 @@ class PooledCoordinatorMixin:
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        """Token-pool blocks the allocation takes from those free now, after
-        the arena made room (:meth:`admit`); one more than are free when it
-        cannot serve the request, so that upstream's "cannot allocate" path
-        runs. Changes nothing."""
+        """Token-pool blocks the allocation takes from those free now
+        (:meth:`admit`); one more than are free when it cannot serve the
+        request, so that upstream's "cannot allocate" path runs."""
         admission = self.admit(
             request_id,
             num_tokens,
@@ -186,10 +182,9 @@ class PooledCoordinatorMixin:
         num_tokens_main_model: int,
         num_encoder_tokens: int = 0,
     ) -> tuple[list[KVCacheBlock], ...]:
-        """Carry out ``admission`` (the boundary's move, then upstream's
-        allocation); a state group that advances in place allocates from an
-        :class:`InPlaceView` of its pool, which hands back the running
-        block."""
+        """Carry out ``admission``: the boundary's move, then upstream's
+        allocation, through an :class:`InPlaceView` for a state group that
+        advances in place."""
         self.arena.boundary.carry_out(admission.boundary)
         if admission.way is not None:
             self.short_memory_counts[admission.way.value] += 1
@@ -214,12 +209,10 @@ class PooledCoordinatorMixin:
 
 
 class InPlaceView:
-    """The state pool as one manager's allocation sees it when admission
-    reserved the request's running block to advance in place: the
-    coordinator points ``manager.block_pool`` at this view for that call, so
-    the block travels down as a value. A one-block allocation (align mode's
-    at a state block edge) returns the running block
-    (:meth:`ArenaBlockPool.advance_in_place`); anything else is the pool's.
+    """The state pool as one manager's allocation sees it when its request
+    advances in place: a one-block allocation returns the running block
+    (:meth:`ArenaBlockPool.advance_in_place`), so the block travels down as
+    a value; anything else is the pool's.
     """
 
     def __init__(self, pool: ArenaBlockPool, block: KVCacheBlock) -> None:
@@ -236,9 +229,8 @@ class InPlaceView:
 
 
 def arena_of(kv_cache_manager: KVCacheManager) -> KVArena | None:
-    """The arena behind a scheduler's KV cache manager (kept by the pooled
-    coordinators); None with upstream's coordinators. The one way the
-    scheduler's stats step and the benchmarks reach it."""
+    """The arena behind a scheduler's KV cache manager; None with
+    upstream's coordinators."""
     return getattr(kv_cache_manager.coordinator, "arena", None)
 
 

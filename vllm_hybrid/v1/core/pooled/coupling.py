@@ -3,17 +3,15 @@
 A hit at ``N`` tokens needs every full-attention block of those tokens
 (token pool) and a state checkpoint at exactly ``N`` (state pool); each pool
 evicts by its own order, so without coordination one keeps entries the other
-made useless. :class:`PrefixCacheCoupling` keeps :class:`~.links.
-CheckpointLinks` up to date from the pools' events and evicts the free
-blocks that are dead: a token block no cached checkpoint needs (the tail of
-a finished request past its last checkpoint included), a checkpoint whose
-attention prefix has left the cache. Blocks in use wait until freed; an
-entry that can still serve a hit is never evicted, so hits never drop.
+made useless. :class:`PrefixCacheCoupling` keeps the links up to date from
+the pools' events and evicts the free blocks that are dead: a token block no
+cached checkpoint needs, a checkpoint whose attention prefix left the cache.
+An entry that can still serve a hit is never evicted, so hits never drop.
 
 Everything above the pools holds them through a :class:`PoolHandle`, which
 has the coupling handle an operation's events as soon as it returns;
-operations that evict several blocks are driven a block at a time, so the
-same blocks are evicted as if each event were handled when it happened.
+operations that evict several blocks are driven a block at a time, as if
+each event were handled when it happened.
 """
 
 from __future__ import annotations
@@ -71,11 +69,9 @@ class PrefixCacheCoupling:
     # -- events from the pools ----------------------------------------------
 
     def settle(self, request: Request | None = None) -> None:
-        """Handle the events the pools recorded since the last call, in the
-        order they happened; ``request``: the one whose blocks were being
-        cached, if that is what recorded them. An eviction of the coupling's
-        own records events too; they are handled right after it, before the
-        next event (the order of handling them as they happened)."""
+        """Handle the events the pools recorded since the last call, in order
+        (``request``: the one being cached, if caching recorded them). The
+        coupling's own evictions record events too, handled right after."""
         pending = self.pending
         if not pending:
             return
@@ -97,8 +93,8 @@ class PrefixCacheCoupling:
         request: Request | None,
         num_tokens: int,
     ) -> None:
-        """A pool cached ``key`` for the first ``num_tokens`` tokens of
-        ``request``; a state checkpoint gets linked to its attention prefix."""
+        """A state checkpoint cached for ``num_tokens`` tokens of ``request``
+        gets linked to its attention prefix."""
         if kind is not PoolKind.STATE or self.links.is_linked(key):
             return
         assert request is not None, "a key cached outside cache_full_blocks"
@@ -130,8 +126,7 @@ class PrefixCacheCoupling:
         """Evict the free ones among ``blocks`` of pool ``kind`` that are dead."""
         pool = self.pools[kind]
         if kind is PoolKind.TOKEN:
-            # no checkpoint needs a dead token block's key, so its eviction
-            # makes nothing else dead: every one goes, then one settle
+            # a dead token block's eviction makes nothing else dead
             dead = [
                 block
                 for block in blocks
@@ -170,20 +165,6 @@ class PrefixCacheCoupling:
         size = links.token_groups[get_group_id(key)]
         return (block.block_hash_num_tokens or 0) % size == 0
 
-    def check(self) -> None:
-        """Raise AssertionError if links, caches and free queues disagree,
-        or an event was left unhandled (a pool called around its handle)."""
-        if self.pending:
-            raise AssertionError(f"unhandled prefix-cache events: {self.pending}")
-        token, state = self.pools[PoolKind.TOKEN], self.pools[PoolKind.STATE]
-        self.links.check(state.cached_keys(), set(token.cached_keys()))
-        for kind, pool in self.pools.items():
-            for i in pool.free_block_queue.cached_ids():
-                if self.is_dead(kind, pool.blocks[i]):
-                    raise AssertionError(
-                        f"{kind.value}: dead block {i} kept in the prefix cache"
-                    )
-
     def _evict_dead_keys(
         self, kind: PoolKind, keys: list[BlockHashWithGroupId]
     ) -> None:
@@ -191,25 +172,6 @@ class PrefixCacheCoupling:
             return  # the common case: a key nothing depended on
         pool = self.pools[kind]
         self.evict_dead(kind, (b for k in keys for b in pool.blocks_with(k)))
-
-
-def resize_settled(
-    pool: ArenaBlockPool, owned_ids: range, coupling: PrefixCacheCoupling | None
-) -> None:
-    """Resize ``pool`` step by step (:meth:`ArenaBlockPool.resize`): the
-    coupling, if any, handles what each leaving block's eviction made dead
-    before the next block leaves."""
-    if coupling is None:
-        pool.resize(owned_ids)
-        return
-    leaving = pool.leaving(owned_ids)
-    cached = [b for b in leaving if pool.is_cached(b)]
-    # clean blocks leave no prefix-cache entry behind: at once, no events
-    pool.release_clean([b for b in leaving if not pool.is_cached(b)])
-    for block in cached:
-        pool.release(block)
-        coupling.settle()
-    pool.take_over(owned_ids)
 
 
 #: Attributes of a :class:`PoolHandle` itself; every other one is the pool's.
@@ -222,16 +184,14 @@ _COPIED = ("get_cached_block", "touch", "get_num_free_blocks", "null_block")
 
 
 class PoolHandle:
-    """One arena pool as everything above the pool layer holds it: upstream's
-    managers and ``KVCacheManager``, the coordinator, retention, tests.
+    """One arena pool as everything above the pool layer holds it.
 
     Upstream's managers call the pools directly, so no layer above sees an
     operation end; the handle stands where they look for the pool. Each
     operation that can record prefix-cache events is the pool's, followed by
-    :meth:`PrefixCacheCoupling.settle` (once the arena couples the pools);
-    everything else is the pool's own attribute, read or set through the
-    handle. Blocks keep naming the pool itself (``KVCacheBlock.pool``), which
-    is what upstream's ``free_blocks`` routes by.
+    :meth:`PrefixCacheCoupling.settle`; every other attribute is the pool's,
+    read or set through the handle. Blocks keep naming the pool itself,
+    which upstream's ``free_blocks`` routes by.
     """
 
     pool: ArenaBlockPool
@@ -264,9 +224,8 @@ class PoolHandle:
     # -- operations that record events ------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """The pool's allocation, step by step: every block is taken off the
-        free queue first, then each leaves the prefix cache and the coupling
-        handles what that made dead before the next one does."""
+        """The pool's allocation, settled after each block leaves the
+        prefix cache."""
         pool = self.pool
         blocks = pool.take_free(num_blocks)
         for block in blocks:
@@ -292,8 +251,7 @@ class PoolHandle:
         return key
 
     def evict_blocks(self, block_ids: set[int]) -> None:
-        """Upstream's eviction by id, one id at a time: the coupling handles
-        what each eviction made dead before the next, as it always did."""
+        """Upstream's eviction by id, settled after each id."""
         for block_id in block_ids:
             self.pool.evict_blocks({block_id})
             self._settle()
@@ -313,10 +271,6 @@ class PoolHandle:
         blocks = self.pool.advance_in_place(block)
         self._settle()
         return blocks
-
-    def resize(self, owned_ids: range) -> None:
-        """The pool's resize step by step, as the boundary drives it."""
-        resize_settled(self.pool, owned_ids, self.coupling)
 
     def reset_prefix_cache(self) -> bool:
         reset = self.pool.reset_prefix_cache()

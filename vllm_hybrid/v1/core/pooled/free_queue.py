@@ -29,24 +29,15 @@ from vllm_hybrid.v1.core.pooled.policy.eviction import (
 class ArenaFreeBlockQueue:
     """Free blocks of one arena pool, in the order of :mod:`.policy.eviction`.
 
-    Same interface as upstream's ``FreeKVCacheBlockQueue`` as ``BlockPool`` and
-    the simple KV offloader use it, different order: one segment per
-    :class:`~.policy.eviction.Segment`, handed out in ``HAND_OUT_ORDER`` (in
-    ``CLEARING_ORDER`` while :attr:`clearing`).
-
-    * each clean segment (the token pool's ids next to the boundary apart,
-      :meth:`hold_clean_from`) is a min-heap of ids (token side) or of
-      negated ids (state side) with lazy deletion, so every operation is
-      O(log n) amortised: farthest from the boundary first;
-    * each cached segment is an LRU list. Upstream's ``append_n`` puts blocks
-      at its tail and ``prepend_n`` at its head, in the given order; both are
-      kept. A pop takes, of the ``window`` oldest, the one the order of
-      :mod:`.policy.eviction` names (entries filed at the head before the rest).
-
-    A block is filed by :meth:`EvictionPolicy.segment_of` when it enters the
-    queue; :meth:`refile` moves it when its hash changes while free (eviction
-    by id, cache reset). The ``prev_free_block``/``next_free_block`` links of
-    blocks are not used.
+    Upstream's ``FreeKVCacheBlockQueue`` interface, as ``BlockPool`` and the
+    simple KV offloader use it, with one segment per
+    :class:`~.policy.eviction.Segment`. A clean segment is a heap of ids,
+    farthest from the boundary first; a cached one is an LRU list whose
+    ``append_n``/``prepend_n`` keep upstream's meaning, and a pop takes, of
+    the ``window`` oldest, the one the order names. A block is filed where
+    :meth:`EvictionPolicy.segment_of` says when it enters, and re-filed
+    (:meth:`refile`) when its hash changes while free. The blocks'
+    ``prev_free_block``/``next_free_block`` links are not used.
     """
 
     def __init__(
@@ -57,8 +48,7 @@ class ArenaFreeBlockQueue:
         clock: Iterator[int] | None = None,
     ) -> None:
         self.low_ids_first = low_ids_first
-        #: ticks when cached blocks are filed; an arena hands its two pools
-        #: one clock, so that their entries' ages compare
+        #: filing ticks; the arena's two pools share one, so ages compare
         self._clock = count() if clock is None else clock
         #: tick at which each cached free block was last filed
         self._filed_at: dict[int, int] = {}
@@ -149,9 +139,8 @@ class ArenaFreeBlockQueue:
 
     def num_free_before_lru(self, need: int) -> int:
         """Free blocks handed out before any cached block filed in LRU
-        order (clean ones, but those next to the boundary while
-        :attr:`clearing`, then those filed at the cached segment's head),
-        counted up to ``need``: O(need), called on every allocation."""
+        order (clean ones, then those filed at the cached segment's head),
+        counted up to ``need``: O(need), as it runs on every allocation."""
         found = sum(
             len(self._clean[s]) for s in self.order[: self.order.index(Segment.CACHED)]
         )
@@ -161,37 +150,27 @@ class ArenaFreeBlockQueue:
         return found + sum(1 for _ in islice(head, need - found))
 
     def oldest_lru_tick(self) -> int | None:
-        """Filing tick of the oldest cached block filed in LRU order (the
-        next entry an allocation past the clean and head-filed blocks
-        evicts), None if there is none. O(head-filed blocks)."""
+        """Filing tick of the next entry an allocation past the clean and
+        head-filed blocks evicts; None if there is none."""
         _, rest = self._split_front(self._lru[Segment.CACHED])
         oldest = next(rest, None)
         return None if oldest is None else self._filed_at[oldest]
 
     def filed_tick(self, block: KVCacheBlock) -> int | None:
         """Tick at which a free cached block was filed; None for a clean
-        one. For a block that is not free the answer means nothing (ticks of
-        blocks handed out are not dropped)."""
+        one (meaningless for a block in use: old ticks are not dropped)."""
         if any(c.get(block.block_id) is block for c in self._clean.values()):
             return None
         return self._filed_at[block.block_id]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
-        out: list[KVCacheBlock] = []
-        for segment in self.order:
-            if segment in CLEAN_SEGMENTS:
-                clean = self._clean[segment]
-                out += [clean[bid] for bid in clean.ids()]
-            else:
-                lru = self._lru[segment]
-                out += [lru[bid] for bid in self._ids_of(segment)]
-        return out
+        return [self._segment(s)[bid] for s in self.order for bid in self._ids_of(s)]
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
-        """Free blocks in hand-out order after ``cursor`` (from the start if
-        None; nothing if ``cursor`` is no longer free, like upstream's list).
-        O(n): only the simple KV offloader walks the queue this way."""
+        """Free blocks in hand-out order after ``cursor`` (all if None, none
+        if it is no longer free, like upstream's list); O(n), for the simple
+        KV offloader."""
         blocks = self.get_all_free_blocks()
         if cursor is None:
             yield from blocks
@@ -221,11 +200,7 @@ class ArenaFreeBlockQueue:
         holder = self._holder(block)
         if holder is None:
             raise RuntimeError(f"remove() of block {block.block_id}, which is not free")
-        del holder[block.block_id]
-        del self._where[block.block_id]
-        self._front.discard(block.block_id)
-        if isinstance(holder, _CleanBlocks):
-            holder.compact()  # its heap entry goes stale
+        self._unfile(block.block_id, holder)
 
     def remove_clean(self, blocks: list[KVCacheBlock]) -> None:
         """Remove clean free blocks, many at once (a boundary move)."""
@@ -262,21 +237,16 @@ class ArenaFreeBlockQueue:
     def refile(self, block: KVCacheBlock) -> None:
         """Re-file a free block whose hash changed; no-op if not free."""
         holder = self._holder(block)
-        if holder is None:
-            return
-        if isinstance(holder, _CleanBlocks) != (block.block_hash is None):
-            del holder[block.block_id]
-            del self._where[block.block_id]
-            self._front.discard(block.block_id)
-            if isinstance(holder, _CleanBlocks):
-                holder.compact()  # its heap entry goes stale
+        if holder is not None and (
+            isinstance(holder, _CleanBlocks) != (block.block_hash is None)
+        ):
+            self._unfile(block.block_id, holder)
             self._file(block, Place.TAIL)
 
     def hold_clean_from(self, start: int | None) -> None:
-        """Hand out clean blocks with ids from ``start`` on after the cached
-        ones (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none),
-        re-filing the clean blocks whose segment changes: O(ids between
-        the old and the new start), O(clean blocks) when turned on or off."""
+        """File clean blocks with ids from ``start`` on apart
+        (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none),
+        re-filing only those whose segment changes."""
         old, self.policy.held_from = self.policy.held_from, start
         if old == start:
             return
@@ -325,6 +295,13 @@ class ArenaFreeBlockQueue:
     def _holder(self, block: KVCacheBlock) -> dict[int, KVCacheBlock] | None:
         held = self._where.get(block.block_id)
         return held if held is not None and held.get(block.block_id) is block else None
+
+    def _unfile(self, bid: int, holder: dict[int, KVCacheBlock]) -> None:
+        del holder[bid]
+        del self._where[bid]
+        self._front.discard(bid)
+        if isinstance(holder, _CleanBlocks):
+            holder.compact()  # its heap entry goes stale
 
     def _file(self, block: KVCacheBlock, place: Place) -> None:
         segment = self.policy.segment_of(block)
@@ -391,7 +368,7 @@ def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
 
 class _CleanBlocks(dict[int, KVCacheBlock]):
     """Clean free blocks of one segment by id, with a min-heap of their
-    hand-out keys and lazy deletion: every operation O(log n) amortised."""
+    hand-out keys and lazy deletion."""
 
     def __init__(self, key: Callable[[int], int]) -> None:
         super().__init__()

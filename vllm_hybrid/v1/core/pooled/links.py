@@ -6,7 +6,7 @@ hashes are chained (docs/pooled-mode.md, "Coordinated eviction").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from vllm.v1.core.kv_cache_utils import (
@@ -44,11 +44,6 @@ class CheckpointLinks:
     #: checkpoint keys still cached whose attention prefix is incomplete
     broken: set[StateKey] = field(default_factory=set)
 
-    @property
-    def needs(self) -> dict[StateKey, tuple[TokenKey, ...]]:
-        """Every key each linked checkpoint needs (built on demand: checks)."""
-        return {s: self._prefix(tips) for s, tips in self.tips.items()}
-
     def is_linked(self, state_key: StateKey) -> bool:
         return state_key in self.tips
 
@@ -60,9 +55,9 @@ class CheckpointLinks:
         is_cached: Callable[[TokenKey], bool],
     ) -> None:
         """Record a newly cached checkpoint for the first ``num_tokens``
-        tokens of ``block_hashes``, or as broken when one of its full
-        attention blocks is not cached (``is_cached``; keys in the tree are).
-        Idempotent for a key already linked (duplicate blocks share one)."""
+        tokens of ``block_hashes``, or as broken when one of its attention
+        blocks is not cached (``is_cached``). A linked key is left alone
+        (duplicate blocks share one)."""
         if state_key in self.tips:
             return
         chains = self._chains(block_hashes, num_tokens)
@@ -110,34 +105,6 @@ class CheckpointLinks:
         """Whether the key belongs to a full-attention group (the only token
         groups a checkpoint's hit depends on block by block)."""
         return get_group_id(token_key) in self.token_groups
-
-    def check(self, state_keys: Iterable[StateKey], token_keys: set[TokenKey]) -> None:
-        """Raise AssertionError if the links disagree with the caches
-        (``state_keys``/``token_keys``: keys cached in each pool now)."""
-        cached_states = set(state_keys)
-        needs = self.needs
-        for state_key, needed in needs.items():
-            assert state_key in cached_states, "linked checkpoint not cached"
-            assert state_key not in self.broken, "checkpoint linked and broken"
-            for token_key in needed:
-                assert token_key in token_keys, "checkpoint needs an evicted block"
-        ends = {(t, s) for s, tips in self.tips.items() for t in tips}
-        for token_key, state_key in ends:
-            assert state_key in self.ends[token_key], "links asymmetric"
-        for token_key, users in self.ends.items():
-            assert users, "empty ends entry"
-            assert all((token_key, s) in ends for s in users), "asymmetric"
-        for token_key, kids in self.kids.items():
-            assert kids, "empty kids entry"
-            for kid in kids:
-                assert self.nodes[kid][0] == token_key, "tree asymmetric"
-        for token_key, (parent, _) in self.nodes.items():
-            assert token_key in self.ends or token_key in self.kids, "unneeded key"
-            if parent is not None:
-                assert token_key in self.kids[parent], "tree asymmetric"
-        needed = {token_key for keys in needs.values() for token_key in keys}
-        assert needed == set(self.nodes), "needed keys disagree"
-        assert self.broken <= cached_states, "broken key no longer cached"
 
     def _chains(
         self, block_hashes: Sequence[BlockHash], num_tokens: int
@@ -191,7 +158,7 @@ class CheckpointLinks:
         self, state_key: StateKey, skip: TokenKey | None = None
     ) -> list[TokenKey]:
         """Drop a checkpoint; returns the keys no longer needed (but
-        ``skip``), in :meth:`token_keys` order."""
+        ``skip``), each chain's first block first."""
         orphans: list[TokenKey] = []
         nodes, kids, ends = self.nodes, self.kids, self.ends
         for tip in self.tips.pop(state_key, ()):
@@ -218,14 +185,3 @@ class CheckpointLinks:
             gone.reverse()
             orphans.extend(gone)
         return orphans
-
-    def _prefix(self, tips: tuple[TokenKey, ...]) -> tuple[TokenKey, ...]:
-        keys: list[TokenKey] = []
-        for tip in tips:
-            chain: list[TokenKey] = []
-            token_key: TokenKey | None = tip
-            while token_key is not None:
-                chain.append(token_key)
-                token_key = self.nodes[token_key][0]
-            keys.extend(reversed(chain))
-        return tuple(keys)

@@ -1,14 +1,12 @@
 """Moving live token blocks out of the way of the state pool's growth.
 
-The state pool grows only over free token ids next to the boundary; a
-request admitted while the token pool was full may hold them until it ends.
-A move gives each live token block in the way the id of a free token block
-elsewhere (``ArenaBlockPool.swap_ids``): every holder keeps the block
-object, and its prefix-cache keys, hits and metrics follow the id. The
-workers copy each moved block's bytes and rename it in their block tables
-before the step runs (``vllm_hybrid.v1.worker.token_moves``); the scheduler
-hands them the step's moves, composed into one old-id to new-id mapping,
-on its output.
+The state pool grows only over free token ids next to the boundary, which a
+request admitted while the token pool was full may hold until it ends. A
+move gives each live token block in the way the id of a free one elsewhere
+(``ArenaBlockPool.swap_ids``); holders keep the block object. The workers
+copy the bytes and rename the block in their block tables before the step
+runs (``vllm_hybrid.v1.worker.token_moves``), from the step's moves composed
+into one old-id to new-id mapping on the scheduler's output.
 """
 
 from __future__ import annotations
@@ -31,11 +29,9 @@ MOVES_ATTRIBUTE = "hybrid_token_moves"
 class TokenMoves:
     """The token blocks moved since the workers last heard of moves.
 
-    ``pending`` maps the id a moved block had when the workers last saw it
-    to the id it has now: moves within one step compose (a block moved from
-    A to B and then from B to C is one move from A to C), so the workers
-    apply the mapping at once, every source read before any destination is
-    written.
+    Moves within one step compose (A to B, then B to C, is A to C), so the
+    workers apply the mapping at once, every source read before any
+    destination is written.
     """
 
     #: old id -> current id of every block moved since the last take
@@ -71,11 +67,9 @@ def plan_moves(
     pool: ArenaBlockPool, ids: range, kept: set[tuple[int, int]]
 ) -> tuple[tuple[KVCacheBlock, KVCacheBlock], ...] | None:
     """(live block, free destination) for every live block of ``pool`` at
-    ``ids``, so that all of them would be free; None when some are ``kept``,
-    none is live (a move would not help) or they cannot all move
-    (:func:`pair_with_free`). Changes nothing; the caller has checked that
-    the pool's free blocks outside ``ids`` cover its own need after the
-    moves."""
+    ``ids``; None when some are ``kept``, none is live or they cannot all
+    move. Changes nothing; the caller checked that the free blocks outside
+    ``ids`` cover the pool's need after the moves."""
     blocks = pool.blocks
     if any((id(pool), i) in kept for i in ids):
         return None
@@ -90,10 +84,9 @@ def pair_with_free(
     kept: set[tuple[int, int]],
 ) -> tuple[tuple[KVCacheBlock, KVCacheBlock], ...] | None:
     """Each of ``live`` paired with a free block of ``pool`` outside
-    ``avoid`` and not ``kept``, in the order the pool hands blocks out (clean
-    ones first, so that moves evict as few cached entries as an allocation
-    would); None when one may not move (``ArenaBlockPool.can_move``) or too
-    few are free there."""
+    ``avoid`` and not ``kept``, in hand-out order (clean first, so moves
+    evict as little as an allocation would); None when one may not move or
+    too few are free there."""
     if not all(pool.can_move(block) for block in live):
         return None
     found: list[KVCacheBlock] = []
@@ -112,10 +105,8 @@ def move_live_blocks(
     moves: TokenMoves,
     coupling: PrefixCacheCoupling | None = None,
 ) -> None:
-    """Carry out :func:`plan_moves`: each live block takes its destination's
-    id (``ArenaBlockPool.swap_ids``), recorded in ``moves``; the
-    ``coupling``, if any, handles what each destination's eviction made dead
-    before the next move."""
+    """Carry out :func:`plan_moves`, recorded in ``moves``; the
+    ``coupling``, if any, settles after each move."""
     for block, target in planned:
         old = block.block_id
         pool.swap_ids(block, target)
@@ -127,9 +118,8 @@ def move_live_blocks(
 def new_block_ids_follow(
     managers: Iterable[SingleTypeKVCacheManager],
 ) -> Callable[[int, int], None]:
-    """A listener (:attr:`TokenMoves.listeners`) that renames a moved block
-    in the ``managers``' lists of this step's new block ids, which upstream
-    keeps as plain ids for the workers to zero."""
+    """A listener that renames a moved block in the ``managers``' lists of
+    this step's new block ids (plain ids the workers zero)."""
     managers = list(managers)
 
     def rename(old: int, new: int) -> None:

@@ -1,20 +1,17 @@
 """Turn-end and prefill state checkpoints kept in the prefix cache.
 
-In align mode a request's state is copied into a fresh block at each state
-block edge it crosses, and upstream caches the block it leaves only at its
-prompt's replay boundaries and shared-prefix junctions. A chat follow-up's
-longest possible hit is the last edge the previous turn reached while
-decoding (the turn end), which upstream never keeps. This mixin keeps it:
-each request's latest decode checkpoint stays cached, the previous one is
-evicted when a later edge is cached (unless the retention interval keeps it
-or another request uses it), and once freed it is ranked as a turn end. It
-also notes the prefill checkpoints a chunk ended on, to rank them once the
-request moves past them.
+In align mode upstream caches a state only at a prompt's replay boundaries
+and shared-prefix junctions. A chat follow-up's longest possible hit is the
+last edge the previous turn reached while decoding (the turn end), which
+upstream never keeps. This mixin keeps each request's latest decode
+checkpoint cached, evicts the previous one when a later edge is cached
+(unless the retention interval keeps it or another request uses it), and
+ranks it as a turn end once freed. It also notes the prefill checkpoints a
+chunk ended on, to rank them once the request moves past them.
 
-Which positions are kept and how a freed checkpoint ranks are the policy's
-(:mod:`vllm_hybrid.v1.core.pooled.policy`); this mixin records what each
-request cached and ranks it once freed. docs/pooled-mode.md ("Turn-end
-checkpoints") has the design and its measurements.
+Which positions are kept and how they rank is the policy's
+(:mod:`vllm_hybrid.v1.core.pooled.policy`); docs/pooled-mode.md ("Turn-end
+checkpoints") has the design.
 """
 
 from __future__ import annotations
@@ -40,8 +37,8 @@ from vllm_hybrid.v1.core.pooled.policy.positions import (
     saved_tokens,
 )
 
-#: Whether each manager class is upstream's MambaManager (an ABC subclass,
-#: so ``isinstance`` is slow, and it is asked for every group at every step).
+#: Whether each manager class is a MambaManager (``isinstance`` on an ABC is
+#: slow, and this is asked for every group at every step).
 _IS_MAMBA: dict[type, bool] = {}
 
 
@@ -59,18 +56,15 @@ class DecodeCheckpoint:
     """A decode (or prefill) checkpoint a request cached in one state group."""
 
     block: KVCacheBlock
-    #: The block's cache key when it was cached; the block may have been
-    #: evicted and reused since.
+    #: The block's cache key when cached (it may have been reused since).
     block_hash: BlockHashWithGroupId | None
     #: Tokens the checkpoint covers (a state block edge).
     num_tokens: int
     #: Ranked as a turn end in its pool's eviction order once freed.
     ranked: bool = False
-    #: How a noted prefill or prompt checkpoint ranks once freed (decode
-    #: checkpoints: None, they rank as turn ends).
+    #: How a prefill or prompt checkpoint ranks once freed (None: turn end).
     entry: Entry | None = None
-    #: Tokens of recomputation a hit on it saves: past the previous
-    #: checkpoint its request kept, or the prefix hit it started from.
+    #: Tokens of recomputation a hit on it saves.
     saves: int | None = None
 
 
@@ -78,16 +72,14 @@ class DecodeCheckpoint:
 class TurnEndCounts:
     """What turn-end retention did, for benchmarks and tests."""
 
-    #: Decode checkpoints cached (one per state block edge crossed while
-    #: decoding, per state group).
+    #: Decode checkpoints cached (per state group).
     cached: int = 0
     #: Earlier decode checkpoints evicted when a later one was cached.
     superseded: int = 0
     #: Earlier decode checkpoints kept: another request used them, or the
     #: retention interval keeps their edge.
     kept: int = 0
-    #: Decode checkpoints ranked as turn ends in their pool's eviction order
-    #: once freed.
+    #: Decode checkpoints ranked as turn ends once freed.
     ranked_first: int = 0
     by_request: dict[str, dict[int, DecodeCheckpoint]] = field(default_factory=dict)
     #: Prefill checkpoints cached (per state group).
@@ -127,9 +119,9 @@ class TurnEndRetentionMixin:
     def _caching(
         self,
     ) -> tuple[tuple[int, SingleTypeKVCacheManager, bool, bool], ...]:
-        """(group id, manager, whether caching it does anything when it
-        filled no block, whether it is an align-mode state group) of each
-        caching group (the managers are fixed once built)."""
+        """(group id, manager, whether caching does anything without a
+        filled block, whether it is an align-mode state group) per caching
+        group."""
         return tuple(
             (group_id, manager, _works_unfilled(manager), _align_mode(manager))
             for group_id, manager in enumerate(self.single_type_managers)
@@ -144,8 +136,8 @@ class TurnEndRetentionMixin:
         num_external_computed_tokens: int,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> None:
-        """Upstream's, noting the prefix hit a (re)started request starts
-        from: what its first checkpoint saves is measured from there."""
+        """Upstream's, noting the prefix hit a request starts from, which its
+        first checkpoint's savings are measured from."""
         super().allocate_new_computed_blocks(
             request_id,
             new_computed_blocks,
@@ -165,9 +157,8 @@ class TurnEndRetentionMixin:
         )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Upstream's caching, with the decode position and the prefill
-        checkpoints as more reachable boundaries of align-mode state groups
-        (upstream's method itself when neither is kept)."""
+        """Upstream's caching, with the policy's decode and prefill
+        checkpoints as more boundaries of align-mode state groups."""
         self._requests[request.request_id] = request
         policy = self.checkpoint_policy
         if not policy.adds_positions:
@@ -188,9 +179,8 @@ class TurnEndRetentionMixin:
                 managers
             )
         if not _fills_a_block(managers, rid, cacheable):
-            # Most steps: no group filled a block since the last call, so
-            # upstream caches nothing new and no position the policy keeps
-            # was reached; only upstream's per-step work remains.
+            # Most steps: no group filled a block, so no kept position was
+            # reached; only upstream's per-step work remains.
             for group_id, manager, works, align in self._caching:
                 if works:
                     manager.cache_blocks(
@@ -248,10 +238,9 @@ class TurnEndRetentionMixin:
         num_tokens: int,
         positions: range,
     ) -> None:
-        """Note the prefill checkpoint (or the prompt's own checkpoint) a
-        chunk ending at ``num_tokens`` just cached (``positions``: the
-        request's prefill checkpoints in this group), with how the policy
-        ranks it, to rank it once its request moves past it."""
+        """Note the prefill (or prompt) checkpoint a chunk ending at
+        ``num_tokens`` just cached, to rank it once the request moves past
+        it (``positions``: the request's prefill checkpoints)."""
         entry = self.checkpoint_policy.prompt_entry(
             num_tokens, request.num_prompt_tokens, manager.block_size, positions
         )
@@ -278,11 +267,10 @@ class TurnEndRetentionMixin:
             counts.prefill_cached += 1
 
     def keeps_edge(self, request_id: str, edge: int, block: int) -> bool:
-        """Whether a request crossing the state block edge ``edge`` (tokens;
-        ``block``: the state block) must keep the state there in a block of
-        its own (:meth:`~vllm_hybrid.v1.core.pooled.policy.
-        CheckpointPolicy.keeps_edge`); an unknown request keeps it. False
-        lets the pooled coordinator cross the edge in place."""
+        """Whether a request crossing the state block edge ``edge`` must
+        keep the state there in a block of its own (the policy's
+        ``keeps_edge``; an unknown request keeps it). False lets the pooled
+        coordinator cross the edge in place."""
         request = self._requests.get(request_id)
         if request is None:
             return True
@@ -304,13 +292,9 @@ class TurnEndRetentionMixin:
         prompt_len: int,
     ) -> None:
         """Record the checkpoint cached for ``num_tokens``, if any, and evict
-        the request's previous decode checkpoint of this group.
-
-        Only edges past the prompt are decode checkpoints. While the first
-        output tokens are computed, the last full block is still the prompt's
-        own checkpoint (its replay boundary, which upstream keeps): it must
-        never be recorded here, or the next decode edge would evict it and a
-        resent prompt would lose its hit.
+        the request's previous decode checkpoint of this group. Only edges
+        past the prompt count: the prompt's own checkpoint must never be
+        superseded, or a resent prompt would lose its hit.
         """
         edge = decode_checkpoint_edge(num_tokens, manager.block_size, prompt_len)
         if edge is None:
@@ -380,14 +364,8 @@ class TurnEndRetentionMixin:
         return held
 
     def _rank_turn_ends(self, latest: dict[int, DecodeCheckpoint]) -> None:
-        """Rank freed decode checkpoints as turn ends in their pool's
-        eviction order, which evicts them before any other cached block.
-
-        Align mode frees the block of a decode edge (retires it) as soon as
-        the request has moved past it, and the last one when the request
-        ends; :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.PLACES` says where
-        a turn end goes then, and why.
-        """
+        """Rank freed decode checkpoints as turn ends (where they go is
+        :data:`~vllm_hybrid.v1.core.pooled.policy.eviction.PLACES`'s)."""
         for group_id, checkpoint in latest.items():
             block = checkpoint.block
             if (
@@ -410,10 +388,9 @@ class TurnEndRetentionMixin:
 
 
 def _works_unfilled(manager: SingleTypeKVCacheManager) -> bool:
-    """Whether upstream's ``cache_blocks`` of ``manager`` does anything for
-    a request that filled no new block: a full-attention group whose block is
-    the hash block returns at once; others (align mode's checkpoint tail,
-    partial blocks) may still cache."""
+    """Whether upstream's ``cache_blocks`` of ``manager`` may cache anything
+    for a request that filled no new block (not a full-attention group whose
+    block is the hash block)."""
     plain = type(manager) is FullAttentionManager
     return not (plain and manager.block_size == manager.block_pool.hash_block_size)
 
@@ -424,10 +401,8 @@ def _fills_a_block(
     cacheable: Sequence[int],
 ) -> bool:
     """Whether caching ``cacheable`` tokens per group reaches a block some
-    group has not cached yet for the request. When none does, upstream's
-    ``cache_blocks`` returns before it looks at any boundary, and every
-    position the checkpoint policy keeps lies on a block edge already
-    handled."""
+    group has not cached yet; if none does, every kept position lies on an
+    edge already handled."""
     for manager, num_tokens in zip(managers, cacheable, strict=True):
         if not manager.enable_caching:
             continue
@@ -440,15 +415,8 @@ def _fills_a_block(
 
 def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> None:
     """Take the cache key off a state block the request just advanced in
-    place, if caching gave it one.
-
-    A request that crosses an edge in place names its running block in the
-    column it leaves and in the one it enters (until upstream retires the
-    first). Caching the column it leaves would file the running block under
-    that edge's key while this step moves its content on: a later hit would
-    start from a state past the edge. The pooled coordinator advances in
-    place only where no policy keeps the edge (:meth:`keeps_edge`),
-    and short of memory where one does; either way the key goes.
+    place, if caching gave it one: the block's content moves on this step,
+    so a hit under the edge's key would start from a state past the edge.
     """
     blocks = manager.req_to_blocks.get(request_id)
     if not blocks or len(blocks) < 2:

@@ -112,7 +112,7 @@ class ArenaLayout:
     @property
     def null_region_bytes(self) -> int:
         """R: bytes ``[0, R)`` no owned block may use: both null blocks, or
-        with ``null_blocks_overlap`` the smaller one (both pools start at 1)."""
+        with ``null_blocks_overlap`` the smaller one."""
         return null_region_bytes(
             self.token_block_bytes, self.state_block_bytes, self.null_blocks_overlap
         )
@@ -124,9 +124,8 @@ class ArenaLayout:
 
     @property
     def state_offset(self) -> int:
-        """Byte where the state pool's view (its id 0) starts: with
-        overlapping null blocks aligned to the arena's top, so no tail
-        smaller than a state block is lost; else 0."""
+        """Byte where the state pool's id 0 starts: with overlapping null
+        blocks, aligned to the arena's top so that no tail is lost; else 0."""
         if self.null_blocks_overlap:
             return self.arena_bytes % self.state_block_bytes
         return 0
@@ -137,19 +136,8 @@ class ArenaLayout:
         clear = max(0, self.null_region_bytes - self.state_offset)
         return max(1, cdiv(clear, self.state_block_bytes))
 
-    @property
-    def reserved_token_ids(self) -> range:
-        """Token ids overlapping the null region, other than the null block."""
-        return range(1, self.first_token_id)
-
-    @property
-    def reserved_state_ids(self) -> range:
-        """State ids overlapping the null region, other than the null block."""
-        return range(1, self.first_state_id)
-
     def token_limit_at(self, state_floor: int) -> int:
-        """End (exclusive) of the token ids owned when the state pool starts at
-        ``state_floor``; may be below ``first_token_id`` (no token blocks)."""
+        """End (exclusive) of the token ids owned at ``state_floor``."""
         start = self.state_offset + state_floor * self.state_block_bytes
         return start // self.token_block_bytes
 
@@ -262,9 +250,9 @@ class PooledKVCacheConfig(KVCacheConfig):
         raise KeyError(f"no {kind} pool")
 
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
-        """Blocks of the pool whose view ``tensor`` is: every worker's
-        ``allocate_kv_cache`` shapes its views with it (upstream answers the
-        one ``num_blocks``). Logs the worker's arena once per process."""
+        """Blocks of the pool whose view ``tensor`` is, which every worker's
+        ``allocate_kv_cache`` shapes its views with (upstream's is the one
+        ``num_blocks``). Logs the worker's arena once per process."""
         layer = tensor.layers[0]
         for group_id, group in enumerate(self.kv_cache_groups):
             if layer in group.layer_names:

@@ -278,11 +278,9 @@ class EvictionPolicy:
 def rank_entry(
     pool: BlockPool, block: KVCacheBlock, entry: Entry, saves: int | None = None
 ) -> None:
-    """Put a free cached block of ``pool`` where :data:`PLACES` says: the
-    arena's pools file it in their segments with what it ``saves``; upstream's
-    single pool (turn-end retention outside pooled mode) in its one list."""
-    # a getattr, not an isinstance check on a protocol: this runs at every
-    # decode edge
+    """Put a free cached block of ``pool`` where :data:`PLACES` says, in an
+    arena pool's segments or in upstream's single pool's one list."""
+    # a getattr, not an isinstance check on a protocol: runs at every edge
     ranks = getattr(pool, "rank_entry", None)
     if ranks is not None:
         ranks(block, entry, saves)

@@ -55,10 +55,9 @@ def state_page_tokens(config: PooledKVCacheConfig) -> int:
 def prefill_checkpoint_interval(
     config: PooledKVCacheConfig, max_model_len: int, requested: int | None
 ) -> int:
-    """Tokens between prefill checkpoints (0: none). ``requested`` is
-    ``hybrid_kv.prefill_checkpoint_interval``: None picks the larger of the
-    state page and the arena share, 0 turns them off; rounded up to the
-    state block."""
+    """Tokens between prefill checkpoints (0: none), rounded up to the state
+    block. ``requested`` (``hybrid_kv.prefill_checkpoint_interval``) None
+    picks the larger of the state page and the arena share."""
     state_spec = config.kv_cache_groups[
         config.pool_by_kind(PoolKind.STATE).group_ids[0]
     ].kv_cache_spec
@@ -130,9 +129,8 @@ def next_prefill_checkpoint(
 def last_prefill_checkpoint(
     start: int, end: int, num_prompt_tokens: int, interval: int, block: int
 ) -> int | None:
-    """The last prefill checkpoint strictly between ``start`` and ``end``:
-    where a chunk reaching the prompt's own checkpoint stops, as upstream's
-    split stops at its last block edge."""
+    """The last prefill checkpoint strictly between ``start`` and ``end``,
+    where a chunk reaching the prompt's own checkpoint stops."""
     if interval <= 0:
         return None
     limit = min(end, prompt_checkpoint(num_prompt_tokens, block))
@@ -181,8 +179,7 @@ def replay_positions(
 
 def decode_checkpoint_edge(num_tokens: int, block: int, prompt_len: int) -> int | None:
     """The decode checkpoint a group caching ``num_tokens`` holds: its last
-    edge past the prompt (up to the prompt, the prompt's own checkpoint,
-    which no decode edge may supersede)."""
+    edge, if past the prompt (no decode edge may supersede the prompt's)."""
     edge = num_tokens // block * block
     return edge if edge > prompt_len else None
 
@@ -197,8 +194,8 @@ class StatePositions(NamedTuple):
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """One coordinator's positions and ranks (the retention interval, which
-    upstream's coordinator holds, is given per call)."""
+    """One coordinator's positions and ranks (the retention interval is
+    upstream's coordinator's, given per call)."""
 
     #: Whether turn ends are kept (``hybrid_kv.retain_turn_ends``).
     retain_turn_ends: bool = False

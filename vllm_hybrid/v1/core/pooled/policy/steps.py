@@ -70,8 +70,8 @@ class StepPlan:
 def state_checkpoint_block(
     kv_cache_config: KVCacheConfig, mamba_cache_mode: str
 ) -> int | None:
-    """The state block prefill chunks must end on (align mode) when longer
-    than the attention block; None where upstream's alignment is right."""
+    """The state block prefill chunks must end on (align mode), where it is
+    longer than the attention block."""
     if mamba_cache_mode != "align":
         return None
     state, token = set(), set()
