@@ -51,6 +51,8 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
     deep_chunk_start,
     growth_reserve_blocks,
     growth_reserve_geometry,
+    junction_stop,
+    junction_worth_a_step,
     paced_step_budget,
     paces,
     pacing_page,
@@ -81,6 +83,10 @@ class PooledSchedulerMixin:
       such a step keeps those its chunks end on instead of cutting chunks
       for each; a chunk reaching the prompt's own checkpoint still stops at
       the last one before it.
+    * A stop upstream's split makes at a shared-prefix junction one block
+      past the chunk's start is dropped: it would cost the prompt a step to
+      save a sibling one block (:func:`~vllm_hybrid.v1.core.pooled.policy.
+      steps.junction_worth_a_step`).
     * A running request's prefill chunk that the token budget cuts leaves
       room for the decodes of the running requests after it
       (:data:`~vllm_hybrid.v1.core.pooled.policy.steps.DECODE_ROOM`).
@@ -181,8 +187,9 @@ class PooledSchedulerMixin:
             chunk = self._deep_cut(request, start, chunk)
             if chunk == 0:
                 return 0
-        aligned = super()._mamba_block_aligned_split(
+        aligned = self._upstream_split(
             request,
+            start,
             chunk,
             num_new_local_computed_tokens,
             num_external_computed_tokens,
@@ -198,6 +205,27 @@ class PooledSchedulerMixin:
         if cut != aligned:
             self.prefill_checkpoint_cuts += 1
         return cut
+
+    def _upstream_split(
+        self, request: Request, start: int, chunk: int, local: int, external: int
+    ) -> int:
+        """Upstream's split of ``chunk``, less a stop at a shared-prefix
+        junction that is not worth a step (:func:`junction_worth_a_step`)."""
+        aligned = super()._mamba_block_aligned_split(request, chunk, local, external)
+        junction = request.shared_prefix_boundary
+        block = self.cache_config.block_size
+        if (
+            not junction
+            or aligned >= chunk
+            or start + aligned != junction_stop(start, junction, block)
+            or junction_worth_a_step(start, junction, block)
+        ):
+            return aligned
+        request.shared_prefix_boundary = 0
+        try:
+            return super()._mamba_block_aligned_split(request, chunk, local, external)
+        finally:
+            request.shared_prefix_boundary = junction
 
     def _deep_cut(self, request: Request, start: int, chunk: int) -> int:
         """The chunk after the deep-chunk rule: ended on the next page deep

@@ -51,6 +51,19 @@ DEEP_CHUNK_TOKENS = 4096
 ADMISSION_GROWTH_STATE_PAGES = 1.0
 
 
+def junction_stop(start: int, junction: int, block: int) -> int:
+    """Where upstream's split stops a chunk from ``start`` for a shared-prefix
+    junction: the junction floored to whole blocks from ``start``."""
+    return start + (junction - start) // block * block
+
+
+def junction_worth_a_step(start: int, junction: int, block: int) -> bool:
+    """Whether a chunk from ``start`` ends at the shared-prefix junction: only
+    when the stop lies more than one block past ``start`` (the state at
+    ``start``, a hit or a chunk end, saves a sibling all but that block)."""
+    return junction_stop(start, junction, block) - start > block
+
+
 @dataclass
 class StepPlan:
     """What one step's prefill chunks follow, decided at its start, and
