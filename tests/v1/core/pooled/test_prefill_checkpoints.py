@@ -32,6 +32,7 @@ from vllm_hybrid.v1.core.pooled.policy.positions import (
 from vllm_hybrid.v1.core.pooled.policy.steps import (
     StepPlan,
     junction_worth_a_step,
+    keeps_last_checkpoint,
 )
 from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
@@ -237,6 +238,26 @@ def test_a_junction_one_block_past_the_chunks_start_ends_no_chunk():
     # two blocks past the start: the junction's state is worth the step
     assert sched._mamba_block_aligned_split(_request(1520, 2419, 1584), 899) == 64
     assert sched._mamba_block_aligned_split(_request(0, 1444, 400), 1444) == 384
+
+
+def test_a_paced_chunk_stops_before_the_prompts_end_unless_prompts_hit_more():
+    assert keeps_last_checkpoint({Entry.PREFILL_LAST: 3.0, Entry.PROMPT: 2.0})
+    # no hits yet: a prefix's first reuse finds the last prefill checkpoint
+    assert keeps_last_checkpoint({Entry.PREFILL_LAST: 0.0, Entry.PROMPT: 0.0})
+    assert not keeps_last_checkpoint({Entry.PREFILL_LAST: 2.0, Entry.PROMPT: 2.5})
+    sched = _Scheduler(1056)
+    sched._checkpoints_on_pace = True
+    sched._pace_page = 1056  # the checkpoints lie on pages
+    # a 2,200-token prompt in one paced chunk: its own checkpoint is 2,176
+    # (upstream's split stops there: one step more for the last 24 tokens);
+    # stopping at 2,112 as well would cost one more
+    sched._step = StepPlan(paced=True, keep_last=True)
+    assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 2112
+    sched._step = StepPlan(paced=True, keep_last=False)
+    assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 2200
+    # unpaced, a chunk still ends at each checkpoint
+    sched._step = StepPlan(keep_last=False)
+    assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 1056
 
 
 @pytest.mark.parametrize(
