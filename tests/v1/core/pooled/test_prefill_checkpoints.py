@@ -29,7 +29,11 @@ from vllm_hybrid.v1.core.pooled.policy.positions import (
     prefill_checkpoints,
     state_page_tokens,
 )
-from vllm_hybrid.v1.core.pooled.policy.steps import StepPlan
+from vllm_hybrid.v1.core.pooled.policy.steps import (
+    StepPlan,
+    junction_worth_a_step,
+    keeps_last_checkpoint,
+)
 from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
 MiB = 2**20
@@ -167,9 +171,17 @@ def test_positions_lie_below_the_prompts_own_checkpoint():
 
 
 class _Upstream:
-    """What the mixin's split calls through super(): upstream's result."""
+    """What the mixin's split calls through super(): upstream's result, with
+    its stop at a shared-prefix junction floored to whole blocks from the
+    chunk's start (vLLM's ``_mamba_block_aligned_split``)."""
 
     def _mamba_block_aligned_split(self, request, num_new_tokens, *args) -> int:
+        start = request.num_computed_tokens + sum(args)
+        junction = request.shared_prefix_boundary
+        if start < junction < start + num_new_tokens:
+            stop = start + (junction - start) // 32 * 32
+            if stop > start:
+                return stop - start
         return num_new_tokens
 
 
@@ -183,7 +195,7 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
         self._step = StepPlan()
 
 
-def _request(computed: int, prompt: int):
+def _request(computed: int, prompt: int, junction: int = 0):
     return type(
         "R",
         (),
@@ -192,6 +204,7 @@ def _request(computed: int, prompt: int):
             "num_computed_tokens": computed,
             "num_prompt_tokens": prompt,
             "num_tokens": prompt,
+            "shared_prefix_boundary": junction,
         },
     )
 
@@ -209,6 +222,42 @@ def test_the_scheduler_ends_a_chunk_at_the_next_checkpoint():
     off = _Scheduler(0)
     assert off._mamba_block_aligned_split(_request(0, 1300), 1300) == 1300
     assert off.prefill_checkpoint_cuts == 0
+
+
+def test_a_junction_one_block_past_the_chunks_start_ends_no_chunk():
+    assert not junction_worth_a_step(1520, 1552, 32)
+    assert not junction_worth_a_step(1520, 1583, 32)  # floored to 1,552
+    assert junction_worth_a_step(1520, 1584, 32)
+    sched = _Scheduler(0)
+    # a hit at 1,520 whose attention blocks match one block further: the
+    # whole rest in one step, where upstream's split stops at 1,552
+    request = _request(1520, 2419, junction=1552)
+    assert sched._mamba_block_aligned_split(request, 899) == 899
+    assert request.shared_prefix_boundary == 1552
+    assert sched._mamba_block_aligned_split(_request(1520, 2419, 1583), 899) == 899
+    # two blocks past the start: the junction's state is worth the step
+    assert sched._mamba_block_aligned_split(_request(1520, 2419, 1584), 899) == 64
+    assert sched._mamba_block_aligned_split(_request(0, 1444, 400), 1444) == 384
+
+
+def test_a_paced_chunk_stops_before_the_prompts_end_unless_prompts_hit_more():
+    assert keeps_last_checkpoint({Entry.PREFILL_LAST: 3.0, Entry.PROMPT: 2.0})
+    # no hits yet: a prefix's first reuse finds the last prefill checkpoint
+    assert keeps_last_checkpoint({Entry.PREFILL_LAST: 0.0, Entry.PROMPT: 0.0})
+    assert not keeps_last_checkpoint({Entry.PREFILL_LAST: 2.0, Entry.PROMPT: 2.5})
+    sched = _Scheduler(1056)
+    sched._checkpoints_on_pace = True
+    sched._pace_page = 1056  # the checkpoints lie on pages
+    # a 2,200-token prompt in one paced chunk: its own checkpoint is 2,176
+    # (upstream's split stops there: one step more for the last 24 tokens);
+    # stopping at 2,112 as well would cost one more
+    sched._step = StepPlan(paced=True, keep_last=True)
+    assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 2112
+    sched._step = StepPlan(paced=True, keep_last=False)
+    assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 2200
+    # unpaced, a chunk still ends at each checkpoint
+    sched._step = StepPlan(keep_last=False)
+    assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 1056
 
 
 @pytest.mark.parametrize(

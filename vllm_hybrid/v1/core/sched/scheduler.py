@@ -51,6 +51,9 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
     deep_chunk_start,
     growth_reserve_blocks,
     growth_reserve_geometry,
+    junction_stop,
+    junction_worth_a_step,
+    keeps_last_checkpoint,
     paced_step_budget,
     paces,
     pacing_page,
@@ -79,8 +82,12 @@ class PooledSchedulerMixin:
       multiple of the state page (:class:`~vllm_hybrid.v1.core.pooled.
       policy.steps.PrefillPacing`). Where the checkpoints lie on page multiples,
       such a step keeps those its chunks end on instead of cutting chunks
-      for each; a chunk reaching the prompt's own checkpoint still stops at
-      the last one before it.
+      for each; a chunk reaching the prompt's own checkpoint also stops at
+      the last one before it unless prompts' own served more hits lately.
+    * A stop upstream's split makes at a shared-prefix junction one block
+      past the chunk's start is dropped: it would cost the prompt a step to
+      save a sibling one block (:func:`~vllm_hybrid.v1.core.pooled.policy.
+      steps.junction_worth_a_step`).
     * A running request's prefill chunk that the token budget cuts leaves
       room for the decodes of the running requests after it
       (:data:`~vllm_hybrid.v1.core.pooled.policy.steps.DECODE_ROOM`).
@@ -181,8 +188,9 @@ class PooledSchedulerMixin:
             chunk = self._deep_cut(request, start, chunk)
             if chunk == 0:
                 return 0
-        aligned = super()._mamba_block_aligned_split(
+        aligned = self._upstream_split(
             request,
+            start,
             chunk,
             num_new_local_computed_tokens,
             num_external_computed_tokens,
@@ -194,10 +202,32 @@ class PooledSchedulerMixin:
             self.prefill_checkpoint_interval,
             self.cache_config.block_size,
             step.paced and self._checkpoints_on_pace,
+            step.keep_last,
         )
         if cut != aligned:
             self.prefill_checkpoint_cuts += 1
         return cut
+
+    def _upstream_split(
+        self, request: Request, start: int, chunk: int, local: int, external: int
+    ) -> int:
+        """Upstream's split of ``chunk``, less a stop at a shared-prefix
+        junction that is not worth a step (:func:`junction_worth_a_step`)."""
+        aligned = super()._mamba_block_aligned_split(request, chunk, local, external)
+        junction = request.shared_prefix_boundary
+        block = self.cache_config.block_size
+        if (
+            not junction
+            or aligned >= chunk
+            or start + aligned != junction_stop(start, junction, block)
+            or junction_worth_a_step(start, junction, block)
+        ):
+            return aligned
+        request.shared_prefix_boundary = 0
+        try:
+            return super()._mamba_block_aligned_split(request, chunk, local, external)
+        finally:
+            request.shared_prefix_boundary = junction
 
     def _deep_cut(self, request: Request, start: int, chunk: int) -> int:
         """The chunk after the deep-chunk rule: ended on the next page deep
@@ -223,6 +253,7 @@ class PooledSchedulerMixin:
             paced=paced,
             deep=bool(self._deep_chunk) and cuts_deep_chunks(len(self.waiting)),
             decode_room=decode_room(self.running) if DECODE_ROOM else {},
+            keep_last=paced and self._keeps_last_checkpoint(),
         )
         self.max_num_scheduled_tokens = (
             self._paced_budget if paced else self._full_budget
@@ -257,6 +288,14 @@ class PooledSchedulerMixin:
             if manager.block_pool is arena.token_pool
         ]
         arena.allow_token_moves(new_block_ids_follow(managers))
+
+    def _keeps_last_checkpoint(self) -> bool:
+        """:func:`keeps_last_checkpoint` on the state pool's recent hits."""
+        arena = arena_of(self.kv_cache_manager)
+        if arena is None:
+            return True
+        policy = arena.state_pool.free_block_queue.policy
+        return keeps_last_checkpoint(policy.rival_hits)
 
     def paces_next_step(self) -> bool:
         """Whether the next step is paced: pacing is on for this plan and at

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import KVCacheConfig, MambaSpec
 
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
 from vllm_hybrid.v1.core.pooled.policy.positions import (
     last_prefill_checkpoint,
     next_prefill_checkpoint,
@@ -51,6 +52,19 @@ DEEP_CHUNK_TOKENS = 4096
 ADMISSION_GROWTH_STATE_PAGES = 1.0
 
 
+def junction_stop(start: int, junction: int, block: int) -> int:
+    """Where upstream's split stops a chunk from ``start`` for a shared-prefix
+    junction: the junction floored to whole blocks from ``start``."""
+    return start + (junction - start) // block * block
+
+
+def junction_worth_a_step(start: int, junction: int, block: int) -> bool:
+    """Whether a chunk from ``start`` ends at the shared-prefix junction: only
+    when the stop lies more than one block past ``start`` (the state at
+    ``start``, a hit or a chunk end, saves a sibling all but that block)."""
+    return junction_stop(start, junction, block) - start > block
+
+
 @dataclass
 class StepPlan:
     """What one step's prefill chunks follow, decided at its start, and
@@ -65,6 +79,9 @@ class StepPlan:
     decode_room: Mapping[str, int] = field(default_factory=dict)
     #: a chunk of this step was cut deep in its prompt
     cut_deep: bool = False
+    #: paced chunks reaching a prompt's own checkpoint also stop at the last
+    #: prefill checkpoint (:func:`keeps_last_checkpoint`)
+    keep_last: bool = True
 
 
 def state_checkpoint_block(
@@ -197,6 +214,14 @@ def admits_after_deep_cut(
     return page > budget or start + num_new_tokens >= prefill_end(request)
 
 
+def keeps_last_checkpoint(rival_hits: Mapping[Entry, float]) -> bool:
+    """Whether a paced chunk reaching the prompt's own checkpoint also stops
+    at the last prefill checkpoint before it, one step more for the prompt:
+    unless prompts' own checkpoints served more prefix hits lately
+    (:data:`~.eviction.RIVALS`), so that a prefix's first reuse hits there."""
+    return rival_hits.get(Entry.PREFILL_LAST, 0) >= rival_hits.get(Entry.PROMPT, 0)
+
+
 def checkpoint_chunk(
     request: Request,
     start: int,
@@ -204,14 +229,16 @@ def checkpoint_chunk(
     interval: int,
     block: int,
     paced_on_checkpoints: bool,
+    keep_last: bool = True,
 ) -> int:
     """The chunk ended at the next prefill checkpoint it would run past; in
     a paced step whose pages carry the checkpoints, only a chunk reaching
-    the prompt's own checkpoint stops, at the last prefill checkpoint."""
+    the prompt's own checkpoint stops, at the last prefill checkpoint, and
+    only when ``keep_last`` (:func:`keeps_last_checkpoint`)."""
     prompt = request.num_prompt_tokens
     if paced_on_checkpoints:
         end = start + num_new_tokens
-        if end < prompt_checkpoint(prompt, block):
+        if not keep_last or end < prompt_checkpoint(prompt, block):
             return num_new_tokens
         stop = last_prefill_checkpoint(start, end, prompt, interval, block)
         return num_new_tokens if stop is None else stop - start
