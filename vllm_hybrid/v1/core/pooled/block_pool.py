@@ -27,6 +27,7 @@ from vllm_hybrid.v1.core.pooled.events import (
 )
 from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.policy.eviction import (
+    PLACES,
     STATE_EVICTION_WINDOW,
     Entry,
     Place,
@@ -175,7 +176,8 @@ class ArenaBlockPool(BlockPool):
     ) -> None:
         super()._insert_block_hash(block_hash_with_group_id, block, num_tokens)
         events = self.cache_events
-        if events is not None and num_tokens:
+        # the coupling links state checkpoints to token keys, not the reverse
+        if events is not None and num_tokens and self.side is PoolKind.STATE:
             events.append(KeyCached(self.side, block_hash_with_group_id, num_tokens))
 
     def _remove_cached_block_hashes(
@@ -245,17 +247,34 @@ class ArenaBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
+        self._after_eviction(block, evicted)
+        return evicted
+
+    def _after_eviction(self, block: KVCacheBlock, evicted: bool) -> None:
         if block.block_hash is None:
             self.free_block_queue.policy.forget(block)
         if evicted:
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
-        return evicted
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
         """Upstream's ``_maybe_evict_cached_block``, public for the pool's
         handle, on which upstream's managers call the private name."""
         return self._maybe_evict_cached_block(block)
+
+    def evict_unwatched(self, blocks: list[KVCacheBlock]) -> None:
+        """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them,
+        recording no prefix-cache event: for blocks whose keys nothing links
+        to (:mod:`.coupling`), where the events would change nothing."""
+        assert PLACES[Entry.DEAD] is Place.EVICT
+        for block in blocks:
+            # upstream's eviction, but its hash removal without our events
+            if self.metrics_collector:
+                self.metrics_collector.on_block_evicted(block)
+            removed = BlockPool._remove_cached_block_hashes(self, block)
+            if removed:
+                self._emit_block_removed_events(removed)
+            self._after_eviction(block, bool(removed))
 
     def rank_entry(
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None

@@ -78,13 +78,15 @@ class PrefixCacheCoupling:
         events = pending[:]
         pending.clear()
         for event in events:
-            match event:
-                case KeyCached(kind, key, num_tokens):
-                    self.key_cached(kind, key, request, num_tokens)
-                case KeysLeftCache(kind, keys):
-                    self.keys_left_cache(kind, keys)
-                case BlocksFreed(kind, blocks):
-                    self.evict_dead(kind, blocks)
+            # by exact type: a class pattern per event costs more here
+            kind = type(event)
+            if kind is KeyCached:
+                self.key_cached(event.kind, event.key, request, event.num_tokens)
+            elif kind is KeysLeftCache:
+                self.keys_left_cache(event.kind, event.keys)
+            else:
+                assert kind is BlocksFreed
+                self.evict_dead(event.kind, event.blocks)
 
     def key_cached(
         self,
@@ -126,18 +128,12 @@ class PrefixCacheCoupling:
         """Evict the free ones among ``blocks`` of pool ``kind`` that are dead."""
         pool = self.pools[kind]
         if kind is PoolKind.TOKEN:
-            # a dead token block's eviction makes nothing else dead
-            dead = [
-                block
-                for block in blocks
-                if block.ref_cnt == 0
-                and not block.is_null
-                and self.is_dead(kind, block)
-            ]
-            for block in dead:
-                pool.rank_entry(block, Entry.DEAD)
-            self.evictions[kind] += len(dead)
-            self.settle()
+            dead = self._dead_token_blocks(blocks)
+            if dead:
+                # a dead token block's key is needed by no checkpoint, so its
+                # eviction makes nothing else dead and needs no event
+                pool.evict_unwatched(dead)
+                self.evictions[kind] += len(dead)
             return
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null and self.is_dead(kind, block):
@@ -164,6 +160,25 @@ class PrefixCacheCoupling:
             return False
         size = links.token_groups[get_group_id(key)]
         return (block.block_hash_num_tokens or 0) % size == 0
+
+    def _dead_token_blocks(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        """The free ones among token pool ``blocks`` that are dead:
+        :meth:`is_dead` for many blocks at once, as a freed request's blocks
+        are checked together."""
+        extra_of = self.pools[PoolKind.TOKEN].cached_block_hashes_by_block
+        needed = self.links.nodes
+        sizes = self.links.token_groups
+        dead = []
+        for block in blocks:
+            if block.ref_cnt or block.is_null:
+                continue
+            key = block.block_hash
+            if key is None or key in needed or extra_of.get(block.block_id):
+                continue
+            size = sizes.get(get_group_id(key))
+            if size is not None and (block.block_hash_num_tokens or 0) % size == 0:
+                dead.append(block)
+        return dead
 
     def _evict_dead_keys(
         self, kind: PoolKind, keys: list[BlockHashWithGroupId]

@@ -194,7 +194,20 @@ class ArenaFreeBlockQueue:
             raise ValueError(
                 f"Cannot pop {n} blocks from a queue of {self.num_free_blocks}"
             )
-        return [self.popleft() for _ in range(n)]
+        # pops never file blocks, so each segment is taken until it runs out
+        blocks: list[KVCacheBlock] = []
+        for segment in self.order:
+            if segment in CLEAN_SEGMENTS:
+                blocks += self._clean[segment].pop_n(n - len(blocks), self._where)
+            else:
+                while len(blocks) < n:
+                    block = self._pop_first(segment)
+                    if block is None:
+                        break
+                    blocks.append(block)
+            if len(blocks) == n:
+                break
+        return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
         holder = self._holder(block)
@@ -385,6 +398,17 @@ class _CleanBlocks(dict[int, KVCacheBlock]):
             if block is not None:
                 return block
         return None
+
+    def pop_n(self, n: int, where: dict[int, object]) -> list[KVCacheBlock]:
+        """Up to ``n`` blocks in hand-out order, each dropped from ``where``
+        (the queue's index of filed blocks)."""
+        heap, out = self._heap, []
+        while heap and len(out) < n:
+            block = self.pop(heapq.heappop(heap)[1], None)
+            if block is not None:
+                del where[block.block_id]
+                out.append(block)
+        return out
 
     def ids(self) -> list[int]:
         """Ids in the order pops would return them."""

@@ -23,6 +23,18 @@ StateKey = BlockHashWithGroupId
 Chain = tuple[int, Callable[[int], TokenKey]]
 
 
+@dataclass(slots=True)
+class _Path:
+    """One group's prefix of a checkpoint being linked."""
+
+    #: keys in the prefix
+    count: int
+    #: its keys not in the tree yet, deepest first
+    new: list[TokenKey]
+    #: the deepest key already in the tree (None: none is)
+    known: TokenKey | None
+
+
 @dataclass
 class CheckpointLinks:
     """Which full-attention block keys each cached state checkpoint needs."""
@@ -60,17 +72,24 @@ class CheckpointLinks:
         (duplicate blocks share one)."""
         if state_key in self.tips:
             return
-        chains = self._chains(block_hashes, num_tokens)
         nodes = self.nodes
-        for count, key_at in chains:
+        paths: list[_Path] = []
+        for count, key_at in self._chains(block_hashes, num_tokens):
+            if not count:
+                continue
+            new: list[TokenKey] = []
+            known: TokenKey | None = None
             for i in range(count - 1, -1, -1):
                 token_key = key_at(i)
                 if token_key in nodes:
+                    known = token_key
                     break
                 if not is_cached(token_key):
                     self.broken.add(state_key)
                     return
-        self._attach(state_key, chains)
+                new.append(token_key)
+            paths.append(_Path(count, new, known))
+        self._attach(state_key, paths)
 
     def forget_state(self, state_key: StateKey) -> list[TokenKey]:
         """A checkpoint key left the state pool's cache. Returns the token
@@ -123,33 +142,29 @@ class CheckpointLinks:
             chains.append((count, key_at))
         return chains
 
-    def _attach(self, state_key: StateKey, chains: list[Chain]) -> None:
-        """Link ``state_key`` below the keys of ``chains`` (all cached)."""
+    def _attach(self, state_key: StateKey, paths: list[_Path]) -> None:
+        """Link ``state_key`` below the keys of ``paths`` (all cached)."""
         self.broken.discard(state_key)
         nodes, kids = self.nodes, self.kids
         tips: list[TokenKey] = []
-        for count, key_at in chains:
-            if not count:
-                continue
-            tip = key_at(count - 1)
-            # Add the keys not in the tree yet, deepest first.
+        for path in paths:
+            new, known = path.new, path.known
+            # the keys not in the tree yet, deepest first, then the known one
+            index = path.count - 1
             child: TokenKey | None = None
-            i = count - 1
-            token_key = tip
-            while True:
-                known = nodes.get(token_key)
-                if known is not None:
-                    assert known[1] == i, "block hashes are not chained"
-                    if child is not None:
-                        kids.setdefault(token_key, set()).add(child)
-                    break
-                parent = key_at(i - 1) if i else None
-                nodes[token_key] = (parent, i)
+            for j, token_key in enumerate(new):
+                parent = new[j + 1] if j + 1 < len(new) else known
+                nodes[token_key] = (parent, index - j)
                 if child is not None:
                     kids[token_key] = {child}
-                if parent is None:
-                    break
-                child, token_key, i = token_key, parent, i - 1
+                child = token_key
+            if known is not None:
+                depth = index - len(new)
+                assert nodes[known][1] == depth, "block hashes are not chained"
+                if child is not None:
+                    kids.setdefault(known, set()).add(child)
+            tip = new[0] if new else known
+            assert tip is not None
             self.ends.setdefault(tip, set()).add(state_key)
             tips.append(tip)
         self.tips[state_key] = tuple(tips)
