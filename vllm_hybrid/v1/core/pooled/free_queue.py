@@ -232,15 +232,11 @@ class ArenaFreeBlockQueue:
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        for block in blocks:
-            self._check_absent(block)
-            self._file(block, Place.TAIL)
+        self._file_new(blocks, Place.TAIL)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         # Filed in reverse, each at its segment's head: first given first.
-        for block in reversed(blocks):
-            self._check_absent(block)
-            self._file(block, Place.HEAD)
+        self._file_new(reversed(blocks), Place.HEAD)
 
     def place(self, block: KVCacheBlock, place: Place) -> None:
         """Move a free cached block to the head or tail of its segment."""
@@ -315,6 +311,32 @@ class ArenaFreeBlockQueue:
         self._front.discard(bid)
         if isinstance(holder, _CleanBlocks):
             holder.compact()  # its heap entry goes stale
+
+    def _file_new(self, blocks: Iterable[KVCacheBlock], place: Place) -> None:
+        """:meth:`_file` of blocks not in the queue yet: a request's freed
+        blocks, thousands at once where contexts are long, so the filing
+        is written out here rather than called per block."""
+        where, filed_at, clock = self._where, self._filed_at, self._clock
+        segment_of = self.policy.segment_of
+        clean, lrus = self._clean, self._lru
+        head = place is Place.HEAD
+        for block in blocks:
+            bid = block.block_id
+            if bid in where:
+                raise RuntimeError(f"block {bid} is already in the free queue")
+            segment = segment_of(block)
+            held = clean.get(segment)
+            if held is not None:
+                held.add(block)
+                where[bid] = held
+                continue
+            lru = lrus[segment]
+            lru[bid] = block
+            where[bid] = lru
+            filed_at[bid] = next(clock)
+            if head:
+                lru.move_to_end(bid, last=False)
+                self._front.add(bid)
 
     def _file(self, block: KVCacheBlock, place: Place) -> None:
         segment = self.policy.segment_of(block)
