@@ -291,7 +291,15 @@ class ArenaBlockPool(BlockPool):
         """Hand out a block :meth:`take_free` took: out of the prefix cache,
         with its first reference."""
         if self.enable_caching:
-            self._maybe_evict_cached_block(block)
+            extra = self.cached_block_hashes_by_block
+            if block.block_hash is None and block.block_id not in extra:
+                # a clean block: what the eviction below comes to without a
+                # key to remove
+                if self.metrics_collector:
+                    self.metrics_collector.on_block_evicted(block)
+                self.free_block_queue.policy.forget(block)
+            else:
+                self._maybe_evict_cached_block(block)
         assert block.ref_cnt == 0
         block.ref_cnt += 1
         if self.metrics_collector:

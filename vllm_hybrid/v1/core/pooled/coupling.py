@@ -243,9 +243,14 @@ class PoolHandle:
         prefix cache."""
         pool = self.pool
         blocks = pool.take_free(num_blocks)
+        coupling = self.coupling
+        # the coupling's list of events, read per block: most blocks handed
+        # out are clean and record none
+        pending = coupling.pending if coupling is not None else None
         for block in blocks:
             pool.claim(block)
-            self._settle()
+            if pending:
+                coupling.settle()
         return blocks
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
