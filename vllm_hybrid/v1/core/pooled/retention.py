@@ -128,6 +128,25 @@ class TurnEndRetentionMixin:
             if manager.enable_caching
         )
 
+    @cached_property
+    def _block_counts(self) -> tuple[tuple[int, int, dict[str, int]], ...]:
+        """(group id, block size, cached blocks per request) per caching
+        group: what :meth:`_fills_a_block` reads at every step."""
+        return tuple(
+            (group_id, manager.block_size, manager.num_cached_block)
+            for group_id, manager in enumerate(self.single_type_managers)
+            if manager.enable_caching
+        )
+
+    def _fills_a_block(self, request_id: str, cacheable: Sequence[int]) -> bool:
+        """Whether caching ``cacheable`` tokens per group reaches a block some
+        group has not cached yet; if none does, every kept position lies on
+        an edge already handled."""
+        for group_id, block_size, cached in self._block_counts:
+            if cacheable[group_id] // block_size > cached.get(request_id, 0):
+                return True
+        return False
+
     def allocate_new_computed_blocks(
         self,
         request_id: str,
@@ -178,7 +197,7 @@ class TurnEndRetentionMixin:
             cacheable = [self.get_num_cacheable_tokens(num_computed_tokens, 0)] * len(
                 managers
             )
-        if not _fills_a_block(managers, rid, cacheable):
+        if not self._fills_a_block(rid, cacheable):
             # Most steps: no group filled a block, so no kept position was
             # reached; only upstream's per-step work remains.
             for group_id, manager, works, align in self._caching:
@@ -393,24 +412,6 @@ def _works_unfilled(manager: SingleTypeKVCacheManager) -> bool:
     block is the hash block)."""
     plain = type(manager) is FullAttentionManager
     return not (plain and manager.block_size == manager.block_pool.hash_block_size)
-
-
-def _fills_a_block(
-    managers: Sequence[SingleTypeKVCacheManager],
-    request_id: str,
-    cacheable: Sequence[int],
-) -> bool:
-    """Whether caching ``cacheable`` tokens per group reaches a block some
-    group has not cached yet; if none does, every kept position lies on an
-    edge already handled."""
-    for manager, num_tokens in zip(managers, cacheable, strict=True):
-        if not manager.enable_caching:
-            continue
-        if num_tokens // manager.block_size > manager.num_cached_block.get(
-            request_id, 0
-        ):
-            return True
-    return False
 
 
 def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> None:

@@ -262,7 +262,10 @@ class PooledSchedulerMixin:
             # upstream's watermark: free token blocks a waiting or preempted
             # request must leave after its own, while others run (the
             # arena's admission moves the boundary for them too)
-            self.kv_cache_manager.watermark_blocks = self.growth_reserve()
+            # (only a waiting request reads it, and none arrives mid-step)
+            self.kv_cache_manager.watermark_blocks = (
+                self.growth_reserve() if self.waiting else 0
+            )
         output = super().schedule(*args, **kwargs)
         arena = arena_of(self.kv_cache_manager)
         moves = arena.take_token_moves() if arena is not None else None
