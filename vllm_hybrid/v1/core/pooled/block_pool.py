@@ -16,11 +16,7 @@ from itertools import count
 from vllm.distributed.kv_events import MEDIUM_GPU, AllBlocksCleared, KVCacheEvent
 from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
-from vllm.v1.core.kv_cache_utils import (
-    BlockHash,
-    BlockHashWithGroupId,
-    KVCacheBlock,
-)
+from vllm.v1.core.kv_cache_utils import BlockHashWithGroupId, KVCacheBlock
 
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.events import (
@@ -132,8 +128,7 @@ class ArenaBlockPool(BlockPool):
         self.free_block_queue.policy.break_even = break_even
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Upstream's touch, counting each block's hit for the eviction order
-        (one pass: a long context's hit is thousands of blocks)."""
+        """Upstream's touch, counting each block's hit for the eviction order."""
         queue = self.free_block_queue
         record_hit = queue.policy.record_hit
         metrics = self.metrics_collector
@@ -145,23 +140,6 @@ class ArenaBlockPool(BlockPool):
             block.ref_cnt += 1
             if metrics:
                 metrics.on_block_accessed(block)
-
-    def get_cached_block(
-        self, block_hash: BlockHash, kv_cache_group_ids: list[int]
-    ) -> list[KVCacheBlock] | None:
-        """Upstream's lookup of a block hash in each group (the first block
-        of duplicates), with the group's key built inline: a prefix hit looks
-        up every block of a long context."""
-        cache = self.cached_block_hash_to_block._cache
-        blocks = []
-        for group_id in kv_cache_group_ids:
-            held = cache.get(block_hash + group_id.to_bytes(4, "big"))
-            if held is None:
-                return None
-            if not isinstance(held, KVCacheBlock):
-                held = next(iter(held.values()))
-            blocks.append(held)
-        return blocks
 
     @property
     def owned_ids(self) -> range:
@@ -225,35 +203,12 @@ class ArenaBlockPool(BlockPool):
         return removed
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Upstream's ``free_blocks`` (clean blocks to the queue's head,
-        cached ones to its tail, another pool's blocks routed there),
-        recording the freed blocks for the coupling."""
-        clean: list[KVCacheBlock] = []
-        cached: list[KVCacheBlock] = []
-        mine: list[KVCacheBlock] = []
-        elsewhere: dict[BlockPool, list[KVCacheBlock]] = {}
-        caching = self.enable_caching
-        for block in ordered_blocks:
-            pool = block.pool
-            if pool is self:
-                mine.append(block)
-            elif pool is not None:
-                elsewhere.setdefault(pool, []).append(block)
-                continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0 and not block.is_null:
-                if block.block_hash is None or not caching:
-                    clean.append(block)
-                else:
-                    cached.append(block)
-        queue = self.free_block_queue
-        queue.prepend_n(clean)
-        queue.append_n(cached)
-        for pool, blocks in elsewhere.items():
-            pool.free_blocks(blocks)
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
         events = self.cache_events
         if events is not None:
-            events.append(BlocksFreed(self.side, mine))
+            # upstream routes blocks of another pool there (their own event)
+            events.append(BlocksFreed(self.side, [b for b in blocks if b.pool is self]))
 
     def advance_in_place(self, block: KVCacheBlock) -> list[KVCacheBlock]:
         """``block``, a request's running state block, as its new block: the
@@ -291,15 +246,7 @@ class ArenaBlockPool(BlockPool):
         """Hand out a block :meth:`take_free` took: out of the prefix cache,
         with its first reference."""
         if self.enable_caching:
-            extra = self.cached_block_hashes_by_block
-            if block.block_hash is None and block.block_id not in extra:
-                # a clean block: what the eviction below comes to without a
-                # key to remove
-                if self.metrics_collector:
-                    self.metrics_collector.on_block_evicted(block)
-                self.free_block_queue.policy.forget(block)
-            else:
-                self._maybe_evict_cached_block(block)
+            self._maybe_evict_cached_block(block)
         assert block.ref_cnt == 0
         block.ref_cnt += 1
         if self.metrics_collector:
@@ -323,9 +270,8 @@ class ArenaBlockPool(BlockPool):
         return self._maybe_evict_cached_block(block)
 
     def evict_unwatched(self, blocks: list[KVCacheBlock]) -> None:
-        """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them,
-        recording no prefix-cache event: for blocks whose keys nothing links
-        to (:mod:`.coupling`), where the events would change nothing."""
+        """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them, with
+        no event: nothing links to their keys (:mod:`.coupling`)."""
         assert PLACES[Entry.DEAD] is Place.EVICT
         for block in blocks:
             # upstream's eviction, but its hash removal without our events

@@ -144,27 +144,16 @@ class PrefixCacheCoupling:
     # -- rules ----------------------------------------------------------------
 
     def is_dead(self, kind: PoolKind, block: KVCacheBlock) -> bool:
-        """Whether a cached block of pool ``kind`` can no longer be part of
-        any hit (rules in the module docstring)."""
-        if block.block_hash is None:
-            return False
-        links = self.links
-        pool = self.pools[kind]
-        extra = pool.cached_block_hashes_by_block.get(block.block_id, ())
-        if kind is PoolKind.STATE:
-            return block.block_hash in links.broken and all(
-                k in links.broken for k in extra
-            )
-        key = block.block_hash
-        if extra or not links.couples(key) or links.is_needed(key):
-            return False
-        size = links.token_groups[get_group_id(key)]
-        return (block.block_hash_num_tokens or 0) % size == 0
+        """Whether a free cached block of pool ``kind`` can no longer be part
+        of any hit (rules in the module docstring)."""
+        if kind is PoolKind.TOKEN:
+            return bool(self._dead_token_blocks([block]))
+        broken = self.links.broken
+        extra = self.pools[kind].cached_block_hashes_by_block.get(block.block_id, ())
+        return block.block_hash in broken and all(k in broken for k in extra)
 
     def _dead_token_blocks(self, blocks: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
-        """The free ones among token pool ``blocks`` that are dead:
-        :meth:`is_dead` for many blocks at once, as a freed request's blocks
-        are checked together."""
+        """:meth:`is_dead`'s free token blocks among ``blocks``, in one pass."""
         extra_of = self.pools[PoolKind.TOKEN].cached_block_hashes_by_block
         needed = self.links.nodes
         sizes = self.links.token_groups
@@ -244,8 +233,7 @@ class PoolHandle:
         pool = self.pool
         blocks = pool.take_free(num_blocks)
         coupling = self.coupling
-        # the coupling's list of events, read per block: most blocks handed
-        # out are clean and record none
+        # most blocks handed out are clean and record no event
         pending = coupling.pending if coupling is not None else None
         for block in blocks:
             pool.claim(block)

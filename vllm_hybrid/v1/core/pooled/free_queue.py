@@ -194,20 +194,7 @@ class ArenaFreeBlockQueue:
             raise ValueError(
                 f"Cannot pop {n} blocks from a queue of {self.num_free_blocks}"
             )
-        # pops never file blocks, so each segment is taken until it runs out
-        blocks: list[KVCacheBlock] = []
-        for segment in self.order:
-            if segment in CLEAN_SEGMENTS:
-                blocks += self._clean[segment].pop_n(n - len(blocks), self._where)
-            else:
-                while len(blocks) < n:
-                    block = self._pop_first(segment)
-                    if block is None:
-                        break
-                    blocks.append(block)
-            if len(blocks) == n:
-                break
-        return blocks
+        return [self.popleft() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
         holder = self._holder(block)
@@ -313,9 +300,7 @@ class ArenaFreeBlockQueue:
             holder.compact()  # its heap entry goes stale
 
     def _file_new(self, blocks: Iterable[KVCacheBlock], place: Place) -> None:
-        """:meth:`_file` of blocks not in the queue yet: a request's freed
-        blocks, thousands at once where contexts are long, so the filing
-        is written out here rather than called per block."""
+        """:meth:`_file` of new blocks, written out: thousands at a time."""
         where, filed_at, clock = self._where, self._filed_at, self._clock
         segment_of = self.policy.segment_of
         clean, lrus = self._clean, self._lru
@@ -380,10 +365,6 @@ class ArenaFreeBlockQueue:
     def _id_to_key(self, bid: int) -> int:
         return bid if self.low_ids_first else -bid
 
-    def _check_absent(self, block: KVCacheBlock) -> None:
-        if block.block_id in self._where:
-            raise RuntimeError(f"block {block.block_id} is already in the free queue")
-
 
 def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
     """``ids`` (oldest first) in the order repeated pops take them: each pop
@@ -420,17 +401,6 @@ class _CleanBlocks(dict[int, KVCacheBlock]):
             if block is not None:
                 return block
         return None
-
-    def pop_n(self, n: int, where: dict[int, object]) -> list[KVCacheBlock]:
-        """Up to ``n`` blocks in hand-out order, each dropped from ``where``
-        (the queue's index of filed blocks)."""
-        heap, out = self._heap, []
-        while heap and len(out) < n:
-            block = self.pop(heapq.heappop(heap)[1], None)
-            if block is not None:
-                del where[block.block_id]
-                out.append(block)
-        return out
 
     def ids(self) -> list[int]:
         """Ids in the order pops would return them."""

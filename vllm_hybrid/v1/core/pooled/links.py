@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     BlockHashWithGroupId,
-    get_group_id,
     make_block_hash_with_group_id,
     resolve_block_hashes,
 )
@@ -21,18 +20,9 @@ TokenKey = BlockHashWithGroupId
 StateKey = BlockHashWithGroupId
 #: One group's prefix: (number of keys, key at an index).
 Chain = tuple[int, Callable[[int], TokenKey]]
-
-
-@dataclass(slots=True)
-class _Path:
-    """One group's prefix of a checkpoint being linked."""
-
-    #: keys in the prefix
-    count: int
-    #: its keys not in the tree yet, deepest first
-    new: list[TokenKey]
-    #: the deepest key already in the tree (None: none is)
-    known: TokenKey | None
+#: A group's prefix being linked: its number of keys, its keys not in the
+#: tree yet (deepest first) and the deepest key already there (or None).
+Path = tuple[int, list[TokenKey], TokenKey | None]
 
 
 @dataclass
@@ -73,7 +63,7 @@ class CheckpointLinks:
         if state_key in self.tips:
             return
         nodes = self.nodes
-        paths: list[_Path] = []
+        paths: list[Path] = []
         for count, key_at in self._chains(block_hashes, num_tokens):
             if not count:
                 continue
@@ -88,7 +78,7 @@ class CheckpointLinks:
                     self.broken.add(state_key)
                     return
                 new.append(token_key)
-            paths.append(_Path(count, new, known))
+            paths.append((count, new, known))
         self._attach(state_key, paths)
 
     def forget_state(self, state_key: StateKey) -> list[TokenKey]:
@@ -120,11 +110,6 @@ class CheckpointLinks:
     def is_needed(self, token_key: TokenKey) -> bool:
         return token_key in self.nodes
 
-    def couples(self, token_key: TokenKey) -> bool:
-        """Whether the key belongs to a full-attention group (the only token
-        groups a checkpoint's hit depends on block by block)."""
-        return get_group_id(token_key) in self.token_groups
-
     def _chains(
         self, block_hashes: Sequence[BlockHash], num_tokens: int
     ) -> list[Chain]:
@@ -142,15 +127,13 @@ class CheckpointLinks:
             chains.append((count, key_at))
         return chains
 
-    def _attach(self, state_key: StateKey, paths: list[_Path]) -> None:
+    def _attach(self, state_key: StateKey, paths: list[Path]) -> None:
         """Link ``state_key`` below the keys of ``paths`` (all cached)."""
         self.broken.discard(state_key)
         nodes, kids = self.nodes, self.kids
         tips: list[TokenKey] = []
-        for path in paths:
-            new, known = path.new, path.known
-            # the keys not in the tree yet, deepest first, then the known one
-            index = path.count - 1
+        for count, new, known in paths:
+            index = count - 1
             child: TokenKey | None = None
             for j, token_key in enumerate(new):
                 parent = new[j + 1] if j + 1 < len(new) else known

@@ -130,8 +130,7 @@ class TurnEndRetentionMixin:
 
     @cached_property
     def _block_counts(self) -> tuple[tuple[int, int, dict[str, int]], ...]:
-        """(group id, block size, cached blocks per request) per caching
-        group: what :meth:`_fills_a_block` reads at every step."""
+        """(group id, block size, cached blocks per request) per caching group."""
         return tuple(
             (group_id, manager.block_size, manager.num_cached_block)
             for group_id, manager in enumerate(self.single_type_managers)
