@@ -254,15 +254,12 @@ class ArenaBlockPool(BlockPool):
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
         evicted = super()._maybe_evict_cached_block(block)
-        self._after_eviction(block, evicted)
-        return evicted
-
-    def _after_eviction(self, block: KVCacheBlock, evicted: bool) -> None:
         if block.block_hash is None:
             self.free_block_queue.policy.forget(block)
         if evicted:
             # A free block that lost its hash is clean now: reuse it early.
             self.free_block_queue.refile(block)
+        return evicted
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
         """Upstream's ``_maybe_evict_cached_block``, public for the pool's
@@ -270,17 +267,15 @@ class ArenaBlockPool(BlockPool):
         return self._maybe_evict_cached_block(block)
 
     def evict_unwatched(self, blocks: list[KVCacheBlock]) -> None:
-        """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them, with
-        no event: nothing links to their keys (:mod:`.coupling`)."""
+        """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them, and
+        drop their events: nothing links to their keys (:mod:`.coupling`)."""
         assert PLACES[Entry.DEAD] is Place.EVICT
+        events = self.cache_events
+        recorded = len(events) if events is not None else 0
         for block in blocks:
-            # upstream's eviction, but its hash removal without our events
-            if self.metrics_collector:
-                self.metrics_collector.on_block_evicted(block)
-            removed = BlockPool._remove_cached_block_hashes(self, block)
-            if removed:
-                self._emit_block_removed_events(removed)
-            self._after_eviction(block, bool(removed))
+            self._maybe_evict_cached_block(block)
+        if events is not None:
+            del events[recorded:]
 
     def rank_entry(
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None
