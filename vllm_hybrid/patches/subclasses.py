@@ -45,7 +45,8 @@ SUBCLASSES: list[SubclassEntry] = [
             "Upstream's managers and KVCacheManager call these methods on the "
             "pool's handle they hold; the overrides call upstream's and add "
             "owned-capacity usage, the record of prefix-cache events the "
-            "coupling handles (pooled.coupling) and KV events of both pools. "
+            "coupling handles (pooled.coupling) and KV events of both pools; "
+            "touch does upstream's work in the same loop that counts hits. "
             "Built by the pooled coordinators only."
         ),
         upstream_status="none",

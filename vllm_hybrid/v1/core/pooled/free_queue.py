@@ -219,16 +219,16 @@ class ArenaFreeBlockQueue:
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
-        self._file_new(blocks, Place.TAIL)
+        self._file(blocks, Place.TAIL)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
         # Filed in reverse, each at its segment's head: first given first.
-        self._file_new(reversed(blocks), Place.HEAD)
+        self._file(reversed(blocks), Place.HEAD)
 
     def place(self, block: KVCacheBlock, place: Place) -> None:
         """Move a free cached block to the head or tail of its segment."""
         self.remove(block)
-        self._file(block, place)
+        self._file((block,), place)
 
     def refile(self, block: KVCacheBlock) -> None:
         """Re-file a free block whose hash changed; no-op if not free."""
@@ -237,7 +237,7 @@ class ArenaFreeBlockQueue:
             isinstance(holder, _CleanBlocks) != (block.block_hash is None)
         ):
             self._unfile(block.block_id, holder)
-            self._file(block, Place.TAIL)
+            self._file((block,), Place.TAIL)
 
     def hold_clean_from(self, start: int | None) -> None:
         """File clean blocks with ids from ``start`` on apart
@@ -255,8 +255,7 @@ class ArenaFreeBlockQueue:
             del self._where[block.block_id]
         for clean in self._clean.values():
             clean.compact()
-        for block in moved:
-            self._file(block, Place.TAIL)
+        self._file(moved, Place.TAIL)
 
     # -- helpers ----------------------------------------------------------
 
@@ -299,12 +298,11 @@ class ArenaFreeBlockQueue:
         if isinstance(holder, _CleanBlocks):
             holder.compact()  # its heap entry goes stale
 
-    def _file_new(self, blocks: Iterable[KVCacheBlock], place: Place) -> None:
-        """:meth:`_file` of new blocks, written out: thousands at a time."""
-        where, filed_at, clock = self._where, self._filed_at, self._clock
-        segment_of = self.policy.segment_of
-        clean, lrus = self._clean, self._lru
-        head = place is Place.HEAD
+    def _file(self, blocks: Iterable[KVCacheBlock], place: Place) -> None:
+        """File blocks not in the queue where the order puts them, at the
+        head or tail of their segment (one call for a request's thousands
+        of freed blocks; one block when a free block's rank changes)."""
+        where, segment_of, clean = self._where, self.policy.segment_of, self._clean
         for block in blocks:
             bid = block.block_id
             if bid in where:
@@ -315,28 +313,13 @@ class ArenaFreeBlockQueue:
                 held.add(block)
                 where[bid] = held
                 continue
-            lru = lrus[segment]
+            lru = self._lru[segment]
             lru[bid] = block
             where[bid] = lru
-            filed_at[bid] = next(clock)
-            if head:
+            self._filed_at[bid] = next(self._clock)
+            if place is Place.HEAD:
                 lru.move_to_end(bid, last=False)
                 self._front.add(bid)
-
-    def _file(self, block: KVCacheBlock, place: Place) -> None:
-        segment = self.policy.segment_of(block)
-        if segment in CLEAN_SEGMENTS:
-            clean = self._clean[segment]
-            clean.add(block)
-            self._where[block.block_id] = clean
-            return
-        lru = self._lru[segment]
-        lru[block.block_id] = block
-        self._where[block.block_id] = lru
-        self._filed_at[block.block_id] = next(self._clock)
-        if place is Place.HEAD:
-            lru.move_to_end(block.block_id, last=False)
-            self._front.add(block.block_id)
 
     def _pop_first(self, segment: Segment) -> KVCacheBlock | None:
         if segment not in CLEAN_SEGMENTS:
