@@ -118,12 +118,12 @@ class TurnEndRetentionMixin:
     @cached_property
     def _caching(
         self,
-    ) -> tuple[tuple[int, SingleTypeKVCacheManager, bool, bool], ...]:
-        """(group id, manager, whether caching does anything without a
-        filled block, whether it is an align-mode state group) per caching
-        group."""
+    ) -> tuple[tuple[int, SingleTypeKVCacheManager, int, bool], ...]:
+        """(group id, manager, the token multiple at which caching does
+        anything without a filled block (:func:`_unfilled_unit`), whether it
+        is an align-mode state group) per caching group."""
         return tuple(
-            (group_id, manager, _works_unfilled(manager), _align_mode(manager))
+            (group_id, manager, _unfilled_unit(manager), _align_mode(manager))
             for group_id, manager in enumerate(self.single_type_managers)
             if manager.enable_caching
         )
@@ -199,8 +199,8 @@ class TurnEndRetentionMixin:
         if not self._fills_a_block(rid, cacheable):
             # Most steps: no group filled a block, so no kept position was
             # reached; only upstream's per-step work remains.
-            for group_id, manager, works, align in self._caching:
-                if works:
+            for group_id, manager, unit, align in self._caching:
+                if unit and cacheable[group_id] % unit == 0:
                     manager.cache_blocks(
                         request,
                         cacheable[group_id],
@@ -405,12 +405,19 @@ class TurnEndRetentionMixin:
         return super().pop_blocks_for_free(request_id)
 
 
-def _works_unfilled(manager: SingleTypeKVCacheManager) -> bool:
-    """Whether upstream's ``cache_blocks`` of ``manager`` may cache anything
-    for a request that filled no new block (not a full-attention group whose
-    block is the hash block)."""
-    plain = type(manager) is FullAttentionManager
-    return not (plain and manager.block_size == manager.block_pool.hash_block_size)
+def _unfilled_unit(manager: SingleTypeKVCacheManager) -> int:
+    """The token multiple at which upstream's ``cache_blocks`` of ``manager``
+    may cache anything for a request that filled no new block: never (0)
+    for a full-attention group whose block is the hash block; on hash block
+    edges for an align-mode state group without in-chunk prefill
+    checkpoints (only its partial tail block, which ends on one, is cached
+    there); else at any call (1)."""
+    hash_block = manager.block_pool.hash_block_size
+    if type(manager) is FullAttentionManager:
+        return 0 if manager.block_size == hash_block else 1
+    if _align_mode(manager) and not manager.has_prefill_checkpoint_blocks:
+        return hash_block
+    return 1
 
 
 def _drop_in_place_key(manager: SingleTypeKVCacheManager, request_id: str) -> None:
