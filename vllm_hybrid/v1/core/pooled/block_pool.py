@@ -246,7 +246,14 @@ class ArenaBlockPool(BlockPool):
         """Hand out a block :meth:`take_free` took: out of the prefix cache,
         with its first reference."""
         if self.enable_caching:
-            self._maybe_evict_cached_block(block)
+            if (
+                block.block_hash is not None
+                or block.block_id in self.cached_block_hashes_by_block
+            ):
+                self._maybe_evict_cached_block(block)
+            elif self.metrics_collector:
+                # a clean block: upstream's eviction would only do this
+                self.metrics_collector.on_block_evicted(block)
         assert block.ref_cnt == 0
         block.ref_cnt += 1
         if self.metrics_collector:
@@ -258,7 +265,7 @@ class ArenaBlockPool(BlockPool):
             self.free_block_queue.policy.forget(block)
         if evicted:
             # A free block that lost its hash is clean now: reuse it early.
-            self.free_block_queue.refile(block)
+            self.free_block_queue.refile_n([block])
         return evicted
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
@@ -270,12 +277,20 @@ class ArenaBlockPool(BlockPool):
         """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them, and
         drop their events: nothing links to their keys (:mod:`.coupling`)."""
         assert PLACES[Entry.DEAD] is Place.EVICT
+        # upstream's eviction of each block; the blocks re-filed clean together
         events = self.cache_events
         recorded = len(events) if events is not None else 0
+        evict = super()._maybe_evict_cached_block
+        forget = self.free_block_queue.policy.forget
+        evicted = []
         for block in blocks:
-            self._maybe_evict_cached_block(block)
+            if evict(block):
+                evicted.append(block)
+            if block.block_hash is None:
+                forget(block)
         if events is not None:
             del events[recorded:]
+        self.free_block_queue.refile_n(evicted)
 
     def rank_entry(
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None

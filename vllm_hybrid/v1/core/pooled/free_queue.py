@@ -36,7 +36,7 @@ class ArenaFreeBlockQueue:
     ``append_n``/``prepend_n`` keep upstream's meaning, and a pop takes, of
     the ``window`` oldest, the one the order names. A block is filed where
     :meth:`EvictionPolicy.segment_of` says when it enters, and re-filed
-    (:meth:`refile`) when its hash changes while free. The blocks'
+    (:meth:`refile_n`) when its hash changes while free. The blocks'
     ``prev_free_block``/``next_free_block`` links are not used.
     """
 
@@ -230,14 +230,18 @@ class ArenaFreeBlockQueue:
         self.remove(block)
         self._file((block,), place)
 
-    def refile(self, block: KVCacheBlock) -> None:
-        """Re-file a free block whose hash changed; no-op if not free."""
-        holder = self._holder(block)
-        if holder is not None and (
-            isinstance(holder, _CleanBlocks) != (block.block_hash is None)
-        ):
-            self._unfile(block.block_id, holder)
-            self._file((block,), Place.TAIL)
+    def refile_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Re-file, in order, the free ones among ``blocks`` whose hash
+        changed (cached to clean or back)."""
+        moved = []
+        for block in blocks:
+            holder = self._holder(block)
+            if holder is not None and (
+                isinstance(holder, _CleanBlocks) != (block.block_hash is None)
+            ):
+                self._unfile(block.block_id, holder)
+                moved.append(block)
+        self._file(moved, Place.TAIL)
 
     def hold_clean_from(self, start: int | None) -> None:
         """File clean blocks with ids from ``start`` on apart

@@ -18,8 +18,9 @@ from vllm.v1.core.kv_cache_utils import (
 
 TokenKey = BlockHashWithGroupId
 StateKey = BlockHashWithGroupId
-#: One group's prefix: (number of keys, key at an index).
-Chain = tuple[int, Callable[[int], TokenKey]]
+#: One group's prefix: its number of keys, its block hashes and the bytes
+#: that make a hash its key in the group.
+Chain = tuple[int, Sequence[BlockHash], bytes]
 #: A group's prefix being linked: its number of keys, its keys not in the
 #: tree yet (deepest first) and the deepest key already there (or None).
 Path = tuple[int, list[TokenKey], TokenKey | None]
@@ -64,13 +65,13 @@ class CheckpointLinks:
             return
         nodes = self.nodes
         paths: list[Path] = []
-        for count, key_at in self._chains(block_hashes, num_tokens):
+        for count, hashes, suffix in self._chains(block_hashes, num_tokens):
             if not count:
                 continue
             new: list[TokenKey] = []
             known: TokenKey | None = None
             for i in range(count - 1, -1, -1):
-                token_key = key_at(i)
+                token_key = TokenKey(hashes[i] + suffix)
                 if token_key in nodes:
                     known = token_key
                     break
@@ -120,11 +121,10 @@ class CheckpointLinks:
                 block_hashes, self.hash_block_size, block_size
             )
             count = min(num_tokens // block_size, len(hashes))
-
-            def key_at(i: int, _h=hashes, _g=group_id) -> TokenKey:
-                return make_block_hash_with_group_id(_h[i], _g)
-
-            chains.append((count, key_at))
+            # a key is its hash followed by the group's bytes (upstream's
+            # packing), made once here rather than per key
+            suffix = make_block_hash_with_group_id(BlockHash(b""), group_id)
+            chains.append((count, hashes, suffix))
         return chains
 
     def _attach(self, state_key: StateKey, paths: list[Path]) -> None:
