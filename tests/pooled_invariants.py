@@ -16,9 +16,32 @@ from vllm_hybrid.v1.core.pooled.arena import KVArena
 from vllm_hybrid.v1.core.pooled.block_pool import ArenaBlockPool
 from vllm_hybrid.v1.core.pooled.boundary import ArenaBoundary
 from vllm_hybrid.v1.core.pooled.coupling import PrefixCacheCoupling
+from vllm_hybrid.v1.core.pooled.free_queue import ArenaFreeBlockQueue
 from vllm_hybrid.v1.core.pooled.links import CheckpointLinks, StateKey, TokenKey
-from vllm_hybrid.v1.core.pooled.policy.eviction import Reach
+from vllm_hybrid.v1.core.pooled.policy.eviction import Reach, Segment
 from vllm_hybrid.v1.core.pooled.spec import PoolKind
+
+# -- a free queue's blocks by segment, in hand-out order ----------------------
+
+
+def clean_ids(queue: ArenaFreeBlockQueue) -> list[int]:
+    """Ids of clean free blocks (those next to the boundary last)."""
+    return [b.block_id for b in queue.get_all_free_blocks() if b.block_hash is None]
+
+
+def cached_ids(queue: ArenaFreeBlockQueue) -> list[int]:
+    """Ids of cached free blocks."""
+    return [b.block_id for b in queue.get_all_free_blocks() if b.block_hash is not None]
+
+
+def protected_ids(queue: ArenaFreeBlockQueue) -> list[int]:
+    """Ids of the protected segment."""
+    return [b.block_id for b in queue.get_all_free_blocks() if queue.is_protected(b)]
+
+
+def clean_at_boundary_ids(queue: ArenaFreeBlockQueue) -> list[int]:
+    """Ids of the clean blocks filed as next to the boundary."""
+    return sorted(queue._clean[Segment.CLEAN_AT_BOUNDARY], key=queue._id_to_key)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -68,7 +91,7 @@ def check_pool(pool: ArenaBlockPool) -> None:
     owned = pool.owned_ids
     _require(pool.null_block is pool.blocks[0] and pool.null_block.is_null, "null")
     _require(pool.null_block not in queue, f"{name}: null block in free queue")
-    free_ids = set(queue.clean_ids()) | set(queue.cached_ids())
+    free_ids = set(clean_ids(queue)) | set(cached_ids(queue))
     _require(len(free_ids) == queue.num_free_blocks, f"{name}: queue count")
     expected = {i for i in owned if pool.blocks[i].ref_cnt == 0}
     _require(free_ids == expected, f"{name}: free queue != owned blocks at ref 0")
@@ -77,16 +100,16 @@ def check_pool(pool: ArenaBlockPool) -> None:
         queue.num_free_blocks + used == pool.owned_capacity,
         f"{name}: free + used != owned capacity",
     )
-    for i in queue.clean_ids():
+    for i in clean_ids(queue):
         _require(pool.blocks[i].block_hash is None, f"{name}: hashed block {i} clean")
     policy = queue.policy
     held = policy.held_from
     _require(
-        set(queue.clean_at_boundary_ids())
-        == {i for i in queue.clean_ids() if held is not None and i >= held},
+        set(clean_at_boundary_ids(queue))
+        == {i for i in clean_ids(queue) if held is not None and i >= held},
         f"{name}: clean blocks next to the boundary filed apart from the rest",
     )
-    for i in queue.cached_ids():
+    for i in cached_ids(queue):
         block = pool.blocks[i]
         _require(block.block_hash is not None, f"{name}: cached {i} no hash")
         _require(
@@ -116,7 +139,7 @@ def check_coupling(coupling: PrefixCacheCoupling) -> None:
     state = coupling.pools[PoolKind.STATE]
     check_links(coupling.links, state.cached_keys(), set(token.cached_keys()))
     for kind, pool in coupling.pools.items():
-        for i in pool.free_block_queue.cached_ids():
+        for i in cached_ids(pool.free_block_queue):
             _require(
                 not coupling.is_dead(kind, pool.blocks[i]),
                 f"{kind.value}: dead block {i} kept in the prefix cache",

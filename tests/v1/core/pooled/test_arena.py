@@ -24,7 +24,14 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pooled_invariants import can_allocate, check_invariants, ensure
+from pooled_invariants import (
+    cached_ids,
+    can_allocate,
+    check_invariants,
+    clean_ids,
+    ensure,
+    protected_ids,
+)
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
@@ -181,8 +188,8 @@ def test_cached_blocks_after_clean_ones_in_lru_order():
     # Freed in this order, cached blocks are 9, then 5, then 7 in LRU order.
     tok.free_blocks([tok.blocks[9], tok.blocks[10], tok.blocks[5]])
     tok.free_blocks([tok.blocks[4], tok.blocks[7]])
-    assert tok.free_block_queue.clean_ids() == [4, 10]
-    assert tok.free_block_queue.cached_ids() == [9, 5, 7]
+    assert clean_ids(tok.free_block_queue) == [4, 10]
+    assert cached_ids(tok.free_block_queue) == [9, 5, 7]
     assert free_order(tok) == [4, 10, 9, 5, 7]
     assert tok.get_usage() == pytest.approx(4 / 9)
 
@@ -203,9 +210,9 @@ def test_prepend_n_puts_cached_blocks_at_lru_head():
     queue = pool.free_block_queue
     queue.append_n([blocks[0], blocks[1]])
     queue.prepend_n([blocks[2], blocks[3]])
-    assert queue.cached_ids() == [5, 6, 3, 4]
+    assert cached_ids(queue) == [5, 6, 3, 4]
     queue.remove(blocks[2])
-    assert queue.cached_ids() == [6, 3, 4]
+    assert cached_ids(queue) == [6, 3, 4]
     assert queue.popleft().block_id == 7  # clean ones still go first
     assert [queue.popleft().block_id for _ in range(5)] == [8, 9, 10, 11, 6]
 
@@ -262,7 +269,7 @@ def test_the_token_pool_keeps_plain_lru():
     for block, name in zip(held, (b"a", b"b", b"c"), strict=True):
         cache(pool, block, name)
     pool.free_blocks(held[::-1])
-    assert pool.free_block_queue.cached_ids() == ids(held[::-1])
+    assert cached_ids(pool.free_block_queue) == ids(held[::-1])
 
 
 def test_queue_heap_compaction_keeps_order():
@@ -283,9 +290,9 @@ def test_evict_by_id_refiles_free_block_as_clean():
     cache(pool, blocks[-1], b"t")  # id 11
     pool.free_blocks(blocks[::-1])
     assert free_order(pool) == [3, 4, 5, 6, 7, 8, 9, 10, 11]
-    assert pool.free_block_queue.cached_ids() == [11]
+    assert cached_ids(pool.free_block_queue) == [11]
     pool.evict_blocks({11, 0, 1, 20})  # null, reserved, unowned: no-ops
-    assert pool.free_block_queue.cached_ids() == []
+    assert cached_ids(pool.free_block_queue) == []
     assert pool.get_cached_block(BlockHash(b"t"), [0]) is None
 
 
@@ -312,9 +319,9 @@ def test_cache_full_blocks_with_fake_request():
     pool.cache_full_blocks(request, blocks, 0, 2, 16, kv_cache_group_id=0)
     assert pool.get_cached_block(BlockHash(b"r1"), [0]) == [blocks[1]]
     pool.free_blocks(reversed(blocks))
-    assert pool.free_block_queue.cached_ids() == [4, 3]
+    assert cached_ids(pool.free_block_queue) == [4, 3]
     pool.touch(pool.get_cached_block(BlockHash(b"r0"), [0]))
-    assert pool.free_block_queue.cached_ids() == [4]
+    assert cached_ids(pool.free_block_queue) == [4]
 
 
 # ---------------------------------------------------------------------------
@@ -434,7 +441,7 @@ def test_evicting_cached_block_in_the_way_emits_block_removed():
     held = st_.get_new_blocks(5)
     cache(st_, held[4], b"s5")  # id 5, at the boundary
     st_.free_blocks(held)
-    assert st_.free_block_queue.cached_ids() == [5]
+    assert cached_ids(st_.free_block_queue) == [5]
     assert st_.take_events() == []
 
     assert ensure(arena.boundary, 10, 0)
@@ -467,10 +474,10 @@ def test_reset_prefix_cache_only_when_everything_is_free():
     assert not st_.reset_prefix_cache()
 
     st_.free_blocks(s_blocks)
-    assert st_.free_block_queue.cached_ids() == [9]
+    assert cached_ids(st_.free_block_queue) == [9]
     assert arena.reset_prefix_cache()
     assert st_.get_cached_block(BlockHash(b"b"), [1]) is None
-    assert st_.free_block_queue.cached_ids() == []
+    assert cached_ids(st_.free_block_queue) == []
     assert free_order(st_) == [9, 8, 7, 6, 5]
     # one AllBlocksCleared per pool reset (token twice, state once); the
     # token pool hands out the state pool's events too
@@ -691,7 +698,7 @@ class ArenaMachine(RuleBasedStateMachine):
         protected = [
             pool.blocks[i]
             for pool in self.pools()
-            for i in pool.free_block_queue.protected_ids()
+            for i in protected_ids(pool.free_block_queue)
         ]
         before = snapshot(arena)
         ok = ensure(arena.boundary, nt, ns, reach=Reach.SPARE_PROTECTED)
@@ -828,7 +835,7 @@ class ArenaMachine(RuleBasedStateMachine):
         if all_free:
             for pool in pools:
                 assert len(pool.cached_block_hash_to_block) == 0
-                assert pool.free_block_queue.cached_ids() == []
+                assert cached_ids(pool.free_block_queue) == []
                 assert all(b.block_hash is None for b in pool.blocks)
 
     # -- invariants ---------------------------------------------------------

@@ -11,7 +11,7 @@ ids 10 and 11, one more token block's room takes state id 5 (token ids
 from __future__ import annotations
 
 import pytest
-from pooled_invariants import check_invariants, ensure
+from pooled_invariants import cached_ids, check_invariants, clean_ids, ensure
 from test_arena import cache, make_arena
 
 from vllm_hybrid.v1.core.pooled.arena import KVArena
@@ -28,12 +28,12 @@ def _cache_free(pool, n: int, prefix: bytes) -> list:
 
 
 def _cached(pool) -> int:
-    return len(pool.free_block_queue.cached_ids())
+    return len(cached_ids(pool.free_block_queue))
 
 
 def _state_pool_full_of_entries(arena: KVArena) -> None:
     _cache_free(arena.state_pool, 5, b"state")
-    assert arena.state_pool.free_block_queue.clean_ids() == []
+    assert clean_ids(arena.state_pool.free_block_queue) == []
 
 
 def test_the_state_pool_grows_into_clean_token_blocks_instead_of_evicting():

@@ -12,7 +12,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from pooled_invariants import check_invariants, ensure
+from pooled_invariants import (
+    cached_ids,
+    check_invariants,
+    clean_at_boundary_ids,
+    ensure,
+)
 from test_arena import cache, make_arena
 from test_eviction import Driver, use_pooled_manager
 
@@ -38,15 +43,15 @@ def test_while_clearing_cached_entries_go_before_clean_blocks_at_the_boundary(
         cache(token, block, bytes([block.block_id]))
     token.free_blocks(held)
     queue = token.free_block_queue
-    assert queue.clean_at_boundary_ids() == [9, 10, 11]
+    assert clean_at_boundary_ids(queue) == [9, 10, 11]
     token.clear_boundary(clearing)
     taken = token.get_new_blocks(7)
     if clearing:
         assert _ids(taken) == [5, 6, 7, 8, 3, 4, 9]
-        assert queue.cached_ids() == []
+        assert cached_ids(queue) == []
     else:
         assert _ids(taken) == [5, 6, 7, 8, 9, 10, 11]
-        assert queue.cached_ids() == [3, 4]
+        assert cached_ids(queue) == [3, 4]
 
 
 def test_the_blocks_next_to_the_boundary_follow_its_moves():
@@ -54,14 +59,14 @@ def test_the_blocks_next_to_the_boundary_follow_its_moves():
     token = arena.token_pool
     token.keep_boundary_clear(3)
     queue = token.free_block_queue
-    assert queue.clean_at_boundary_ids() == [9, 10, 11]
+    assert clean_at_boundary_ids(queue) == [9, 10, 11]
     state = arena.state_pool
     state.get_new_blocks(4)  # ids 9..6 live: the token pool can take id 5
     assert ensure(arena.boundary, 10, 0)
     assert token.owned_ids == range(3, 15)
-    assert queue.clean_at_boundary_ids() == [12, 13, 14]
+    assert clean_at_boundary_ids(queue) == [12, 13, 14]
     token.get_new_blocks(12)
-    assert queue.clean_at_boundary_ids() == []
+    assert clean_at_boundary_ids(queue) == []
     check_invariants(arena)
 
 
@@ -69,13 +74,13 @@ def test_the_arena_keeps_clear_state_blocks_worth_of_token_ids(monkeypatch):
     """16 state blocks of 10 B hold 40 token blocks of 4 B: more than the
     token pool's nine, so all of them; with the variable at 1, two."""
     assert BOUNDARY_CLEAR_STATE_BLOCKS == 16
-    assert make_arena().token_pool.free_block_queue.clean_at_boundary_ids() == list(
+    assert clean_at_boundary_ids(make_arena().token_pool.free_block_queue) == list(
         range(3, 12)
     )
     monkeypatch.setattr(arena_module, "BOUNDARY_CLEAR_STATE_BLOCKS", 1)
     queue = make_arena().token_pool.free_block_queue
-    assert queue.clean_at_boundary_ids() == [10, 11]
-    assert make_arena().state_pool.free_block_queue.clean_at_boundary_ids() == []
+    assert clean_at_boundary_ids(queue) == [10, 11]
+    assert clean_at_boundary_ids(make_arena().state_pool.free_block_queue) == []
 
 
 def test_the_coordinator_clears_while_the_arena_refuses_new_requests(monkeypatch):

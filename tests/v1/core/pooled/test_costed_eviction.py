@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from pooled_invariants import check_invariants, ensure
+from pooled_invariants import cached_ids, check_invariants, ensure
 from test_arena import SMALL, cache
 from test_arena_split import _cache_free, _cached
 from test_eviction import BLOCK, Driver, use_pooled_manager
@@ -98,7 +98,7 @@ def test_among_the_oldest_states_those_worth_less_than_attention_go_first(weighe
     state.free_blocks(blocks)
     for block in blocks:
         state.rank_entry(block, Entry.PREFILL_ANCHOR, 41 if block.block_id > 7 else 40)
-    assert state.free_block_queue.cached_ids()[0] == (7 if weighed else 9)
+    assert cached_ids(state.free_block_queue)[0] == (7 if weighed else 9)
     (taken,) = state.get_new_blocks(1)
     assert taken.block_id == (7 if weighed else 9)
 

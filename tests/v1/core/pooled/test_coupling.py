@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from pooled_invariants import check_invariants, ensure, needed_by, needs
+from pooled_invariants import cached_ids, check_invariants, ensure, needed_by, needs
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     KVCacheBlock,
@@ -145,7 +145,7 @@ def test_tail_past_last_checkpoint_is_evicted_on_free():
     arena, hashes, req = computed(4, [1])  # checkpoint at 32 tokens
     tok = arena.token_pool
     assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
-    assert sorted(tok.free_block_queue.cached_ids()) == sorted(
+    assert sorted(cached_ids(tok.free_block_queue)) == sorted(
         b.block_id for b in req.attn[:2]
     )
     assert arena.coupling.evictions == {"token": 2, "state": 0}
@@ -170,7 +170,7 @@ def test_evicting_a_checkpoint_evicts_the_blocks_only_it_needed():
     assert cached(tok, [tkey(h) for h in hashes]) == [True, True, False, False]
     sta.evict_blocks({req.state[1].block_id})
     assert cached(tok, [tkey(h) for h in hashes]) == [False] * 4
-    assert tok.free_block_queue.cached_ids() == []
+    assert cached_ids(tok.free_block_queue) == []
     check_invariants(arena)
 
 
@@ -196,7 +196,7 @@ def test_blocks_in_use_are_checked_again_when_freed():
     assert cached(sta, [skey(hashes[1])]) == [True]  # held: not evicted yet
     sta.free_blocks([holder.state[1]])
     assert cached(sta, [skey(hashes[1])]) == [False]
-    assert sta.free_block_queue.cached_ids() == []
+    assert cached_ids(sta.free_block_queue) == []
     check_invariants(arena)
 
 
@@ -234,7 +234,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     assert needs(arena.coupling.links) == {} and needed_by(arena.coupling.links) == {}
     tok.free_blocks(reversed(req.attn))
     # No checkpoint is left, so no attention block can be hit: all evicted.
-    assert tok.free_block_queue.cached_ids() == []
+    assert cached_ids(tok.free_block_queue) == []
     check_invariants(arena)
     # The other way round: a busy state pool, the token pool reset.
     req = Req(arena, hashes)
@@ -243,7 +243,7 @@ def test_resetting_one_pool_keeps_the_links_consistent():
     assert tok.reset_prefix_cache()
     assert arena.coupling.links.broken == {skey(hashes[2])}
     sta.free_blocks([req.state[2]])
-    assert sta.free_block_queue.cached_ids() == []
+    assert cached_ids(sta.free_block_queue) == []
     assert arena.coupling.links.broken == set()
     check_invariants(arena)
 
@@ -487,7 +487,7 @@ class CoupledArenaMachine(RuleBasedStateMachine):
         if self.arena is None:
             return
         pool = self.arena.state_pool
-        order = pool.free_block_queue.cached_ids()
+        order = cached_ids(pool.free_block_queue)
         first = [(i, pool.blocks[i].block_hash) in self.ranked for i in order]
         assert first == sorted(first, reverse=True), order
 

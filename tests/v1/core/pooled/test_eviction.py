@@ -22,7 +22,13 @@ import random
 
 import pytest
 import torch
-from pooled_invariants import check_invariants, ensure
+from pooled_invariants import (
+    cached_ids,
+    check_invariants,
+    clean_ids,
+    ensure,
+    protected_ids,
+)
 from test_arena import cache, free_order, make_arena
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
@@ -67,14 +73,14 @@ def test_entries_hit_twice_are_handed_out_last():
     pool.free_blocks([blocks[0], blocks[1], blocks[1]])
     queue = pool.free_block_queue
     assert PROTECT_AFTER_HITS == 2
-    assert queue.protected_ids() == [4]
+    assert protected_ids(queue) == [4]
     # clean blocks, then the LRU of ordinary entries, then protected ones
     assert free_order(pool)[-3:] == [5, 3, 4]
     assert queue.policy.hit_counts() == {3: 1, 4: 2}
     check_invariants(arena)
     # reused (evicted) it starts over
     pool.evict_blocks({4})
-    assert queue.protected_ids() == [] and queue.policy.hit_counts() == {3: 1}
+    assert protected_ids(queue) == [] and queue.policy.hit_counts() == {3: 1}
     check_invariants(arena)
 
 
@@ -130,20 +136,20 @@ def test_turn_ends_are_ranked_like_any_entry_while_they_serve_more_hits():
     eviction.rank_entry(pool, prefill, Entry.PREFILL)
     eviction.rank_entry(pool, end, Entry.TURN_END)
     # no hits yet: both at the head, the last filed first
-    assert queue.cached_ids()[:2] == [end.block_id, prefill.block_id]
+    assert cached_ids(queue)[:2] == [end.block_id, prefill.block_id]
     # a follow-up hits the turn end: the next one is filed in LRU order
     pool.touch([end])
     pool.free_blocks([end])
     assert policy.rival_hits[Entry.TURN_END] == 1.0
     eviction.rank_entry(pool, end, Entry.TURN_END)
-    assert queue.cached_ids() == [prefill.block_id, other.block_id, end.block_id]
+    assert cached_ids(queue) == [prefill.block_id, other.block_id, end.block_id]
     # two hits on the prefill checkpoint: turn ends go to the head again
     for _ in range(2):
         pool.touch([prefill])
         pool.free_blocks([prefill])
         eviction.rank_entry(pool, prefill, Entry.PREFILL)
     eviction.rank_entry(pool, end, Entry.TURN_END)
-    assert queue.cached_ids()[0] == end.block_id
+    assert cached_ids(queue)[0] == end.block_id
     check_invariants(arena)
 
 
@@ -157,21 +163,21 @@ def test_a_prompts_own_and_last_prefill_checkpoints_rank_by_their_hits():
     eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
     eviction.rank_entry(pool, own, Entry.PROMPT)
     # no hits yet: both in LRU order, behind the entry freed before them
-    assert queue.cached_ids() == [other.block_id, last.block_id, own.block_id]
+    assert cached_ids(queue) == [other.block_id, last.block_id, own.block_id]
     # a follow-up hits the last prefill checkpoint: own checkpoints go first
     pool.touch([last])
     pool.free_blocks([last])
     eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
     assert _rivals(policy) == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 0.0}
     eviction.rank_entry(pool, own, Entry.PROMPT)
-    assert queue.cached_ids() == [own.block_id, other.block_id, last.block_id]
+    assert cached_ids(queue) == [own.block_id, other.block_id, last.block_id]
     # two resent prompts hit their own checkpoint: last ones go first now
     for _ in range(2):
         pool.touch([own])
         pool.free_blocks([own])
     assert _rivals(policy) == {Entry.PREFILL_LAST: 1.0, Entry.PROMPT: 2.0}
     eviction.rank_entry(pool, last, Entry.PREFILL_LAST)
-    assert queue.cached_ids()[0] == last.block_id
+    assert cached_ids(queue)[0] == last.block_id
     # evicted, a block's kind is forgotten: its later hits count for nobody
     pool.evict_blocks({last.block_id})
     cache(pool, last, b"reused")
@@ -347,7 +353,7 @@ def test_a_shared_prefix_outlives_a_burst_of_one_off_prompts(
     assert driver.arena.token_capacity == 11
     driver.share(3)
     token_queue = driver.arena.token_pool.free_block_queue
-    protected = token_queue.protected_ids()
+    protected = protected_ids(token_queue)
     assert protected == ([4, 3, 2, 1] if protect_after == 2 else [])
     for i in range(5):
         driver.serve(driver.request(f"once{i}", _one_off(6 * BLOCK + 1, i)))
@@ -374,7 +380,7 @@ def test_a_running_request_crosses_in_place_before_a_protected_entry_goes(
     monkeypatch.setattr(driver.arena.boundary, "_recency_target", lambda *a: None)
     driver.share(3)
     state_queue = driver.arena.state_pool.free_block_queue
-    assert state_queue.protected_ids() == [15] and state_queue.clean_ids() == [14]
+    assert protected_ids(state_queue) == [15] and clean_ids(state_queue) == [14]
     long = driver.request("long", _one_off(8 * BLOCK + 1, 7))
     assert driver.admit(long) == 0
     assert driver.step(long)
@@ -405,7 +411,7 @@ def test_a_new_request_evicts_a_protected_entry_when_nothing_else_serves(driver)
         "edges_in_place": 0,
         "relocations": 0,
     }
-    assert driver.arena.state_pool.free_block_queue.protected_ids() == []
+    assert protected_ids(driver.arena.state_pool.free_block_queue) == []
     for request in (first, second):
         driver.manager.free(request)
     assert driver.hits_shared() == 0
@@ -423,8 +429,8 @@ def test_a_request_nothing_serves_is_refused_and_changes_nothing(driver):
     assert driver.admit(second) is None
     assert (driver.arena.boundary_bytes, driver.arena.token_capacity) == before
     state_queue = driver.arena.state_pool.free_block_queue
-    assert state_queue.protected_ids() == [15]
-    assert driver.arena.token_pool.free_block_queue.protected_ids() == [4, 3, 2, 1]
+    assert protected_ids(state_queue) == [15]
+    assert protected_ids(driver.arena.token_pool.free_block_queue) == [4, 3, 2, 1]
     driver.manager.free(first)
     assert driver.hits_shared() == 64
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from pooled_invariants import check_invariants
+from pooled_invariants import cached_ids, check_invariants
 from test_eviction import BLOCK, Driver, use_pooled_manager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -294,7 +294,7 @@ def test_retention_keeps_the_state_a_chunk_ended_at(monkeypatch, interval, ancho
     # (freed when the request moved past it, before the prompt's own at the
     # request's end)
     expected = [at[32], at[64], at[96]] if interval else [at[96]]
-    assert state.free_block_queue.cached_ids() == expected
+    assert cached_ids(state.free_block_queue) == expected
     counts = driver.coordinator.turn_end_counts
     assert counts.prefill_cached == (2 if interval else 0)
     assert counts.prefill_by_request == {}

@@ -107,28 +107,6 @@ class ArenaFreeBlockQueue:
         """Whether ``block`` is free in the protected segment."""
         return self._lru[Segment.PROTECTED].get(block.block_id) is block
 
-    def clean_ids(self) -> list[int]:
-        """Ids of clean free blocks, in hand-out order (those next to the
-        boundary last)."""
-        return [bid for s in CLEAN_SEGMENTS for bid in self._clean[s].ids()]
-
-    def clean_at_boundary_ids(self) -> list[int]:
-        """Ids of the clean blocks filed as next to the boundary."""
-        return self._clean[Segment.CLEAN_AT_BOUNDARY].ids()
-
-    def cached_ids(self) -> list[int]:
-        """Ids of cached free blocks, in hand-out order."""
-        return [
-            bid
-            for s in HAND_OUT_ORDER
-            if s not in CLEAN_SEGMENTS
-            for bid in self._ids_of(s)
-        ]
-
-    def protected_ids(self) -> list[int]:
-        """Ids of the protected segment, in hand-out order."""
-        return self._ids_of(Segment.PROTECTED)
-
     def num_clean_first(self) -> int:
         """Clean free blocks handed out before any cached one: an allocation
         of at most this many evicts nothing. O(1)."""
