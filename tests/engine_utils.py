@@ -130,6 +130,21 @@ def record_calls(obj: Any, name: str) -> list[tuple]:
     return calls
 
 
+def record_scheduled_tokens(sched: Any) -> list[dict[str, int]]:
+    """Wrap ``sched.schedule``; the returned list gets the tokens each later
+    step schedules, per request id."""
+    steps: list[dict[str, int]] = []
+    schedule = sched.schedule
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        steps.append(dict(out.num_scheduled_tokens))
+        return out
+
+    sched.schedule = recording
+    return steps
+
+
 def bench_pooled() -> ModuleType:
     """The library behind ``benchmarks/bench_pooled.py``, the package
     ``benchmarks.pooled`` (the repository root is on ``sys.path`` through

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_utils import stand_in_engine
+from engine_utils import record_scheduled_tokens, stand_in_engine
 
 from vllm_hybrid.v1.core.pooled.policy.steps import PACING_MAX_WAITING
 
@@ -93,7 +93,6 @@ def _steps(model: Path, paced: bool, steps: int) -> list[dict[str, int]]:
     from vllm_hybrid.tools.simulate.drive import _add
     from vllm_hybrid.tools.simulate.sources import SimRequest
 
-    scheduled: list[dict[str, int]] = []
     with stand_in_engine(model, 2048, 6 * PAGE) as engine:
         scheduler = engine.scheduler
         if not paced:
@@ -101,14 +100,7 @@ def _steps(model: Path, paced: bool, steps: int) -> list[dict[str, int]]:
         for i in range(8):
             prompt = [(7 * i + j) % 1000 + 1 for j in range(8000)]
             _add(engine.core, SimRequest(f"r{i}", prompt, 4, 0.0))
-        schedule = scheduler.schedule
-
-        def recording(*args, **kwargs):
-            out = schedule(*args, **kwargs)
-            scheduled.append(dict(out.num_scheduled_tokens))
-            return out
-
-        scheduler.schedule = recording
+        scheduled = record_scheduled_tokens(scheduler)
         while len(scheduled) < steps:
             engine.core.step_fn()
     return scheduled[:steps]
