@@ -260,12 +260,22 @@ class ArenaBlockPool(BlockPool):
             self.metrics_collector.on_block_allocated(block)
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        evicted = super()._maybe_evict_cached_block(block)
-        if block.block_hash is None:
-            self.free_block_queue.policy.forget(block)
-        if evicted:
-            # A free block that lost its hash is clean now: reuse it early.
-            self.free_block_queue.refile_n([block])
+        return bool(self._evict_cached([block]))
+
+    def _evict_cached(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Upstream's eviction of each of ``blocks``; the eviction order
+        forgets the blocks that lost their hash, and the free ones among
+        them are clean now: re-filed together, to be reused early. Returns
+        the blocks that were cached."""
+        evict = super()._maybe_evict_cached_block
+        forget = self.free_block_queue.policy.forget
+        evicted = []
+        for block in blocks:
+            if evict(block):
+                evicted.append(block)
+            if block.block_hash is None:
+                forget(block)
+        self.free_block_queue.refile_n(evicted)
         return evicted
 
     def evict_cached(self, block: KVCacheBlock) -> bool:
@@ -277,20 +287,11 @@ class ArenaBlockPool(BlockPool):
         """Evict free cached ``blocks`` as :data:`Entry.DEAD` ranks them, and
         drop their events: nothing links to their keys (:mod:`.coupling`)."""
         assert PLACES[Entry.DEAD] is Place.EVICT
-        # upstream's eviction of each block; the blocks re-filed clean together
         events = self.cache_events
         recorded = len(events) if events is not None else 0
-        evict = super()._maybe_evict_cached_block
-        forget = self.free_block_queue.policy.forget
-        evicted = []
-        for block in blocks:
-            if evict(block):
-                evicted.append(block)
-            if block.block_hash is None:
-                forget(block)
+        self._evict_cached(blocks)
         if events is not None:
             del events[recorded:]
-        self.free_block_queue.refile_n(evicted)
 
     def rank_entry(
         self, block: KVCacheBlock, entry: Entry, saves: int | None = None
