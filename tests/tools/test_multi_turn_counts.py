@@ -79,12 +79,16 @@ def test_state_copies_and_checkpoints_are_pinned(counts) -> None:
     copies, 25 checkpoints. Pooled mode's 32-token state blocks cross more
     edges and keep a checkpoint at every turn end; edges no checkpoint keeps
     are crossed in place (102 copies and 67 checkpoints when every edge was
-    copied)."""
+    copied), and once turn ends served more hits than prompts' own
+    checkpoints, a prompt whose reply keeps a turn end past it keeps no
+    checkpoint of its own (92 copies and 63 checkpoints when every prompt
+    kept one)."""
     up, pooled = counts["upstream"], counts["pooled"]
     assert (up["copies_moved"], up["checkpoints_cached"]) == (57, 25)
     assert up["prefill_tokens"] == 11400
     assert up["cuts"] is None
-    assert (pooled["copies_moved"], pooled["checkpoints_cached"]) == (92, 63)
+    assert (pooled["copies_moved"], pooled["checkpoints_cached"]) == (80, 51)
+    assert pooled["prefill_tokens"] == 5320
     assert pooled["cuts"] >= 1
 
 

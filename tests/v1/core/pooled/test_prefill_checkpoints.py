@@ -9,6 +9,7 @@ The fast tests use the qwen3_6 tiny model's per-layer shapes (2 KV heads x
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
 from vllm_hybrid.v1.core.pooled.policy.positions import (
     CheckpointPolicy,
     is_prefill_anchor,
+    keeps_a_turn_end_past_prompt,
     next_prefill_checkpoint,
     prefill_checkpoint_anchor,
     prefill_checkpoint_interval,
@@ -33,6 +35,7 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
     StepPlan,
     junction_worth_a_step,
     keeps_last_checkpoint,
+    keeps_prompt_checkpoint,
 )
 from vllm_hybrid.v1.core.sched.scheduler import PooledSchedulerMixin
 
@@ -258,6 +261,82 @@ def test_a_paced_chunk_stops_before_the_prompts_end_unless_prompts_hit_more():
     # unpaced, a chunk still ends at each checkpoint
     sched._step = StepPlan(keep_last=False)
     assert sched._mamba_block_aligned_split(_request(0, 2200), 2200) == 1056
+
+
+def _replying(request, max_tokens: int, ignore_eos: bool = True, stop=None):
+    """``request`` with a reply of at most ``max_tokens``; with ``ignore_eos``
+    and no stop it runs to that budget."""
+    request.max_tokens = max_tokens
+    request.sampling_params = SimpleNamespace(
+        ignore_eos=ignore_eos, stop=stop, stop_token_ids=None, repetition_detection=None
+    )
+    return request
+
+
+def test_a_turn_end_past_the_prompt_needs_a_reply_that_runs_to_its_budget():
+    # 2,200 + 63 - 1 reaches 2,240 (32-token blocks), past the prompt
+    assert keeps_a_turn_end_past_prompt(_replying(_request(0, 2200), 63), 32)
+    # 2,200 + 40 - 1 stops short of 2,240: the last edge is 2,208 = 69 x 32
+    assert keeps_a_turn_end_past_prompt(_replying(_request(0, 2200), 40), 32)
+    assert not keeps_a_turn_end_past_prompt(_replying(_request(0, 2200), 8), 32)
+    # a prompt ending on an edge: 32 more tokens, all but the last computed,
+    # reach no further edge
+    assert not keeps_a_turn_end_past_prompt(_replying(_request(0, 1696), 32), 32)
+    # end of sequence or a stop string may end the reply before its budget
+    reply = _replying(_request(0, 2200), 63, ignore_eos=False)
+    assert not keeps_a_turn_end_past_prompt(reply, 32)
+    reply = _replying(_request(0, 2200), 63, stop=["\n"])
+    assert not keeps_a_turn_end_past_prompt(reply, 32)
+
+
+def test_a_chunk_finishes_its_prompt_where_turn_ends_hit_more():
+    """Follow-ups that repeat the reply resume at the turn end decoding
+    keeps, so where turn ends served more hits than prompts' own checkpoints
+    the last tokens of a prompt whose reply keeps one need no step of their
+    own; with no hits yet, where prompts' own hit as much, or where the reply
+    may keep no turn end, the chunk stops at the prompt's checkpoint."""
+    assert keeps_prompt_checkpoint({})
+    assert keeps_prompt_checkpoint({Entry.TURN_END: 2.0, Entry.PROMPT: 2.0})
+    assert not keeps_prompt_checkpoint({Entry.TURN_END: 2.5, Entry.PROMPT: 2.0})
+    sched = _PromptStopScheduler(0)
+
+    def split(computed: int, prompt: int, chunk: int, max_tokens: int = 64) -> int:
+        request = _replying(_request(computed, prompt), max_tokens)
+        return sched._mamba_block_aligned_split(request, chunk)
+
+    # a 2,200-token prompt: its own checkpoint is 2,176 (32-token blocks)
+    assert split(0, 2200, 2200) == 2176
+    assert split(1520, 2419, 899) == 880
+    sched._step = StepPlan(keep_prompt=False)
+    assert split(0, 2200, 2200) == 2200
+    assert split(1520, 2419, 899) == 899
+    # a reply that keeps no turn end past the prompt: the stop stays
+    assert split(0, 2200, 2200, max_tokens=8) == 2176
+    # a chunk that does not finish the prompt keeps upstream's stop
+    assert split(0, 2200, 2190) == 2176
+    # so does a junction before the prompt's checkpoint
+    junction = _replying(_request(0, 2200, junction=1600), 64)
+    assert sched._mamba_block_aligned_split(junction, 2200) == 1600
+
+
+class _UpstreamWithPromptStop(_Upstream):
+    """:class:`_Upstream` with upstream's stop at the prompt's own
+    checkpoint: a chunk never runs past the last block edge before the
+    prompt's last token (vLLM's ``get_mamba_prefill_checkpoint_position``)."""
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, *args) -> int:
+        num_new_tokens = super()._mamba_block_aligned_split(
+            request, num_new_tokens, *args
+        )
+        start = request.num_computed_tokens + sum(args)
+        own = (request.num_tokens - 1) // 32 * 32
+        if start < own < start + num_new_tokens:
+            return own - start
+        return num_new_tokens
+
+
+class _PromptStopScheduler(PooledSchedulerMixin, _UpstreamWithPromptStop):
+    __init__ = _Scheduler.__init__
 
 
 @pytest.mark.parametrize(

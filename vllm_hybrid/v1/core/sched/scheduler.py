@@ -26,6 +26,7 @@ holds the step's state the policy reads. Everything else stays upstream's.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 from vllm_hybrid.logger import init_logger
 from vllm_hybrid.v1.core.pooled.coordinator import arena_of
 from vllm_hybrid.v1.core.pooled.moves import MOVES_ATTRIBUTE, new_block_ids_follow
+from vllm_hybrid.v1.core.pooled.policy.eviction import Entry
+from vllm_hybrid.v1.core.pooled.policy.positions import (
+    keeps_a_turn_end_past_prompt,
+    prompt_checkpoint,
+)
 from vllm_hybrid.v1.core.pooled.policy.steps import (
     DECODE_ROOM,
     StepPlan,
@@ -54,6 +60,7 @@ from vllm_hybrid.v1.core.pooled.policy.steps import (
     junction_stop,
     junction_worth_a_step,
     keeps_last_checkpoint,
+    keeps_prompt_checkpoint,
     paced_step_budget,
     paces,
     pacing_page,
@@ -212,10 +219,21 @@ class PooledSchedulerMixin:
         self, request: Request, start: int, chunk: int, local: int, external: int
     ) -> int:
         """Upstream's split of ``chunk``, less a stop at a shared-prefix
-        junction that is not worth a step (:func:`junction_worth_a_step`)."""
+        junction that is not worth a step (:func:`junction_worth_a_step`) and
+        the stop at the prompt's own checkpoint in a step that does not keep
+        it (:func:`keeps_prompt_checkpoint`) for a request whose decoding
+        keeps a turn end past it (:func:`keeps_a_turn_end_past_prompt`)."""
         aligned = super()._mamba_block_aligned_split(request, chunk, local, external)
-        junction = request.shared_prefix_boundary
         block = self.cache_config.block_size
+        if (
+            not self._step.keep_prompt
+            and aligned < chunk
+            and start + chunk >= prefill_end(request)
+            and start + aligned == prompt_checkpoint(request.num_tokens, block)
+            and keeps_a_turn_end_past_prompt(request, block)
+        ):
+            return chunk
+        junction = request.shared_prefix_boundary
         if (
             not junction
             or aligned >= chunk
@@ -249,11 +267,13 @@ class PooledSchedulerMixin:
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         paced = self.paces_next_step()
+        hits = self._rival_hits()
         self._step = StepPlan(
             paced=paced,
             deep=bool(self._deep_chunk) and cuts_deep_chunks(len(self.waiting)),
             decode_room=decode_room(self.running) if DECODE_ROOM else {},
-            keep_last=paced and self._keeps_last_checkpoint(),
+            keep_last=paced and keeps_last_checkpoint(hits),
+            keep_prompt=keeps_prompt_checkpoint(hits),
         )
         self.max_num_scheduled_tokens = (
             self._paced_budget if paced else self._full_budget
@@ -292,13 +312,13 @@ class PooledSchedulerMixin:
         ]
         arena.allow_token_moves(new_block_ids_follow(managers))
 
-    def _keeps_last_checkpoint(self) -> bool:
-        """:func:`keeps_last_checkpoint` on the state pool's recent hits."""
+    def _rival_hits(self) -> Mapping[Entry, float]:
+        """The state pool's recent prefix hits per counted kind (none
+        without an arena)."""
         arena = arena_of(self.kv_cache_manager)
         if arena is None:
-            return True
-        policy = arena.state_pool.free_block_queue.policy
-        return keeps_last_checkpoint(policy.rival_hits)
+            return {}
+        return arena.state_pool.free_block_queue.policy.rival_hits
 
     def paces_next_step(self) -> bool:
         """Whether the next step is paced: pacing is on for this plan and at

@@ -163,6 +163,17 @@ def budget_end_edge(request: Request, block: int) -> int:
     return (request.num_prompt_tokens + request.max_tokens - 1) // block * block
 
 
+def keeps_a_turn_end_past_prompt(request: Request, block: int) -> bool:
+    """Whether decoding keeps a turn end past the prompt's end: only its token
+    budget ends the reply, and it reaches a state block edge past the prompt."""
+    params = request.sampling_params
+    if params is None or not params.ignore_eos or params.stop or params.stop_token_ids:
+        return False
+    if params.repetition_detection is not None:
+        return False
+    return budget_end_edge(request, block) > request.num_prompt_tokens
+
+
 def interval_keeps(retention_interval: int | None, num_tokens: int) -> bool:
     """Whether ``--prefix-cache-retention-interval`` keeps ``num_tokens``."""
     return bool(retention_interval) and num_tokens % retention_interval == 0

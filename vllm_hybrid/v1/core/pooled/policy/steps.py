@@ -82,6 +82,9 @@ class StepPlan:
     #: paced chunks reaching a prompt's own checkpoint also stop at the last
     #: prefill checkpoint (:func:`keeps_last_checkpoint`)
     keep_last: bool = True
+    #: chunks finishing a prompt stop at its own checkpoint
+    #: (:func:`keeps_prompt_checkpoint`)
+    keep_prompt: bool = True
 
 
 def state_checkpoint_block(
@@ -220,6 +223,13 @@ def keeps_last_checkpoint(rival_hits: Mapping[Entry, float]) -> bool:
     unless prompts' own checkpoints served more prefix hits lately
     (:data:`~.eviction.RIVALS`), so that a prefix's first reuse hits there."""
     return rival_hits.get(Entry.PREFILL_LAST, 0) >= rival_hits.get(Entry.PROMPT, 0)
+
+
+def keeps_prompt_checkpoint(rival_hits: Mapping[Entry, float]) -> bool:
+    """Whether a chunk finishing its prompt stops at the prompt's own
+    checkpoint (a step for its last tokens): unless turn ends served more
+    hits lately, follow-ups that repeat the reply resuming there."""
+    return rival_hits.get(Entry.TURN_END, 0) <= rival_hits.get(Entry.PROMPT, 0)
 
 
 def checkpoint_chunk(
