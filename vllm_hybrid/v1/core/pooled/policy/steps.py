@@ -227,8 +227,8 @@ def keeps_last_checkpoint(rival_hits: Mapping[Entry, float]) -> bool:
 
 def keeps_prompt_checkpoint(rival_hits: Mapping[Entry, float]) -> bool:
     """Whether a chunk finishing its prompt stops at the prompt's own
-    checkpoint (a step for its last tokens): unless turn ends served more
-    hits lately, follow-ups that repeat the reply resuming there."""
+    checkpoint (a step for its last tokens): not while turn ends served more
+    hits lately (follow-ups that repeat the reply resume at those)."""
     return rival_hits.get(Entry.TURN_END, 0) <= rival_hits.get(Entry.PROMPT, 0)
 
 
