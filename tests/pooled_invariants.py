@@ -41,7 +41,7 @@ def protected_ids(queue: ArenaFreeBlockQueue) -> list[int]:
 
 def clean_at_boundary_ids(queue: ArenaFreeBlockQueue) -> list[int]:
     """Ids of the clean blocks filed as next to the boundary."""
-    return sorted(queue._clean[Segment.CLEAN_AT_BOUNDARY], key=queue._id_to_key)
+    return queue._clean[Segment.CLEAN_AT_BOUNDARY].ids()
 
 
 def _require(condition: bool, message: str) -> None:

@@ -335,8 +335,8 @@ class _UpstreamWithPromptStop(_Upstream):
         return num_new_tokens
 
 
-class _PromptStopScheduler(PooledSchedulerMixin, _UpstreamWithPromptStop):
-    __init__ = _Scheduler.__init__
+class _PromptStopScheduler(_Scheduler, _UpstreamWithPromptStop):
+    pass
 
 
 @pytest.mark.parametrize(
