@@ -41,7 +41,7 @@ def protected_ids(queue: ArenaFreeBlockQueue) -> list[int]:
 
 def clean_at_boundary_ids(queue: ArenaFreeBlockQueue) -> list[int]:
     """Ids of the clean blocks filed as next to the boundary."""
-    return queue._clean[Segment.CLEAN_AT_BOUNDARY].ids()
+    return queue._ids_of(Segment.CLEAN_AT_BOUNDARY)
 
 
 def _require(condition: bool, message: str) -> None:

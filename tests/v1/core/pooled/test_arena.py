@@ -50,7 +50,6 @@ from vllm_hybrid.v1.core.pooled.policy.eviction import (
     PROTECT_AFTER_HITS,
     Place,
     Reach,
-    Segment,
 )
 from vllm_hybrid.v1.core.pooled.spec import ArenaLayout, PoolKind
 
@@ -277,7 +276,7 @@ def test_queue_heap_compaction_keeps_order():
     queue = ArenaFreeBlockQueue(blocks[1:], low_ids_first=False)
     for block in blocks[100:299]:
         queue.remove(block)
-    assert len(queue._clean[Segment.CLEAN]._heap) <= 2 * queue.num_free_blocks + 64
+    assert len(queue._clean._heap) <= 2 * queue.num_free_blocks + 64
     assert queue.num_free_blocks == 100
     assert [queue.popleft().block_id for _ in range(3)] == [299, 99, 98]
     with pytest.raises(RuntimeError, match="not free"):

@@ -235,8 +235,6 @@ class ArenaBlockPool(BlockPool):
     def take_free(self, num_blocks: int) -> list[KVCacheBlock]:
         """The first ``num_blocks`` free blocks, all out of the queue before
         any leaves the prefix cache (upstream's order)."""
-        if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         if self._reuse_watchers:
             self._notify_reuse(blocks)

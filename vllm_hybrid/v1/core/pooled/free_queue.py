@@ -8,7 +8,7 @@ is :mod:`.policy.eviction`'s, this module keeps blocks in it.
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, count, islice, takewhile
 
@@ -31,8 +31,9 @@ class ArenaFreeBlockQueue:
 
     Upstream's ``FreeKVCacheBlockQueue`` interface, as ``BlockPool`` and the
     simple KV offloader use it, with one segment per
-    :class:`~.policy.eviction.Segment`. A clean segment is a heap of ids,
-    farthest from the boundary first; a cached one is an LRU list whose
+    :class:`~.policy.eviction.Segment`. Both clean segments share one heap
+    of ids, farthest from the boundary first, split at
+    :attr:`EvictionPolicy.held_from`; a cached one is an LRU list whose
     ``append_n``/``prepend_n`` keep upstream's meaning, and a pop takes, of
     the ``window`` oldest, the one the order names. A block is filed where
     :meth:`EvictionPolicy.segment_of` says when it enters, and re-filed
@@ -59,10 +60,8 @@ class ArenaFreeBlockQueue:
         self.clearing = False
         #: the order's per-pool state (prefix hits per cached block)
         self.policy = EvictionPolicy()
-        #: clean blocks of each clean segment, in a heap by hand-out order
-        self._clean: dict[Segment, _CleanBlocks] = {
-            segment: _CleanBlocks(self._id_to_key) for segment in CLEAN_SEGMENTS
-        }
+        #: clean blocks of both clean segments, in a heap by hand-out order
+        self._clean = _CleanBlocks(self._id_to_key, self.policy.is_held)
         self._lru: dict[Segment, OrderedDict[int, KVCacheBlock]] = {
             segment: OrderedDict()
             for segment in HAND_OUT_ORDER
@@ -79,7 +78,7 @@ class ArenaFreeBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return sum(map(len, self._clean.values())) + sum(map(len, self._lru.values()))
+        return len(self._clean) + sum(map(len, self._lru.values()))
 
     @property
     def order(self) -> tuple[Segment, ...]:
@@ -87,11 +86,9 @@ class ArenaFreeBlockQueue:
         return CLEARING_ORDER if self.clearing else HAND_OUT_ORDER
 
     def num_free_within(self, reach: Reach) -> int:
-        """Free blocks an allocation of ``reach`` may take."""
-        spared = SPARED[reach]
-        if not spared:
-            return self.num_free_blocks
-        return self.num_free_blocks - sum(len(self._segment(s)) for s in spared)
+        """Free blocks an allocation of ``reach`` may take (what it spares
+        are cached segments)."""
+        return self.num_free_blocks - sum(len(self._lru[s]) for s in SPARED[reach])
 
     def spared_ids(self, reach: Reach) -> list[int]:
         """Ids of free blocks an allocation of ``reach`` must leave alone."""
@@ -111,17 +108,13 @@ class ArenaFreeBlockQueue:
         """Clean free blocks handed out before any cached one: an allocation
         of at most this many evicts nothing. O(1)."""
         clean = self._clean
-        if self.clearing:
-            return len(clean[Segment.CLEAN])
-        return len(clean[Segment.CLEAN]) + len(clean[Segment.CLEAN_AT_BOUNDARY])
+        return len(clean) - clean.num_held if self.clearing else len(clean)
 
     def num_free_before_lru(self, need: int) -> int:
         """Free blocks handed out before any cached block filed in LRU
         order (clean ones, then those filed at the cached segment's head),
         counted up to ``need``: O(need), as it runs on every allocation."""
-        found = sum(
-            len(self._clean[s]) for s in self.order[: self.order.index(Segment.CACHED)]
-        )
+        found = self.num_clean_first()
         if found >= need:
             return found
         head = takewhile(self._front.__contains__, self._lru[Segment.CACHED])
@@ -137,26 +130,24 @@ class ArenaFreeBlockQueue:
     def filed_tick(self, block: KVCacheBlock) -> int | None:
         """Tick at which a free cached block was filed; None for a clean
         one (meaningless for a block in use: old ticks are not dropped)."""
-        if any(c.get(block.block_id) is block for c in self._clean.values()):
+        if self._clean.get(block.block_id) is block:
             return None
         return self._filed_at[block.block_id]
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
-        return [self._segment(s)[bid] for s in self.order for bid in self._ids_of(s)]
+        by_id = ChainMap(self._clean, *self._lru.values())
+        return [by_id[bid] for s in self.order for bid in self._ids_of(s)]
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
         """Free blocks in hand-out order after ``cursor`` (all if None, none
         if it is no longer free, like upstream's list); O(n), for the simple
         KV offloader."""
         blocks = self.get_all_free_blocks()
-        if cursor is None:
-            yield from blocks
-            return
-        if cursor not in self:
-            return
-        position = next(i for i, b in enumerate(blocks) if b is cursor)
-        yield from blocks[position + 1 :]
+        if cursor is not None:
+            at = [i for i, block in enumerate(blocks) if block is cursor]
+            blocks = blocks[at[0] + 1 :] if at else []
+        yield from blocks
 
     # -- write side -------------------------------------------------------
 
@@ -168,10 +159,8 @@ class ArenaFreeBlockQueue:
         raise ValueError("No free blocks available in the arena pool")
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(
-                f"Cannot pop {n} blocks from a queue of {self.num_free_blocks}"
-            )
+        if n > self.num_free_blocks:  # upstream's pool's words
+            raise ValueError(f"Cannot get {n} free blocks from the pool")
         return [self.popleft() for _ in range(n)]
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -182,16 +171,14 @@ class ArenaFreeBlockQueue:
 
     def remove_clean(self, blocks: list[KVCacheBlock]) -> None:
         """Remove clean free blocks, many at once (a boundary move)."""
-        where = self._where
+        where, clean = self._where, self._clean
         for block in blocks:
-            clean = where.pop(block.block_id, None)
-            if not isinstance(clean, _CleanBlocks):
+            if where.pop(block.block_id, None) is not clean:
                 raise RuntimeError(
                     f"remove_clean() of block {block.block_id}, not a clean free one"
                 )
-            del clean[block.block_id]
-        for clean in self._clean.values():
-            clean.compact()
+            clean.discard(block.block_id)
+        clean.compact()
 
     def append(self, block: KVCacheBlock) -> None:
         self.append_n([block])
@@ -223,33 +210,22 @@ class ArenaFreeBlockQueue:
 
     def hold_clean_from(self, start: int | None) -> None:
         """File clean blocks with ids from ``start`` on apart
-        (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none),
-        re-filing only those whose segment changes."""
+        (:attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`; None: none).
+        Only the token pool holds any: its clean ids go lowest first, so the
+        held ones are the heap's last and no block is re-filed."""
+        assert start is None or self.low_ids_first, "only the token pool holds"
         old, self.policy.held_from = self.policy.held_from, start
-        if old == start:
-            return
-        if old is None or start is None:
-            ids: Iterable[int] = [i for clean in self._clean.values() for i in clean]
-        else:
-            ids = range(min(old, start), max(old, start))
-        moved = [c.pop(i) for c in self._clean.values() for i in ids if i in c]
-        for block in moved:
-            del self._where[block.block_id]
-        for clean in self._clean.values():
-            clean.compact()
-        self._file(moved, Place.TAIL)
+        if old != start:
+            self._clean.recount(old, start)
 
     # -- helpers ----------------------------------------------------------
-
-    def _segment(self, segment: Segment) -> dict[int, KVCacheBlock]:
-        if segment in CLEAN_SEGMENTS:
-            return self._clean[segment]
-        return self._lru[segment]
 
     def _ids_of(self, segment: Segment) -> list[int]:
         """A segment's ids in the order pops would return them."""
         if segment in CLEAN_SEGMENTS:
-            return self._clean[segment].ids()
+            ids = self._clean.ids()
+            cut = len(ids) - self._clean.num_held
+            return ids[cut:] if segment is Segment.CLEAN_AT_BOUNDARY else ids[:cut]
         front, rest = self._split_front(self._lru[segment])
         return [
             *_windowed(front, self.window, self._pop_key),
@@ -274,11 +250,13 @@ class ArenaFreeBlockQueue:
         return held if held is not None and held.get(block.block_id) is block else None
 
     def _unfile(self, bid: int, holder: dict[int, KVCacheBlock]) -> None:
-        del holder[bid]
         del self._where[bid]
         self._front.discard(bid)
-        if isinstance(holder, _CleanBlocks):
+        if holder is self._clean:
+            holder.discard(bid)
             holder.compact()  # its heap entry goes stale
+        else:
+            del holder[bid]
 
     def _file(self, blocks: Iterable[KVCacheBlock], place: Place) -> None:
         """File blocks not in the queue where the order puts them, at the
@@ -290,10 +268,9 @@ class ArenaFreeBlockQueue:
             if bid in where:
                 raise RuntimeError(f"block {bid} is already in the free queue")
             segment = segment_of(block)
-            held = clean.get(segment)
-            if held is not None:
-                held.add(block)
-                where[bid] = held
+            if segment in CLEAN_SEGMENTS:
+                clean.add(block)
+                where[bid] = clean
                 continue
             lru = self._lru[segment]
             lru[bid] = block
@@ -316,7 +293,8 @@ class ArenaFreeBlockQueue:
             self._front.discard(bid)
             del self._where[bid]
             return lru.pop(bid)
-        block = self._clean[segment].pop_first()
+        # the order asks for CLEAN first: the heap's first is the segment's
+        block = self._clean.pop_first(segment is Segment.CLEAN_AT_BOUNDARY)
         if block is not None:
             del self._where[block.block_id]
         return block
@@ -348,24 +326,45 @@ def _windowed(ids: Iterable[int], window: int, key) -> list[int]:
 
 
 class _CleanBlocks(dict[int, KVCacheBlock]):
-    """Clean free blocks of one segment by id, with a min-heap of their
-    hand-out keys and lazy deletion."""
+    """Clean free blocks by id, with a min-heap of their hand-out keys and
+    lazy deletion, counting the ``held`` ones (last in the heap's order)."""
 
-    def __init__(self, key: Callable[[int], int]) -> None:
+    def __init__(self, key: Callable[[int], int], held: Callable[[int], bool]) -> None:
         super().__init__()
-        self._key = key
+        self._key, self._held = key, held
         self._heap: list[tuple[int, int]] = []
+        #: clean blocks in :attr:`~.policy.eviction.Segment.CLEAN_AT_BOUNDARY`
+        self.num_held = 0
 
     def add(self, block: KVCacheBlock) -> None:
-        self[block.block_id] = block
-        heapq.heappush(self._heap, (self._key(block.block_id), block.block_id))
+        bid = block.block_id
+        self[bid] = block
+        heapq.heappush(self._heap, (self._key(bid), bid))
+        self.num_held += self._held(bid)
 
-    def pop_first(self) -> KVCacheBlock | None:
-        while self._heap:
-            block = self.pop(heapq.heappop(self._heap)[1], None)
-            if block is not None:
-                return block
-        return None
+    def discard(self, bid: int) -> None:
+        del self[bid]
+        self.num_held -= self._held(bid)
+
+    def pop_first(self, held: bool) -> KVCacheBlock | None:
+        """The heap's first block if it is ``held`` or not as asked."""
+        heap = self._heap
+        while heap and heap[0][1] not in self:
+            heapq.heappop(heap)
+        if not heap or self._held(heap[0][1]) is not held:
+            return None
+        bid = heapq.heappop(heap)[1]
+        self.num_held -= held
+        return self.pop(bid)
+
+    def recount(self, old: int | None, start: int | None) -> None:
+        """Held ids started at ``old`` and start at ``start`` now: O(ids
+        between the two, a boundary move's), or O(blocks) from or to none."""
+        if old is None or start is None:
+            self.num_held = sum(map(self._held, self))
+            return
+        between = sum(1 for i in range(min(old, start), max(old, start)) if i in self)
+        self.num_held += between if start < old else -between
 
     def ids(self) -> list[int]:
         """Ids in the order pops would return them."""

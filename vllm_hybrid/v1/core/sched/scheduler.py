@@ -174,13 +174,8 @@ class PooledSchedulerMixin:
             + num_external_computed_tokens
         )
         if start >= prefill_end(request):
-            # decoding: no prefill chunk to cut (most calls)
-            return super()._mamba_block_aligned_split(
-                request,
-                num_new_tokens,
-                num_new_local_computed_tokens,
-                num_external_computed_tokens,
-            )
+            # decoding (most calls): upstream's split leaves it whole too
+            return num_new_tokens
         step = self._step
         chunk = budget_chunk(
             request,

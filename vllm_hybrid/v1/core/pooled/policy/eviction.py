@@ -267,10 +267,14 @@ class EvictionPolicy:
         """Whether a cached block served :data:`PROTECT_AFTER_HITS` hits."""
         return self._hits.get(block.block_id, 0) >= PROTECT_AFTER_HITS
 
+    def is_held(self, block_id: int) -> bool:
+        """Whether a clean block with this id is :attr:`Segment.CLEAN_AT_BOUNDARY`'s."""
+        return self.held_from is not None and block_id >= self.held_from
+
     def segment_of(self, block: KVCacheBlock) -> Segment:
         """The segment a free block belongs in."""
         if block.block_hash is None:
-            held = self.held_from is not None and block.block_id >= self.held_from
+            held = self.is_held(block.block_id)
             return Segment.CLEAN_AT_BOUNDARY if held else Segment.CLEAN
         return Segment.PROTECTED if self.is_proven(block) else Segment.CACHED
 
