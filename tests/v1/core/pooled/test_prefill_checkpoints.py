@@ -16,6 +16,7 @@ import torch
 from pooled_invariants import cached_ids, check_invariants
 from test_eviction import BLOCK, Driver, use_pooled_manager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.request import RequestStatus
 
 from vllm_hybrid.config.hybrid_kv import HybridKVOptions
 from vllm_hybrid.v1.core.pooled.layers import split_layers
@@ -198,7 +199,9 @@ class _Scheduler(PooledSchedulerMixin, _Upstream):
         self._step = StepPlan()
 
 
-def _request(computed: int, prompt: int, junction: int = 0):
+def _request(
+    computed: int, prompt: int, junction: int = 0, status=RequestStatus.WAITING
+):
     return type(
         "R",
         (),
@@ -208,6 +211,7 @@ def _request(computed: int, prompt: int, junction: int = 0):
             "num_prompt_tokens": prompt,
             "num_tokens": prompt,
             "shared_prefix_boundary": junction,
+            "status": status,
         },
     )
 
@@ -317,6 +321,44 @@ def test_a_chunk_finishes_its_prompt_where_turn_ends_hit_more():
     # so does a junction before the prompt's checkpoint
     junction = _replying(_request(0, 2200, junction=1600), 64)
     assert sched._mamba_block_aligned_split(junction, 2200) == 1600
+
+
+class _Arena:
+    """A coordinator whose admission serves chunks up to ``room`` tokens,
+    recording the slots each count asked for."""
+
+    single_type_managers = ((), ())
+
+    def __init__(self, room: int) -> None:
+        self.room, self.asked = room, []
+
+    def admit(self, request_id, num_tokens, hits, encoder, total, local, *a, **k):
+        self.asked.append(num_tokens)
+        return object() if num_tokens - total <= self.room else None
+
+
+def test_a_running_chunk_the_arena_cannot_serve_waits_while_others_decode():
+    """Upstream preempts a request (often the one prefilling) when a running
+    request's chunk does not fit; pooled mode's split gives that chunk no
+    tokens this step while another running request decodes, and leaves the
+    chunk whole where it fits or nothing else makes progress."""
+    sched = _Scheduler(0)
+    arena = _Arena(room=1000)
+    sched.kv_cache_manager = SimpleNamespace(coordinator=arena, max_model_len=10_000)
+    sched.num_lookahead_tokens = 0
+    running = RequestStatus.RUNNING
+    prefilling = _request(2000, 5000, status=running)
+    decoding = _request(3001, 3000, status=running)
+    sched.running = [decoding, prefilling]
+    split = sched._mamba_block_aligned_split
+    assert split(prefilling, 800) == 800
+    assert split(prefilling, 2000) == 0  # 2,000 do not fit: it waits a step
+    assert arena.asked == [2800, 4000]
+    sched.running = [prefilling]  # none decodes: upstream's preemption runs
+    assert split(prefilling, 2000) == 2000
+    # a waiting prompt's chunk is admitted (or not) by upstream's path
+    assert split(_request(0, 5000), 2000) == 2000
+    assert len(arena.asked) == 3
 
 
 class _UpstreamWithPromptStop(_Upstream):

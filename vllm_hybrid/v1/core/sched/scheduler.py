@@ -98,6 +98,9 @@ class PooledSchedulerMixin:
     * A running request's prefill chunk that the token budget cuts leaves
       room for the decodes of the running requests after it
       (:data:`~vllm_hybrid.v1.core.pooled.policy.steps.DECODE_ROOM`).
+    * A running request's prefill chunk that the arena cannot serve waits
+      for a later step while another running request decodes, instead of
+      upstream preempting a request for it.
     * Per-pool usage goes to the installed publisher once per step, after
       upstream's stats.
     """
@@ -208,7 +211,44 @@ class PooledSchedulerMixin:
         )
         if cut != aligned:
             self.prefill_checkpoint_cuts += 1
+        if request.status == RequestStatus.RUNNING and self._waits_for_room(
+            request, cut
+        ):
+            return 0
         return cut
+
+    def _waits_for_room(self, request: Request, chunk: int) -> bool:
+        """Whether a running request's prefill ``chunk`` waits for a later
+        step: the arena cannot serve it now and another running request
+        decodes, so the step makes progress without it. Upstream would
+        preempt a request (often this one, losing its computed tokens) to
+        serve the chunk at once; admission keeps the waiting chunk's growth
+        from new requests."""
+        if not chunk:
+            return False
+        manager = self.kv_cache_manager
+        coordinator, limit = manager.coordinator, manager.max_model_len
+        computed = request.num_computed_tokens
+        main_model = min(computed, limit) + chunk
+        # the count upstream's allocation makes for it (no prefix hit); it
+        # leaves out the blocks the allocation frees first (skipped ones)
+        admission = coordinator.admit(
+            request.request_id,
+            min(main_model + self.num_lookahead_tokens, limit),
+            tuple(() for _ in coordinator.single_type_managers),
+            0,
+            computed,
+            computed,
+            main_model,
+            prefill_end=prefill_end(request),
+        )
+        if admission is not None:
+            return False
+        return any(
+            other.num_computed_tokens >= prefill_end(other)
+            for other in self.running
+            if other is not request
+        )
 
     def _upstream_split(
         self, request: Request, start: int, chunk: int, local: int, external: int
