@@ -263,6 +263,8 @@ class ArenaFreeBlockQueue:
         head or tail of their segment (one call for a request's thousands
         of freed blocks; one block when a free block's rank changes)."""
         where, segment_of, clean = self._where, self.policy.segment_of, self._clean
+        lrus, filed_at, clock = self._lru, self._filed_at, self._clock
+        head = place is Place.HEAD
         for block in blocks:
             bid = block.block_id
             if bid in where:
@@ -272,11 +274,10 @@ class ArenaFreeBlockQueue:
                 clean.add(block)
                 where[bid] = clean
                 continue
-            lru = self._lru[segment]
+            where[bid] = lru = lrus[segment]
             lru[bid] = block
-            where[bid] = lru
-            self._filed_at[bid] = next(self._clock)
-            if place is Place.HEAD:
+            filed_at[bid] = next(clock)
+            if head:
                 lru.move_to_end(bid, last=False)
                 self._front.add(bid)
 
