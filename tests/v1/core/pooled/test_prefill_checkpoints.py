@@ -483,23 +483,3 @@ def test_a_junction_seen_twice_is_kept(monkeypatch):
     assert serve("second", 2) == (0, 64)
     assert serve("third", 3)[0] == 64
     check_invariants(driver.arena)
-
-
-def test_caching_that_ends_on_a_block_edge_takes_the_full_path():
-    """Retention's fast path (no kept position reached) is for calls that
-    neither fill a block nor end on a block edge: at an edge, a block cached
-    by an earlier call may have its key only now, and the policy notes it
-    (the prompt's own checkpoint, ranked once freed)."""
-    from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
-
-    cached = {"r": 2}  # two 16-token blocks cached for the request
-    retention = SimpleNamespace(_block_counts=((0, 16, cached),))
-
-    def fills(tokens: int) -> bool:
-        return TurnEndRetentionMixin._fills_a_block(retention, "r", [tokens])
-
-    assert not fills(33) and not fills(47)  # inside the third block
-    assert fills(48)  # fills it
-    assert fills(32)  # the edge already cached: its key may be new
-    cached["r"] = 3
-    assert not fills(47) and fills(48)

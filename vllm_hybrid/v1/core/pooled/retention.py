@@ -138,12 +138,11 @@ class TurnEndRetentionMixin:
         )
 
     def _fills_a_block(self, request_id: str, cacheable: Sequence[int]) -> bool:
-        """Whether caching ``cacheable`` tokens per group fills a block some
-        group has not cached or ends on a block edge (a block cached before
-        may have its key now); if neither, no kept position is reached."""
-        for group_id, size, cached in self._block_counts:
-            tokens = cacheable[group_id]
-            if not tokens % size or tokens // size > cached.get(request_id, 0):
+        """Whether caching ``cacheable`` tokens per group reaches a block some
+        group has not cached yet; if none does, every kept position lies on
+        an edge already handled."""
+        for group_id, block_size, cached in self._block_counts:
+            if cacheable[group_id] // block_size > cached.get(request_id, 0):
                 return True
         return False
 
