@@ -483,3 +483,44 @@ def test_a_junction_seen_twice_is_kept(monkeypatch):
     assert serve("second", 2) == (0, 64)
     assert serve("third", 3)[0] == 64
     check_invariants(driver.arena)
+
+
+def test_the_call_at_the_prompts_end_takes_retentions_full_path():
+    """Retention's fast path (no group filled a block, so no kept position
+    is new) skips the policy; the call at the prompt's end takes the full
+    path even so, since the prompt's own checkpoint, cached by an earlier
+    call, may have its key only by then and must be noted as the prompt's."""
+    from vllm_hybrid.v1.core.pooled.retention import TurnEndRetentionMixin
+
+    asked: list[int] = []
+    policy = SimpleNamespace(adds_positions=True, prefill_interval=0)
+
+    def state_positions(request, num_tokens, *args):
+        asked.append(num_tokens)
+        return SimpleNamespace(boundaries=(), turn_end=False, prefill=range(0))
+
+    policy.state_positions = state_positions
+    manager = SimpleNamespace(enable_caching=True, block_size=16)
+    manager.cache_blocks = lambda *args, **kwargs: None
+    retention = SimpleNamespace(
+        _requests={},
+        checkpoint_policy=policy,
+        single_type_managers=(manager,),
+        eagle_group_ids=set(),
+        get_num_cacheable_tokens=lambda n, group_id: n // 16 * 16,
+        _fills_a_block=lambda rid, cacheable: False,
+        _caching=((0, manager, 0, False),),
+        scheduler_block_size=16,
+        retention_interval=0,
+    )
+    request = SimpleNamespace(
+        request_id="r",
+        num_prompt_tokens=100,
+        num_tokens=100,
+        num_computed_tokens=96,
+        spec_token_ids=[],
+    )
+    TurnEndRetentionMixin.cache_blocks(retention, request, 99)
+    assert asked == []  # nothing new: the fast path
+    TurnEndRetentionMixin.cache_blocks(retention, request, 100)
+    assert asked == [96]  # the prompt's end: the policy is asked

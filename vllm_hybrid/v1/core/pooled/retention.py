@@ -139,8 +139,7 @@ class TurnEndRetentionMixin:
 
     def _fills_a_block(self, request_id: str, cacheable: Sequence[int]) -> bool:
         """Whether caching ``cacheable`` tokens per group reaches a block some
-        group has not cached yet; if none does, every kept position lies on
-        an edge already handled."""
+        group has not cached yet (if none does, no kept position is new)."""
         for group_id, block_size, cached in self._block_counts:
             if cacheable[group_id] // block_size > cached.get(request_id, 0):
                 return True
@@ -196,9 +195,11 @@ class TurnEndRetentionMixin:
             cacheable = [self.get_num_cacheable_tokens(num_computed_tokens, 0)] * len(
                 managers
             )
-        if not self._fills_a_block(rid, cacheable):
+        at_prompt_end = num_computed_tokens == request.num_prompt_tokens
+        if not at_prompt_end and not self._fills_a_block(rid, cacheable):
             # Most steps: no group filled a block, so no kept position was
-            # reached; only upstream's per-step work remains.
+            # reached; only upstream's per-step work remains (the prompt's end
+            # notes its own checkpoint, which may have its key only by then).
             for group_id, manager, unit, align in self._caching:
                 if unit and cacheable[group_id] % unit == 0:
                     manager.cache_blocks(
