@@ -327,8 +327,6 @@ class _Arena:
     """A coordinator whose admission serves chunks up to ``room`` tokens,
     recording the slots each count asked for."""
 
-    single_type_managers = ((), ())
-
     def __init__(self, room: int) -> None:
         self.room, self.asked = room, []
 
@@ -344,7 +342,11 @@ def test_a_running_chunk_the_arena_cannot_serve_waits_while_others_decode():
     chunk whole where it fits or nothing else makes progress."""
     sched = _Scheduler(0)
     arena = _Arena(room=1000)
-    sched.kv_cache_manager = SimpleNamespace(coordinator=arena, max_model_len=10_000)
+    sched.kv_cache_manager = SimpleNamespace(
+        coordinator=arena,
+        max_model_len=10_000,
+        empty_kv_cache_blocks=SimpleNamespace(blocks=((), ())),
+    )
     sched.num_lookahead_tokens = 0
     running = RequestStatus.RUNNING
     prefilling = _request(2000, 5000, status=running)

@@ -8,7 +8,7 @@ is :mod:`.policy.eviction`'s, this module keeps blocks in it.
 from __future__ import annotations
 
 import heapq
-from collections import ChainMap, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain, count, islice, takewhile
 
@@ -136,8 +136,8 @@ class ArenaFreeBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in the order ``popleft`` would return them."""
-        by_id = ChainMap(self._clean, *self._lru.values())
-        return [by_id[bid] for s in self.order for bid in self._ids_of(s)]
+        where = self._where
+        return [where[bid][bid] for s in self.order for bid in self._ids_of(s)]
 
     def iter_blocks_after(self, cursor: KVCacheBlock | None) -> Iterator[KVCacheBlock]:
         """Free blocks in hand-out order after ``cursor`` (all if None, none

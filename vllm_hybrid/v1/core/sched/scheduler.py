@@ -235,7 +235,7 @@ class PooledSchedulerMixin:
         admission = coordinator.admit(
             request.request_id,
             min(main_model + self.num_lookahead_tokens, limit),
-            tuple(() for _ in coordinator.single_type_managers),
+            manager.empty_kv_cache_blocks.blocks,
             0,
             computed,
             computed,
